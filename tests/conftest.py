@@ -1,0 +1,51 @@
+"""Test harness for runs under ``mpiexec``.
+
+Two rules keep a failing test from hanging the job:
+
+* Tests compare results collectively (``assert_all_ranks`` / ``assert_close``
+  reduce the verdict over ``COMM_WORLD`` first), so every rank fails at the same
+  point and none is left waiting in a collective.
+* Anything else that fails on one rank aborts the whole job at once: the report
+  is printed to stderr and ``MPI_Abort`` ends every rank within a second.
+
+Only rank 0 prints pytest's terminal report.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if WORLD.rank != 0:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and WORLD.size > 1:
+        sys.stderr.write(
+            f"\n[rank {WORLD.rank}] FAILED {item.nodeid} ({report.when}); aborting job\n"
+            f"{report.longreprtext}\n"
+        )
+        sys.stderr.flush()
+        WORLD.Abort(1)
+
+
+@pytest.fixture
+def world() -> MPI.Intracomm:
+    return WORLD
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

@@ -1,0 +1,37 @@
+"""Collective assertions: every rank reaches the same verdict, so a failure on
+one rank fails the test on all of them instead of leaving them in a collective."""
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+
+
+def assert_all_ranks(ok: bool, message: str = "", comm: MPI.Comm = WORLD) -> None:
+    """Assert ``ok`` on every rank; fail everywhere if it is false anywhere."""
+    failed = comm.allgather(None if ok else message)
+    bad = [(rank, msg) for rank, msg in enumerate(failed) if msg is not None]
+    assert not bad, "failed on ranks " + "; ".join(f"{r}: {m}" for r, m in bad)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, comm: MPI.Comm = WORLD, **tol) -> None:
+    """``torch.testing.assert_close`` whose outcome is agreed by all ranks."""
+    try:
+        torch.testing.assert_close(actual, expected, **tol)
+        message = None
+    except AssertionError as err:
+        message = str(err)
+    assert_all_ranks(message is None, message or "", comm)
+
+
+def global_tensor(shape, dtype=torch.float32, seed: int = 1234) -> torch.Tensor:
+    """The same tensor on every rank, built from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    return torch.randint(-100, 100, shape, generator=gen, dtype=dtype)
