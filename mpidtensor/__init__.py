@@ -1,0 +1,20 @@
+"""mpidtensor: PyTorch DTensor semantics on MPI.
+
+Public names match ``torch.distributed.tensor``; launch with ``mpiexec``/``srun``.
+"""
+from .api import distribute_tensor
+from .dtensor import DTensor
+from .mesh import DeviceMesh, init_device_mesh
+from .placements import Partial, Placement, Replicate, Shard
+from . import ops  # noqa: F401  (registers the sharding rules)
+
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "distribute_tensor",
+    "init_device_mesh",
+]

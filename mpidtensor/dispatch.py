@@ -1,0 +1,320 @@
+"""``__torch_dispatch__`` for DTensor: plan once per op signature, then run.
+
+The cache key is the op, the specs of the DTensor arguments, the shape and dtype
+of plain tensors (taken as ``Replicate()``) and the non-tensor arguments (floats
+of pointwise ops by type only, so a changing scalar such as a learning rate does
+not re-plan). A miss builds a :class:`Plan`: output metadata from meta tensors,
+the placements from the op's rule (``mpidtensor.ops``), the redistribution steps
+of every input. A hit only unwraps, redistributes where the plan says so, runs the
+local op and wraps the outputs.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from .dtensor import DTensor
+from .ops import registry
+from .ops.pointwise import is_pointwise, pointwise_rule
+from .placements import Replicate
+from .redistribute import plan as plan_redistribution
+from .spec import DTensorSpec
+from ._layout import contiguous_strides
+
+_PLANS: dict[tuple, "Plan"] = {}
+_WARNED: set = set()
+_FLOAT_BY_VALUE: dict[torch._ops.OpOverload, bool] = {}
+
+
+def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    by_value = _FLOAT_BY_VALUE.get(func)
+    if by_value is None:
+        by_value = _FLOAT_BY_VALUE[func] = not is_pointwise(func)
+    key = (func, _key(args, by_value), _key(kwargs, by_value) if kwargs else None)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _make_plan(func, args, kwargs)
+    return plan(args, kwargs)
+
+
+def clear_cache() -> None:
+    """Forget every cached plan (e.g. after freeing meshes)."""
+    _PLANS.clear()
+
+
+def _key(obj, floats_by_value: bool):
+    if isinstance(obj, DTensor):
+        return obj._spec
+    if isinstance(obj, torch.Tensor):
+        return ("T", obj.shape, obj.dtype, obj.device)
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), *[_key(x, floats_by_value) for x in obj])
+    if isinstance(obj, dict):
+        return tuple((k, _key(v, floats_by_value)) for k, v in obj.items())
+    if isinstance(obj, (float, complex)) and not floats_by_value:
+        return type(obj)
+    return obj
+
+
+# --- planning ----------------------------------------------------------------------------------
+
+
+class Plan:
+    """A cached decision for one op signature; calling it runs the op."""
+
+    __slots__ = ("unwrap", "local", "wrap")
+
+    def __init__(self, unwrap: Callable, local: Callable, wrap: Callable) -> None:
+        self.unwrap, self.local, self.wrap = unwrap, local, wrap
+
+    def __call__(self, args, kwargs):
+        largs, lkwargs = self.unwrap(args, kwargs)
+        return self.wrap(self.local(largs, lkwargs), args, kwargs)
+
+
+def _make_plan(func, args, kwargs) -> Plan:
+    tensors = _tensors(args) + _tensors(kwargs)
+    mesh = _common_mesh(func, tensors)
+    specs = [_spec_of(t, mesh, func) for t in tensors]
+    out_meta = _meta_outputs(func, args, kwargs, specs)
+    rule = registry.rule_for(func)
+    if rule is None and is_pointwise(func):
+        rule = pointwise_rule
+    if rule is None or out_meta is None:
+        decomposed = _decomposition(func)
+        if decomposed is not None:
+            return Plan(lambda a, k: (a, k), lambda a, k: decomposed(*a, **k), lambda out, a, k: out)
+        return _fallback_plan(func, args, kwargs, tensors, specs, mesh)
+    call = registry.OpCall(func, _replace_tensors(args, specs), _replace_tensors(kwargs, specs[len(_tensors(args)):]),
+                           mesh, out_meta, specs)
+    sharding = rule(call)
+    return _build_plan(func, args, kwargs, tensors, specs, mesh, out_meta, sharding)
+
+
+def _build_plan(func, args, kwargs, tensors, specs, mesh, out_meta, sharding) -> Plan:
+    if len(sharding.inputs) != len(specs):
+        raise AssertionError(f"rule for {func} gave {len(sharding.inputs)} input placements for {len(specs)} tensors")
+    converters = [
+        _converter(t, spec, spec if target is None else spec.with_placements(target))
+        for t, spec, target in zip(tensors, specs, sharding.inputs)
+    ]
+    unwrap = _make_unwrap(args, kwargs, converters)
+    metas = [t for t in registry._flatten(out_meta) if isinstance(t, torch.Tensor)]
+    if len(sharding.outputs) != len(metas):
+        raise AssertionError(f"rule for {func} gave {len(sharding.outputs)} output placements for {len(metas)} outputs")
+    out_specs = [
+        DTensorSpec(mesh, placements, m.shape, m.stride(), m.dtype) for m, placements in zip(metas, sharding.outputs)
+    ]
+    local = sharding.local or (lambda a, k, f=func: f(*a, **k))
+    return Plan(unwrap, local, _make_wrap(func, out_meta, out_specs, args))
+
+
+def _fallback_plan(func, args, kwargs, tensors, specs, mesh) -> Plan:
+    """No rule: replicate every input, run the op on whole tensors, replicate the outputs."""
+    if os.environ.get("MPIDTENSOR_STRICT", "0") not in ("", "0"):
+        raise NotImplementedError(f"mpidtensor has no sharding rule for {func} (MPIDTENSOR_STRICT is set)")
+    if func not in _WARNED:
+        _WARNED.add(func)
+        warnings.warn(
+            f"mpidtensor: no sharding rule for {func}; running it on replicated inputs "
+            f"(correct, but gathers every input)",
+            stacklevel=3,
+        )
+    rep = registry.replicated(mesh.ndim)
+    converters = [_converter(t, s, s.with_placements(rep)) for t, s in zip(tensors, specs)]
+    unwrap = _make_unwrap(args, kwargs, converters)
+
+    def wrap(out, a, k):
+        return _wrap_replicated(out, mesh)
+
+    return Plan(unwrap, lambda a, k: func(*a, **k), wrap)
+
+
+def _wrap_replicated(out, mesh):
+    if isinstance(out, torch.Tensor):
+        spec = DTensorSpec(mesh, registry.replicated(mesh.ndim), out.shape, out.stride(), out.dtype)
+        return DTensor(out, spec, requires_grad=False)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap_replicated(x, mesh) for x in out)
+    return out
+
+
+def _decomposition(func):
+    from torch._decomp import decomposition_table
+
+    return decomposition_table.get(func)
+
+
+# --- argument handling -------------------------------------------------------------------------
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
+
+
+def _replace_tensors(obj, values: list):
+    """``obj`` with its tensors replaced, in flattened order, by ``values``."""
+    it = iter(values)
+
+    def go(o):
+        if isinstance(o, torch.Tensor):
+            return next(it)
+        if isinstance(o, (list, tuple)):
+            return type(o)(go(x) for x in o)
+        if isinstance(o, dict):
+            return {k: go(v) for k, v in o.items()}
+        return o
+
+    return go(obj)
+
+
+def _common_mesh(func, tensors):
+    meshes = [t._spec.mesh for t in tensors if isinstance(t, DTensor)]
+    mesh = meshes[0]
+    for other in meshes[1:]:
+        if other is not mesh and other != mesh:
+            raise ValueError(f"{func}: DTensor arguments live on different meshes ({mesh} and {other})")
+    return mesh
+
+
+def _spec_of(t: torch.Tensor, mesh, func) -> DTensorSpec:
+    if isinstance(t, DTensor):
+        return t._spec
+    if t.device.type != mesh.device_type and t.ndim > 0:
+        raise TypeError(
+            f"{func}: a plain {t.device.type} tensor was mixed with DTensors on a {mesh.device_type} mesh"
+        )
+    return DTensorSpec(mesh, registry.replicated(mesh.ndim), t.shape, t.stride(), t.dtype)
+
+
+def _meta_outputs(func, args, kwargs, specs):
+    metas = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta") for s in specs]
+    n_args = len(_tensors(args))
+    try:
+        return func(*_replace_tensors(args, metas[:n_args]), **_replace_tensors(kwargs, metas[n_args:]))
+    except (NotImplementedError, torch._subclasses.fake_tensor.DataDependentOutputException):
+        return None
+    except RuntimeError as err:
+        if "meta" in str(err).lower() or "data-dependent" in str(err).lower():
+            return None
+        raise
+
+
+def _converter(t, src: DTensorSpec, dst: DTensorSpec) -> Callable | None:
+    """A function from the argument to the local tensor the op needs (None: pass as is)."""
+    steps = plan_redistribution(src, dst) if src != dst else ()
+    mesh = src.mesh
+    if not isinstance(t, DTensor):
+        if not steps:
+            return None
+
+        def plain(a):
+            for s in steps:
+                a = s.run(a, mesh)
+            return a
+
+        return plain
+    if not steps:
+        return _local_of
+
+    def convert(a):
+        a = a._local_tensor
+        for s in steps:
+            a = s.run(a, mesh)
+        return a
+
+    return convert
+
+
+def _local_of(a: DTensor) -> torch.Tensor:
+    return a._local_tensor
+
+
+def _make_unwrap(args, kwargs, converters) -> Callable:
+    """A function mapping (args, kwargs) to local (args, kwargs) following ``converters``."""
+    it = iter(converters)
+
+    def build(o):
+        if isinstance(o, torch.Tensor):
+            return next(it)
+        if isinstance(o, (list, tuple)):
+            subs = [build(x) for x in o]
+            if all(s is None for s in subs):
+                return None
+            kind = type(o)
+            return lambda v: kind(x if s is None else s(x) for s, x in zip(subs, v))
+        return None
+
+    arg_convs = [(i, c) for i, c in enumerate(build(a) for a in args) if c is not None]
+    kw_convs = [(k, c) for k, c in ((k, build(v)) for k, v in kwargs.items()) if c is not None]
+
+    def unwrap(a, k):
+        a = list(a)
+        for i, c in arg_convs:
+            a[i] = c(a[i])
+        if kw_convs:
+            k = dict(k)
+            for name, c in kw_convs:
+                k[name] = c(k[name])
+        return a, k
+
+    return unwrap
+
+
+def _mutated_inputs(func, args) -> list[tuple[str, int | str]]:
+    """The arguments an in-place or out= op writes into: ("pos", index) or ("kw", name)."""
+    schema = func._schema
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            if arg.kwarg_only or i >= len(args):
+                written.append(("kw", arg.name))
+            else:
+                written.append(("pos", i))
+    return written
+
+
+def _make_wrap(func, out_meta, out_specs, args) -> Callable:
+    written = _mutated_inputs(func, args)
+    if written and len(out_specs) == len(written):
+        return _make_inplace_wrap(written, out_specs)
+    specs = iter(out_specs)
+
+    def build(o):
+        if isinstance(o, torch.Tensor):
+            spec = next(specs)
+            return lambda t: DTensor(t, spec, requires_grad=False)
+        if isinstance(o, (list, tuple)):
+            subs = [build(x) for x in o]
+            kind = type(o)
+            return lambda v: kind(s(x) for s, x in zip(subs, v))
+        return lambda x: x
+
+    wrap_out = build(out_meta)
+    return lambda out, a, k: wrap_out(out)
+
+
+def _make_inplace_wrap(written, out_specs) -> Callable:
+    """In-place and out= ops return the DTensor they wrote into. When the op had to
+    run on a redistributed copy, that DTensor takes the new local tensor and placements."""
+
+    def wrap(out, a, k):
+        results = []
+        for (kind, where), spec, local in zip(written, out_specs, out if isinstance(out, (tuple, list)) else (out,)):
+            dst = a[where] if kind == "pos" else k[where]
+            if dst._local_tensor is not local:
+                dst._local_tensor = local
+                dst._spec = dst._spec.with_placements(spec.placements)
+            results.append(dst)
+        return type(out)(results) if isinstance(out, (tuple, list)) else results[0]
+
+    return wrap

@@ -1,0 +1,192 @@
+"""``DTensor``: a ``torch.Tensor`` subclass whose shape, stride and dtype are global.
+
+It holds this rank's local tensor and a :class:`DTensorSpec`. Every aten op on it
+goes through :func:`mpidtensor.dispatch.dispatch`. The conversions to and from
+local tensors and between placements are autograd functions, so gradients flow
+through them with the placements PyTorch documents.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ._layout import contiguous_strides
+from . import validate
+from .mesh import DeviceMesh
+from .placements import Partial, Placement, Replicate, normalize_placements
+from .redistribute import redistribute_local
+from .spec import DTensorSpec
+
+
+class DTensor(torch.Tensor):
+    """A tensor distributed over a :class:`DeviceMesh` (API of ``torch.distributed.tensor.DTensor``)."""
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+    __slots__ = ("_local_tensor", "_spec")
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> "DTensor":
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local_tensor.device,
+            layout=local_tensor.layout, requires_grad=requires_grad,
+        )
+        r._local_tensor = local_tensor
+        r._spec = spec
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    def __repr__(self) -> str:
+        return (
+            f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
+            f"placements={self._spec.placements})"
+        )
+
+    def __tensor_flatten__(self):
+        return ["_local_tensor"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, spec, outer_size, outer_stride):
+        local = inner_tensors["_local_tensor"]
+        return DTensor(local, spec, requires_grad=local.requires_grad)
+
+    # --- public API --------------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        run_check: bool = False,
+        shape: torch.Size | Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> "DTensor":
+        """Wrap each rank's ``local_tensor`` as the shard it holds of one global tensor.
+
+        Without ``shape``, a sharded global shape is found by gathering the local
+        shapes (one small collective) and checked against the ``torch.chunk`` layout.
+        ``run_check=True`` also checks that dtypes and unsharded sizes agree across
+        ranks and that replicas hold equal values. Differentiable.
+        """
+        if device_mesh is None:
+            raise ValueError("from_local needs a device_mesh")
+        placements = [Replicate()] * device_mesh.ndim if placements is None else placements
+        placements = normalize_placements(placements, device_mesh.ndim, local_tensor.ndim)
+        if run_check:
+            validate.check_local_tensors(local_tensor, device_mesh, placements, shape)
+        if shape is None:
+            shape = validate.global_shape_from_locals(local_tensor, device_mesh, placements)
+        shape = torch.Size(shape)
+        stride = contiguous_strides(shape) if stride is None else tuple(stride)
+        spec = DTensorSpec(device_mesh, placements, shape, stride, local_tensor.dtype)
+        validate.check_local_shape(local_tensor, spec)
+        return _FromLocal.apply(local_tensor, spec)
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's local tensor. In backward, the gradient is taken to have
+        ``grad_placements`` (default: this DTensor's placements)."""
+        if not torch.is_grad_enabled():
+            return self._local_tensor
+        if grad_placements is not None:
+            grad_placements = normalize_placements(grad_placements, self._spec.mesh.ndim, self.ndim)
+        return _ToLocal.apply(self, grad_placements)
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> "DTensor":
+        """This DTensor with ``placements`` on the same mesh, moving the least data needed.
+
+        Redistributing *into* ``Partial`` is refused: it is internal (gradients)."""
+        mesh = self._spec.mesh if device_mesh is None else device_mesh
+        if mesh != self._spec.mesh:
+            raise ValueError(
+                f"redistribute to another mesh is not supported: {self._spec.mesh} -> {mesh}"
+            )
+        if placements is None:
+            raise ValueError("redistribute needs target placements")
+        placements = normalize_placements(placements, mesh.ndim, self.ndim)
+        for current, target in zip(self._spec.placements, placements):
+            if isinstance(target, Partial) and target != current:
+                raise ValueError(f"cannot redistribute {current} into {target}: Partial is for internal use")
+        return _Redistribute.apply(self, self._spec.with_placements(placements))
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole global tensor on every rank (an all-gather/all-reduce)."""
+        replicated = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+
+def redistribute_dtensor(x: DTensor, spec: DTensorSpec) -> DTensor:
+    """``x`` moved to ``spec``'s placements (any, Partial included); differentiable."""
+    if x._spec == spec:
+        return x
+    return _Redistribute.apply(x, spec)
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+        ctx.spec = spec
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        spec = ctx.spec
+        if not isinstance(grad, DTensor):
+            return grad, None
+        if grad._spec.placements != spec.placements:
+            # The local gradient must match the forward's layout; Partial becomes Replicate.
+            target = [Replicate() if p.is_partial() else p for p in spec.placements]
+            grad = redistribute_dtensor(grad, grad._spec.with_placements(target))
+        return grad._local_tensor, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, grad_placements) -> torch.Tensor:
+        ctx.spec = x._spec
+        ctx.grad_placements = grad_placements
+        return x._local_tensor.view_as(x._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec = ctx.spec
+        placements = ctx.grad_placements or spec.placements
+        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, contiguous_strides(spec.shape), grad.dtype)
+        return DTensor(grad, grad_spec, requires_grad=False), None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, spec: DTensorSpec) -> DTensor:
+        ctx.src = x._spec
+        local = redistribute_local(x._local_tensor, x._spec, spec)
+        return DTensor(local, spec, requires_grad=x.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        src = ctx.src
+        target = [Replicate() if p.is_partial() else p for p in src.placements]
+        out_spec = grad._spec.with_placements(target)
+        local = redistribute_local(grad._local_tensor, grad._spec, out_spec)
+        return DTensor(local, out_spec, requires_grad=False), None

@@ -1,0 +1,256 @@
+"""``DeviceMesh`` on MPI Cartesian communicators.
+
+A mesh is one Cartesian communicator whose coordinates are the mesh
+coordinates. Every mesh dimension, and every group of dimensions taken together
+(a slice or a flattened view), is a ``Cart_sub`` of it. Communicators for single
+dimensions are made when the mesh is made; others on first use (a collective
+call, made by all ranks in the same order because plans are the same on all
+ranks) and then cached. ``free()`` releases them all.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from mpi4py import MPI
+
+from .cuda import bind_local_gpu
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+class DeviceMesh:
+    """An n-D arrangement of MPI ranks; mirrors ``torch.distributed.device_mesh.DeviceMesh``.
+
+    ``mesh`` holds ranks of ``comm`` (``COMM_WORLD`` by default) in any layout; each
+    must appear once. Collective over ``comm``: every rank of it must construct the
+    mesh, including ranks that the mesh leaves out (they get ``get_coordinate() is None``).
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: torch.Tensor | Sequence,
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+        comm: MPI.Intracomm | None = None,
+    ) -> None:
+        comm = MPI.COMM_WORLD if comm is None else comm
+        ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
+        _check_device_type(device_type)
+        names = _check_names(mesh_dim_names, ranks.ndim)
+        flat = ranks.flatten().tolist()
+        if ranks.ndim == 0 or len(set(flat)) != len(flat) or not all(0 <= r < comm.size for r in flat):
+            raise ValueError(
+                f"mesh must list distinct ranks of a communicator of size {comm.size}, got {ranks.tolist()}"
+            )
+        member = comm.rank in flat
+        ordered = comm.Split(0 if member else MPI.UNDEFINED, flat.index(comm.rank) if member else 0)
+        cart = None
+        if member:
+            cart = ordered.Create_cart(list(ranks.shape), periods=[False] * ranks.ndim, reorder=False)
+            ordered.Free()
+        self._setup(device_type, ranks, names, comm, cart)
+        if device_type == "cuda":
+            bind_local_gpu(comm)
+
+    @classmethod
+    def _from_cart(cls, device_type, ranks, names, parent_comm, cart) -> "DeviceMesh":
+        mesh = cls.__new__(cls)
+        mesh._setup(device_type, ranks, names, parent_comm, cart)
+        return mesh
+
+    def _setup(self, device_type, ranks, names, parent_comm, cart) -> None:
+        self.device_type = device_type
+        self.mesh = ranks
+        self.mesh_dim_names = names
+        self._parent_comm = parent_comm
+        self._cart = cart
+        self._coord = tuple(cart.Get_coords(cart.rank)) if cart is not None else None
+        self._subcomms: dict[tuple[int, ...], MPI.Cartcomm] = {}
+        self._submeshes: dict[tuple[int, ...], DeviceMesh] = {}
+        self._key = (device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names)
+        self._hash = hash(self._key)
+        if cart is not None:
+            for dim in range(ranks.ndim):
+                self.comm_for((dim,))
+
+    # --- torch.distributed DeviceMesh API -------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return self.mesh.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.shape)
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        return self.mesh.numel() if mesh_dim is None else self.mesh.shape[self._dim_index(mesh_dim)]
+
+    def get_rank(self) -> int:
+        """This process's rank in the communicator the mesh was built over."""
+        return self._parent_comm.rank
+
+    def get_coordinate(self) -> list[int] | None:
+        return None if self._coord is None else list(self._coord)
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError("get_local_rank() needs a mesh_dim on a mesh of more than one dimension")
+            mesh_dim = 0
+        self._require_member()
+        return self._coord[self._dim_index(mesh_dim)]
+
+    def get_group(self, mesh_dim: int | str | None = None) -> MPI.Cartcomm:
+        """The MPI communicator of one mesh dimension (of the whole mesh if 1-D and no dim given)."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError("get_group() needs a mesh_dim on a mesh of more than one dimension")
+            mesh_dim = 0
+        return self.comm_for((self._dim_index(mesh_dim),))
+
+    def get_all_groups(self) -> list[MPI.Cartcomm]:
+        return [self.comm_for((d,)) for d in range(self.ndim)]
+
+    def __getitem__(self, names: str | Sequence[str]) -> "DeviceMesh":
+        """The sub-mesh over the named dimensions that contains this rank."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        dims = tuple(self._dim_index(n) for n in names)
+        if list(dims) != sorted(set(dims)):
+            raise ValueError(f"slice mesh dims in the mesh's order without repeats, got {names}")
+        if dims == tuple(range(self.ndim)):
+            return self
+        return self._submesh(dims, tuple(self.mesh_dim_names[d] for d in dims))
+
+    def _flatten(self, mesh_dim_name: str | None = None) -> "DeviceMesh":
+        """A 1-D mesh over all dims of this mesh; its communicator is one ``Cart_sub``."""
+        name = mesh_dim_name or "_".join(self.mesh_dim_names or ("flat",))
+        return self._submesh(tuple(range(self.ndim)), (name,), flatten=True)
+
+    # --- communicators ---------------------------------------------------------------------
+    def comm_for(self, dims: Iterable[int]) -> MPI.Cartcomm:
+        """The communicator over mesh dims ``dims`` (ascending) through this rank, rank order
+        row-major in their coordinates. Collective over the mesh on first use."""
+        dims = tuple(dims)
+        comm = self._subcomms.get(dims)
+        if comm is None:
+            self._require_member()
+            comm = self._cart.Sub([d in dims for d in range(self.ndim)])
+            self._subcomms[dims] = comm
+        return comm
+
+    @property
+    def comm(self) -> MPI.Cartcomm:
+        """The Cartesian communicator of the whole mesh."""
+        self._require_member()
+        return self._cart
+
+    def free(self) -> None:
+        """Free every communicator this mesh (and its sub-meshes) created. Collective."""
+        for sub in self._submeshes.values():
+            sub.free()
+        for comm in self._subcomms.values():
+            comm.Free()
+        self._subcomms.clear()
+        self._submeshes.clear()
+        if self._cart is not None and self._cart != MPI.COMM_NULL:
+            self._cart.Free()
+        self._cart = None
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _submesh(self, dims: tuple[int, ...], names, flatten: bool = False) -> "DeviceMesh":
+        key = dims + ((-1,) if flatten else ())
+        sub = self._submeshes.get(key)
+        if sub is None:
+            self._require_member()
+            comm = self._cart.Sub([d in dims for d in range(self.ndim)])
+            index = tuple(slice(None) if d in dims else self._coord[d] for d in range(self.ndim))
+            ranks = self.mesh[index]
+            if flatten:
+                ranks = ranks.flatten()
+                comm = _flat_cart(comm)
+            sub = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, comm)
+            self._submeshes[key] = sub
+        return sub
+
+    def _dim_index(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, str):
+            if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
+                raise ValueError(f"mesh has no dimension named {mesh_dim!r} (names: {self.mesh_dim_names})")
+            return self.mesh_dim_names.index(mesh_dim)
+        if not -self.ndim <= mesh_dim < self.ndim:
+            raise ValueError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-D mesh")
+        return mesh_dim % self.ndim
+
+    def _require_member(self) -> None:
+        if self._cart is None:
+            raise ValueError(f"rank {self.get_rank()} is not part of this mesh {self.mesh.tolist()}")
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, DeviceMesh) and self._key == other._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    *,
+    mesh_dim_names: Sequence[str] | None = None,
+    comm: MPI.Intracomm | None = None,
+) -> DeviceMesh:
+    """A mesh of shape ``mesh_shape`` over all ranks of ``comm`` (``COMM_WORLD``), row-major.
+
+    Collective. Raises ``ValueError`` (on every rank) if the shape's product is not the
+    communicator's size or the names are not one distinct name per dimension.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    mesh_shape = tuple(mesh_shape)
+    if not mesh_shape or not all(isinstance(n, int) and n > 0 for n in mesh_shape):
+        raise ValueError(f"mesh_shape must be positive ints, got {mesh_shape}")
+    total = 1
+    for n in mesh_shape:
+        total *= n
+    if total != comm.size:
+        raise ValueError(
+            f"mesh_shape {mesh_shape} holds {total} ranks but the communicator has {comm.size}"
+        )
+    _check_device_type(device_type)
+    names = _check_names(mesh_dim_names, len(mesh_shape))
+    cart = comm.Create_cart(list(mesh_shape), periods=[False] * len(mesh_shape), reorder=False)
+    ranks = torch.arange(comm.size).reshape(mesh_shape)
+    mesh = DeviceMesh._from_cart(device_type, ranks, names, comm, cart)
+    if device_type == "cuda":
+        bind_local_gpu(comm)
+    return mesh
+
+
+def _flat_cart(comm: MPI.Cartcomm) -> MPI.Cartcomm:
+    """A 1-D Cartesian communicator with the same ranks in the same order."""
+    flat = comm.Create_cart([comm.size], periods=[False], reorder=False)
+    comm.Free()
+    return flat
+
+
+def _check_device_type(device_type: str) -> None:
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
+
+
+def _check_names(names: Sequence[str] | None, ndim: int) -> tuple[str, ...] | None:
+    if names is None:
+        return None
+    names = tuple(names)
+    if len(names) != ndim:
+        raise ValueError(f"mesh_dim_names {names} must name each of the {ndim} mesh dimensions")
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh_dim_names must be distinct, got {names}")
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"mesh_dim_names must be strings, got {names}")
+    return names

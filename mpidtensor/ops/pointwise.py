@@ -1,0 +1,113 @@
+"""Pointwise ops: every aten op tagged ``torch.Tag.pointwise``, their in-place forms
+and the ``_foreach_*`` list ops.
+
+Per mesh dim the output is sharded like one of the inputs, replicated, or (for
+linear ops) kept ``Partial``; the choice moving the fewest bytes wins. Inputs
+broadcast along a dim cannot be sharded along it and are replicated there.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..placements import Partial, Placement, Replicate, Shard
+from .registry import _COST, OpCall, Sharding
+
+aten = torch.ops.aten
+
+# Linear in all tensor operands together: Partial inputs (same op) give a Partial output.
+_ADDITIVE = {"add", "sub", "add_", "sub_"}
+# Linear in one tensor operand when the others are not Partial (the first operand for division).
+_SCALING = {"mul", "mul_", "div", "div_", "neg", "neg_", "clone", "positive", "alias", "view_as_real", "view_as_complex"}
+
+
+def is_pointwise(func) -> bool:
+    return torch.Tag.pointwise in func.tags
+
+
+def _linearity(func) -> str | None:
+    name = func._schema.name.split("::")[-1]
+    if name in _ADDITIVE and func._overloadname == "Tensor":
+        return "additive"
+    if name in _SCALING:
+        return "scaling"
+    return None
+
+
+def _is_inplace(func) -> bool:
+    return func._schema.name.endswith("_")
+
+
+def pointwise_rule(call: OpCall) -> Sharding:
+    out = call.out_metas()[0]
+    inputs, output = _choose(call.func, call.tensor_specs, out.shape, call.ndim)
+    return Sharding(inputs, [output] * len(call.out_metas()))
+
+
+def _choose(func, specs, out_shape, mesh_ndim: int):
+    """Per mesh dim, the cheapest (output placement, input placements) pair.
+
+    An in-place op keeps its self argument's placement unless that is a Partial
+    the op cannot keep (then self is reduced first and takes the new placement)."""
+    linearity = _linearity(func)
+    divides = func._schema.name.split("::")[-1] in ("div", "div_")
+    inplace = _is_inplace(func)
+    ins: list[list[Placement]] = [[] for _ in specs]
+    out: list[Placement] = []
+    for m in range(mesh_ndim):
+        options = _options(specs, out_shape, m, linearity, divides)
+        if inplace:
+            options = [o for o in options if o[0] == specs[0].placements[m]] or options
+        best = min(options, key=lambda o: _cost(specs, m, o[1]))
+        out.append(best[0])
+        for i, p in enumerate(best[1]):
+            ins[i].append(p)
+    return [tuple(p) for p in ins], tuple(out)
+
+
+def _options(specs, out_shape, m: int, linearity: str | None, divides: bool):
+    """Candidate (output placement, input placements) pairs at mesh dim ``m``."""
+    out_ndim = len(out_shape)
+    current = tuple(s.placements[m] for s in specs)
+    options = [(Replicate(), tuple(Replicate() for _ in specs))]
+
+    def shard_all(od: int):
+        targets = []
+        for s in specs:
+            d = od - (out_ndim - s.ndim)
+            targets.append(Shard(d) if d >= 0 and s.shape[d] == out_shape[od] else Replicate())
+        return (Shard(od), tuple(targets))
+
+    shard_dims = set()
+    for s, p in zip(specs, current):
+        if isinstance(p, Shard):
+            od = p.dim + out_ndim - s.ndim
+            if s.shape[p.dim] == out_shape[od]:
+                shard_dims.add(od)
+    partials = [p for p in current if isinstance(p, Partial)]
+    if partials:
+        shard_dims.update(range(out_ndim))  # a reduce-scatter can feed any output shard
+    options += [shard_all(od) for od in sorted(shard_dims)]
+    if partials and len(set(partials)) == 1 and partials[0].reduce_op in ("sum", "avg"):
+        p = partials[0]
+        if linearity == "additive" and len(partials) == len(specs):
+            options.append((p, current))
+        elif linearity == "scaling" and len(partials) == 1 and (current[0] == p or not divides):
+            options.append((p, tuple(c if c == p else Replicate() for c in current)))
+    return options
+
+
+def _cost(specs, m: int, targets) -> float:
+    total = 0.0
+    for s, t in zip(specs, targets):
+        c = s.placements[m]
+        if c == t:
+            continue
+        nbytes = max(s.shape.numel(), 1) * s.dtype.itemsize
+        if isinstance(c, Partial):
+            w = _COST["reduce_scatter" if isinstance(t, Shard) else "all_reduce"]
+        elif isinstance(c, Shard):
+            w = _COST["all_to_all" if isinstance(t, Shard) else "all_gather"]
+        else:
+            w = 0.01
+        total += w * nbytes
+    return total

@@ -1,0 +1,143 @@
+"""The sharding-rule registry: what each op family module declares.
+
+A rule gets an :class:`OpCall` (the op, its arguments with every tensor replaced
+by its :class:`DTensorSpec`, and the output metadata computed on meta tensors)
+and returns a :class:`Sharding`: the placements each tensor input must have,
+the placements of each tensor output, and optionally how to run the op locally
+when the local op differs from the global one (e.g. a ``view`` whose size
+argument must become the local size). Rules run once per op signature; their
+result is cached by the dispatcher, so they may be slow but must be pure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from ..placements import Partial, Placement, Replicate, Shard
+from ..spec import DTensorSpec
+
+Placements = tuple[Placement, ...]
+
+
+@dataclass
+class OpCall:
+    """One call of an op, as a rule sees it."""
+
+    func: torch._ops.OpOverload
+    args: tuple  # tensors replaced by DTensorSpec
+    kwargs: dict
+    mesh: Any  # DeviceMesh
+    out_meta: Any  # the op's output on meta tensors (same structure), or None if meta failed
+    tensor_specs: list[DTensorSpec]  # every tensor input, in flattened argument order
+
+    @property
+    def ndim(self) -> int:
+        return self.mesh.ndim
+
+    def out_metas(self) -> list[torch.Tensor]:
+        """Output meta tensors in flattened order."""
+        return [t for t in _flatten(self.out_meta) if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class Sharding:
+    """A rule's decision.
+
+    ``inputs``: target placements for each tensor input (flattened order); ``None``
+    keeps that input as it is. ``outputs``: placements of each tensor output
+    (flattened order). ``local``: a callable ``(args, kwargs) -> result`` run on the
+    local tensors instead of ``func(*args, **kwargs)``; it receives the call's
+    arguments with tensors replaced by the local tensors, already redistributed.
+    """
+
+    inputs: Sequence[Placements | None]
+    outputs: Sequence[Placements]
+    local: Callable | None = None
+    notes: dict = field(default_factory=dict)
+
+
+Rule = Callable[[OpCall], Sharding]
+_RULES: dict[torch._ops.OpOverload, Rule] = {}
+
+
+def register(*ops) -> Callable[[Rule], Rule]:
+    """Register a rule for op overloads or packets (a packet registers all its overloads)."""
+
+    def decorate(rule: Rule) -> Rule:
+        for op in ops:
+            for overload in _overloads(op):
+                _RULES[overload] = rule
+        return rule
+
+    return decorate
+
+
+def rule_for(func: torch._ops.OpOverload) -> Rule | None:
+    return _RULES.get(func)
+
+
+def _overloads(op) -> Iterable[torch._ops.OpOverload]:
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    return [op]
+
+
+def _flatten(obj) -> list:
+    if isinstance(obj, (list, tuple)):
+        return [x for item in obj for x in _flatten(item)]
+    return [obj]
+
+
+# --- helpers shared by rules -------------------------------------------------------------------
+
+_COST = {"all_gather": 1.0, "all_to_all": 0.5, "all_reduce": 2.0, "reduce_scatter": 1.0, "chunk": 0.0}
+
+
+def redistribute_cost(spec: DTensorSpec, target: Placements) -> float:
+    """A rough byte count for moving ``spec`` to ``target`` (0 when nothing moves)."""
+    if spec.placements == target:
+        return 0.0
+    nbytes = spec.shape.numel() * spec.dtype.itemsize if spec.shape else spec.dtype.itemsize
+    cost = 0.0
+    for cur, tgt in zip(spec.placements, target):
+        if cur == tgt:
+            continue
+        if isinstance(cur, Partial):
+            cost += _COST["reduce_scatter" if isinstance(tgt, Shard) else "all_reduce"]
+        elif isinstance(cur, Shard):
+            cost += _COST["all_to_all" if isinstance(tgt, Shard) else "all_gather"]
+        else:
+            cost += 0.01  # a local chunk or partition
+    return cost * nbytes + 1e-9 * nbytes
+
+
+def cheapest(call: OpCall, candidates: Iterable[Sharding]) -> Sharding:
+    """The candidate whose input redistributions move the fewest bytes (first wins ties)."""
+    best, best_cost = None, None
+    for cand in candidates:
+        cost = sum(
+            redistribute_cost(spec, target)
+            for spec, target in zip(call.tensor_specs, cand.inputs)
+            if target is not None
+        )
+        if best_cost is None or cost < best_cost:
+            best, best_cost = cand, cost
+    return best
+
+
+def replicated(ndim: int) -> Placements:
+    return (Replicate(),) * ndim
+
+
+def replicate_all(call: OpCall) -> Sharding:
+    """Every input replicated, every output replicated: always correct."""
+    rep = replicated(call.ndim)
+    return Sharding([rep] * len(call.tensor_specs), [rep] * len(call.out_metas()))
+
+
+def same_as_input(call: OpCall, index: int = 0) -> Sharding:
+    """Outputs keep the placements of input ``index``; the other inputs match them."""
+    placements = call.tensor_specs[index].placements
+    return Sharding([placements] * len(call.tensor_specs), [placements] * len(call.out_metas()))

@@ -1,0 +1,33 @@
+"""Tensor ops that keep their input's layout: detach, alias, clones and casts,
+``*_like`` factories, fills, ``copy_``."""
+from __future__ import annotations
+
+import torch
+
+from ..placements import Partial, Replicate
+from .registry import OpCall, Sharding, register, same_as_input
+
+aten = torch.ops.aten
+
+
+@register(aten.detach, aten.alias, aten.lift_fresh, aten.clone, aten.contiguous, aten._to_copy)
+def keep_layout(call: OpCall) -> Sharding:
+    """Local op, same placements (Partial stays Partial: these ops are linear)."""
+    return same_as_input(call)
+
+
+@register(aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.fill_, aten.zero_)
+def fill_like(call: OpCall) -> Sharding:
+    """A constant tensor laid out like its input; Partial becomes Replicate (a constant is not a partial sum)."""
+    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in call.tensor_specs[0].placements)
+    inputs = [None] * len(call.tensor_specs)
+    if call.func._schema.name.endswith("_"):
+        inputs[0] = placements
+    return Sharding(inputs, [placements])
+
+
+@register(aten.copy_)
+def copy_(call: OpCall) -> Sharding:
+    """``dst.copy_(src)``: src takes dst's placements."""
+    dst = call.tensor_specs[0].placements
+    return Sharding([dst, dst], [dst])

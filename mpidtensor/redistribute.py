@@ -1,0 +1,193 @@
+"""Redistribution: the plan of collectives that turns one placement list into another.
+
+Planning works on one rank's view (sizes depend on its coordinate) and is cached
+per (source spec, target spec). Two passes over the mesh dims:
+
+A. inner to outer: every mesh dim whose placement changes, or that shards a
+   tensor dim whose outer sharding changes, leaves its placement: Shard(i)->Shard(j)
+   by one all-to-all, Partial->Shard by reduce-scatter where the target nesting
+   allows it directly, otherwise Shard->Replicate by all-gather and
+   Partial->Replicate by all-reduce;
+B. outer to inner: Replicate->Shard by a local chunk (no communication) and
+   Replicate->Partial (internal: gradients) by keeping the value on one rank.
+
+Adjacent all-gathers of one tensor dim, and adjacent all-reduces of one op, are
+merged into a single collective over the flattened communicator of their mesh dims.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._layout import chunk_sizes, chunk_span, local_span, nested_sizes
+from .mesh import collectives
+from .placements import Partial, Placement, Replicate, Shard
+from .spec import DTensorSpec
+
+
+@dataclass(frozen=True)
+class AllGather:
+    mesh_dims: tuple[int, ...]
+    dim: int
+    sizes: tuple[int, ...]
+    block: int  # length along `dim` of the block gathered (for merging)
+    parts: tuple[int, ...]  # mesh sizes of `mesh_dims` (for merging)
+
+    def run(self, t, mesh):
+        return collectives.all_gather(t, mesh.comm_for(self.mesh_dims), dim=self.dim, sizes=self.sizes)
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    mesh_dims: tuple[int, ...]
+    split_dim: int
+    concat_dim: int
+    split_sizes: tuple[int, ...]
+    concat_sizes: tuple[int, ...]
+
+    def run(self, t, mesh):
+        return collectives.all_to_all(
+            t, mesh.comm_for(self.mesh_dims), split_dim=self.split_dim, concat_dim=self.concat_dim,
+            split_sizes=self.split_sizes, concat_sizes=self.concat_sizes,
+        )
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    mesh_dims: tuple[int, ...]
+    op: str
+
+    def run(self, t, mesh):
+        return collectives.all_reduce(t, mesh.comm_for(self.mesh_dims), self.op)
+
+
+@dataclass(frozen=True)
+class ReduceScatter:
+    mesh_dims: tuple[int, ...]
+    op: str
+    dim: int
+    sizes: tuple[int, ...]
+
+    def run(self, t, mesh):
+        return collectives.reduce_scatter(t, mesh.comm_for(self.mesh_dims), self.op, dim=self.dim, sizes=self.sizes)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Keep this rank's chunk of a replicated tensor: a view, no communication."""
+
+    dim: int
+    offset: int
+    size: int
+
+    def run(self, t, mesh):
+        return t.narrow(self.dim, self.offset, self.size)
+
+
+@dataclass(frozen=True)
+class ToPartial:
+    """Replicate -> Partial(op): a value whose reduction over the mesh dim is the replica."""
+
+    op: str
+    keep: bool  # this rank keeps the value; the others hold the op's identity
+
+    def run(self, t, mesh):
+        if self.keep or self.op in ("avg", "min", "max"):
+            return t
+        return torch.ones_like(t) if self.op == "product" else torch.zeros_like(t)
+
+
+Step = AllGather | AllToAll | AllReduce | ReduceScatter | Chunk | ToPartial
+
+_PLANS: dict[tuple[DTensorSpec, DTensorSpec], tuple[Step, ...]] = {}
+
+
+def plan(src: DTensorSpec, dst: DTensorSpec) -> tuple[Step, ...]:
+    """The steps that turn this rank's local tensor of ``src`` into its local tensor of ``dst``."""
+    key = (src, dst)
+    steps = _PLANS.get(key)
+    if steps is None:
+        steps = _PLANS[key] = _merge(_plan(src, dst))
+    return steps
+
+
+def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
+    for step in plan(src, dst):
+        local = step.run(local, src.mesh)
+    return local
+
+
+def _plan(src: DTensorSpec, dst: DTensorSpec) -> list[Step]:
+    mesh, shape = src.mesh, src.shape
+    sizes, coord = mesh.shape, mesh._coord
+    cur: list[Placement] = list(src.placements)
+    target = dst.placements
+    steps: list[Step] = []
+
+    def sharders(placements, dim, below):
+        return [m for m in range(below) if placements[m] == Shard(dim)]
+
+    def block(dim, upto):
+        """Length along ``dim`` of the block being split by mesh dim ``upto``."""
+        return local_span(shape[dim], dim, cur, sizes, coord, upto)[1]
+
+    def may_shard_at(i, dim):
+        """Sharding ``dim`` at mesh dim ``i`` now gives the target's nesting for ``dim``."""
+        inner_free = all(cur[j] != Shard(dim) for j in range(i + 1, len(cur)))
+        return inner_free and sharders(cur, dim, i) == sharders(target, dim, i)
+
+    for i in reversed(range(len(cur))):
+        c, t = cur[i], target[i]
+        if isinstance(c, Shard):
+            stable = c == t and sharders(cur, c.dim, i) == sharders(target, c.dim, i)
+            if stable:
+                continue
+            length = block(c.dim, i)
+            if isinstance(t, Shard) and may_shard_at(i, t.dim):
+                split_len = block(t.dim, i)
+                steps.append(AllToAll(
+                    (i,), t.dim, c.dim, chunk_sizes(split_len, sizes[i]), chunk_sizes(length, sizes[i])
+                ))
+                cur[i] = t
+            else:
+                steps.append(AllGather((i,), c.dim, chunk_sizes(length, sizes[i]), length, (sizes[i],)))
+                cur[i] = Replicate()
+        elif isinstance(c, Partial) and c != t:
+            if isinstance(t, Shard) and may_shard_at(i, t.dim):
+                steps.append(ReduceScatter((i,), c.reduce_op, t.dim, chunk_sizes(block(t.dim, i), sizes[i])))
+                cur[i] = t
+            else:
+                steps.append(AllReduce((i,), c.reduce_op))
+                cur[i] = Replicate()
+
+    for i in range(len(cur)):
+        c, t = cur[i], target[i]
+        if c == t:
+            continue
+        if not isinstance(c, Replicate):
+            raise AssertionError(f"redistribute planner left {c} at mesh dim {i} before {t}")
+        if isinstance(t, Shard):
+            offset, size = chunk_span(block(t.dim, i), sizes[i], coord[i])
+            steps.append(Chunk(t.dim, offset, size))
+        else:
+            steps.append(ToPartial(t.reduce_op, coord[i] == 0))
+        cur[i] = t
+    return steps
+
+
+def _merge(steps: list[Step]) -> tuple[Step, ...]:
+    """Fuse adjacent collectives over different mesh dims into one over their flattened comm."""
+    out: list[Step] = []
+    for step in steps:
+        prev = out[-1] if out else None
+        if isinstance(step, AllGather) and isinstance(prev, AllGather) and prev.dim == step.dim:
+            # `prev` gathered the inner mesh dims; `step` the next outer ones.
+            parts = step.parts + prev.parts
+            sizes = tuple(nested_sizes(step.block, parts))
+            out[-1] = AllGather(step.mesh_dims + prev.mesh_dims, step.dim, sizes, step.block, parts)
+        elif isinstance(step, AllReduce) and isinstance(prev, AllReduce) and prev.op == step.op:
+            out[-1] = AllReduce(tuple(sorted(step.mesh_dims + prev.mesh_dims)), step.op)
+        else:
+            out.append(step)
+    return tuple(out)

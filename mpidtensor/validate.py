@@ -1,0 +1,119 @@
+"""Checks of user input that involve several ranks.
+
+Each check gathers a few facts from every rank of the mesh and derives one verdict
+from the same list everywhere, so a bad input raises the same ``ValueError`` on
+every rank instead of leaving some ranks waiting in a collective.
+"""
+from __future__ import annotations
+
+import zlib
+from itertools import product
+from typing import Sequence
+
+import torch
+
+from ._layout import local_shape_and_offset
+from .mesh import DeviceMesh
+from .placements import Placement, Replicate, Shard
+
+
+def check_same_tensor_meta(tensor: torch.Tensor, mesh: DeviceMesh, what: str) -> None:
+    """All ranks of ``mesh`` pass tensors of one shape and dtype."""
+    facts = mesh.comm.allgather((tuple(tensor.shape), str(tensor.dtype)))
+    if len(set(facts)) > 1:
+        detail = ", ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(facts))
+        raise ValueError(f"{what} got tensors of different shapes or dtypes on different ranks ({detail})")
+
+
+def global_shape_from_locals(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]
+) -> torch.Size:
+    """The global shape implied by every rank's local shape (one small all-gather when sharded)."""
+    if not any(isinstance(p, Shard) for p in placements):
+        return local.shape
+    shapes = mesh.comm.allgather(tuple(local.shape))
+    _raise_if(_shape_problems(shapes, mesh, placements, None))
+    return torch.Size(_implied_shape(shapes, mesh, placements))
+
+
+def check_local_tensors(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int] | None
+) -> None:
+    """``from_local(run_check=True)``: dtypes, shapes (against ``shape`` if given) and
+    replicas agree across the mesh."""
+    data = local.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
+    facts = mesh.comm.allgather((tuple(local.shape), str(local.dtype), zlib.crc32(data)))
+    problems = []
+    if len({f[1] for f in facts}) > 1:
+        problems.append("local tensors have different dtypes: " + str([f[1] for f in facts]))
+    shapes = [f[0] for f in facts]
+    problems += _shape_problems(shapes, mesh, placements, shape)
+    if not problems:
+        for m, p in enumerate(placements):
+            if isinstance(p, Replicate):
+                for group in _groups_along(mesh.shape, m):
+                    if len({facts[r][2] for r in group}) > 1:
+                        problems.append(f"ranks {group} replicate mesh dim {m} but hold different values")
+    _raise_if(problems)
+
+
+def check_local_shape(local: torch.Tensor, spec) -> None:
+    """The local tensor has the shape the layout gives this rank (a local check)."""
+    expected = spec.local_shape_and_offset()[0]
+    if tuple(local.shape) != expected:
+        raise ValueError(
+            f"local tensor of shape {tuple(local.shape)} does not match the shard {expected} that "
+            f"{list(spec.placements)} gives this rank of a global tensor of shape {tuple(spec.shape)}"
+        )
+
+
+def _shape_problems(shapes, mesh: DeviceMesh, placements, shape: Sequence[int] | None) -> list[str]:
+    """What is wrong with the ranks' local shapes for a global ``shape`` (default: the implied one)."""
+    if len({len(s) for s in shapes}) > 1:
+        return [f"local tensors have different numbers of dims: {shapes}"]
+    ndim = len(shapes[0])
+    problems = []
+    for d in range(ndim):
+        if not any(p == Shard(d) for p in placements) and len({s[d] for s in shapes}) > 1:
+            problems.append(f"local sizes of unsharded dim {d} differ across ranks: {[s[d] for s in shapes]}")
+    if problems:
+        return problems
+    implied = _implied_shape(shapes, mesh, placements) if shape is None else list(shape)
+    for rank, coord in enumerate(product(*map(range, mesh.shape))):
+        expected = local_shape_and_offset(implied, placements, mesh.shape, coord)[0]
+        if tuple(shapes[rank]) != expected:
+            problems.append(
+                f"local shapes {shapes} do not follow the torch.chunk layout of a global shape "
+                f"{tuple(implied)} (rank at {coord} should hold {expected}); pass shape= or fix the shards"
+            )
+            break
+    return problems
+
+
+def _implied_shape(shapes, mesh: DeviceMesh, placements) -> list[int]:
+    """Sum each sharded dim's local sizes over its sharding mesh dims (others at coordinate 0)."""
+    coords = list(product(*map(range, mesh.shape)))
+    out = list(shapes[0])
+    for d in range(len(out)):
+        sharders = [m for m, p in enumerate(placements) if p == Shard(d)]
+        if sharders:
+            out[d] = sum(
+                shapes[r][d]
+                for r, c in enumerate(coords)
+                if all(c[m] == 0 for m in range(len(c)) if m not in sharders)
+            )
+    return out
+
+
+def _groups_along(mesh_shape, mesh_dim: int) -> list[list[int]]:
+    """Rank lists (row-major rank numbering) that differ only in coordinate ``mesh_dim``."""
+    coords = list(product(*map(range, mesh_shape)))
+    groups: dict[tuple, list[int]] = {}
+    for rank, c in enumerate(coords):
+        groups.setdefault(c[:mesh_dim] + c[mesh_dim + 1:], []).append(rank)
+    return list(groups.values())
+
+
+def _raise_if(problems: list[str]) -> None:
+    if problems:
+        raise ValueError("; ".join(problems))
