@@ -21,8 +21,9 @@ from mpi4py import MPI
 WORLD = MPI.COMM_WORLD
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
-    if WORLD.rank != 0:
+    if WORLD.rank != 0:  # stderr stays: the abort hook reports there
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             config.pluginmanager.unregister(reporter)
@@ -49,3 +50,21 @@ def world() -> MPI.Intracomm:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def mesh1d():
+    """A 1-D mesh over all ranks."""
+    from mpidtensor import init_device_mesh
+
+    return init_device_mesh("cpu", (WORLD.size,))
+
+
+@pytest.fixture(scope="session")
+def mesh2d():
+    """A 2x2 mesh named ("dp", "tp"); the tests using it run at 4 ranks only."""
+    if WORLD.size != 4:
+        pytest.skip("2-D mesh tests run with 4 ranks")
+    from mpidtensor import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

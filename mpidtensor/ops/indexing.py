@@ -1,0 +1,1 @@
+"""Sharding rules: indexing (being written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: matrix (being written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: nn (being written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: random (being written)."""

@@ -1,0 +1,1 @@
+"""Sharding rules: reductions (being written)."""
