@@ -1,0 +1,92 @@
+import pytest
+import torch
+from mpi4py import MPI
+
+from helpers import assert_all_ranks
+from mpidtensor import DeviceMesh, init_device_mesh
+
+WORLD = MPI.COMM_WORLD
+
+
+def test_1d_mesh(mesh1d):
+    assert mesh1d.ndim == 1 and mesh1d.shape == (WORLD.size,) and mesh1d.size() == WORLD.size
+    assert mesh1d.get_rank() == WORLD.rank
+    assert mesh1d.get_coordinate() == [WORLD.rank]
+    assert mesh1d.get_local_rank() == WORLD.rank
+    assert mesh1d.mesh.tolist() == list(range(WORLD.size))
+    assert mesh1d.get_group().size == WORLD.size
+
+
+def test_2d_mesh_coordinates_and_slices(mesh2d):
+    rank = WORLD.rank
+    row, col = divmod(rank, 2)
+    assert mesh2d.shape == (2, 2) and mesh2d.mesh_dim_names == ("dp", "tp")
+    assert mesh2d.get_coordinate() == [row, col]
+    assert mesh2d.get_local_rank("dp") == row and mesh2d.get_local_rank(1) == col
+    assert mesh2d.size("tp") == 2 and mesh2d.size() == 4
+    tp, dp = mesh2d["tp"], mesh2d["dp"]
+    assert tp.mesh.tolist() == [2 * row, 2 * row + 1] and tp.mesh_dim_names == ("tp",)
+    assert dp.mesh.tolist() == [col, col + 2]
+    assert tp.get_local_rank() == col and dp.get_local_rank() == row
+    # the sub-communicator's ranks are the mesh coordinate along that dim
+    assert tp.get_group().rank == col and mesh2d.get_group("dp").rank == row
+    assert mesh2d["tp"] is tp  # cached
+    assert mesh2d["dp", "tp"] is mesh2d
+    flat = mesh2d._flatten()
+    assert flat.ndim == 1 and flat.get_group().size == 4 and flat.get_local_rank() == rank
+    peers = tp.get_group().allgather(rank)
+    assert peers == tp.mesh.tolist()
+
+
+def test_arbitrary_layout():
+    n = WORLD.size
+    layout = list(reversed(range(n)))
+    mesh = DeviceMesh("cpu", layout)
+    assert mesh.get_coordinate() == [layout.index(WORLD.rank)]
+    assert mesh.get_group().rank == layout.index(WORLD.rank)
+    # collectives on the mesh communicator follow the layout's order
+    assert mesh.get_group().allgather(WORLD.rank) == layout
+    mesh.free()
+
+
+def test_mesh_leaving_ranks_out():
+    if WORLD.size < 2:
+        pytest.skip("needs 2 ranks")
+    mesh = DeviceMesh("cpu", [0, 1])
+    if WORLD.rank < 2:
+        assert mesh.get_coordinate() == [WORLD.rank]
+    else:
+        assert mesh.get_coordinate() is None
+        with pytest.raises(ValueError, match="not part of this mesh"):
+            mesh.get_local_rank()
+    mesh.free()
+
+
+def test_bad_meshes():
+    n = WORLD.size
+    with pytest.raises(ValueError, match="holds"):
+        init_device_mesh("cpu", (n + 1,))
+    with pytest.raises(ValueError, match="distinct"):
+        init_device_mesh("cpu", (n, 1), mesh_dim_names=("a", "a"))
+    with pytest.raises(ValueError, match="each of the"):
+        init_device_mesh("cpu", (n,), mesh_dim_names=("a", "b"))
+    with pytest.raises(ValueError, match="device_type"):
+        init_device_mesh("tpu", (n,))
+    with pytest.raises(ValueError, match="distinct ranks"):
+        DeviceMesh("cpu", [0] * (n + 1))
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("x",))
+    with pytest.raises(ValueError, match="no dimension named"):
+        mesh["y"]
+    # the job goes on working after the errors
+    assert_all_ranks(mesh.get_group().allreduce(1) == n)
+    mesh.free()
+
+
+def test_cuda_mesh_binds_local_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    mesh = init_device_mesh("cuda", (WORLD.size,))
+    node = WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    assert torch.cuda.current_device() == node.rank % torch.cuda.device_count()
+    node.Free()
+    mesh.free()

@@ -1,0 +1,171 @@
+"""Every transition between placements, against plain torch, forward and backward."""
+import itertools
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from helpers import assert_all_ranks, assert_close, global_tensor
+from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from mpidtensor.debug import CommDebugMode
+
+WORLD = MPI.COMM_WORLD
+ONE_D = [Shard(0), Shard(1), Shard(-1), Replicate()]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64]
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (1, 3), (9, 2), (4, 4)])
+@pytest.mark.parametrize("src,dst", list(itertools.product(ONE_D, ONE_D)))
+def test_1d_transitions(mesh1d, shape, src, dst):
+    full = global_tensor(shape)
+    d = distribute_tensor(full, mesh1d, [src])
+    out = d.redistribute(mesh1d, [dst])
+    assert_all_ranks(out.placements == (Shard(dst.dim % 2) if isinstance(dst, Shard) else dst,))
+    assert_close(out.to_local(), _local_block(full, out))
+    assert_close(out.full_tensor(), full)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes(mesh1d, dtype):
+    full = global_tensor((7, 5), dtype)
+    for src, dst in [(Shard(0), Replicate()), (Shard(0), Shard(1)), (Shard(1), Shard(0)), (Replicate(), Shard(1))]:
+        out = distribute_tensor(full, mesh1d, [src]).redistribute(mesh1d, [dst])
+        assert_all_ranks(out.dtype == dtype)
+        assert_close(out.full_tensor(), full)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "min", "max", "product"])
+@pytest.mark.parametrize("dst", [Replicate(), Shard(0), Shard(1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_partial(mesh1d, op, dst, dtype):
+    parts = [global_tensor((5, 3), torch.float32, seed=10 + r) * 0.5 + 1.0 for r in range(WORLD.size)]
+    parts = [p.to(dtype) for p in parts]
+    stacked = torch.stack(parts)
+    reduce = {"sum": lambda t: t.sum(0), "avg": lambda t: t.mean(0, dtype=torch.float32),
+              "min": lambda t: t.amin(0), "max": lambda t: t.amax(0), "product": lambda t: t.prod(0)}
+    expected = reduce[op](stacked.float()).to(dtype)
+    d = DTensor.from_local(parts[WORLD.rank], mesh1d, [Partial(op)])
+    out = d.redistribute(mesh1d, [dst])
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype != torch.float32 else {}
+    assert_close(out.full_tensor(), expected, **tol)
+
+
+def test_partial_stays_and_into_partial_refused(mesh1d):
+    d = DTensor.from_local(torch.ones(3), mesh1d, [Partial()])
+    with CommDebugMode() as comm:
+        same = d.redistribute(mesh1d, [Partial()])
+    assert_all_ranks(comm.get_total_counts() == 0 and same.placements == (Partial(),))
+    r = distribute_tensor(torch.ones(3), mesh1d, [Replicate()])
+    with pytest.raises(ValueError, match="Partial is for internal use"):
+        r.redistribute(mesh1d, [Partial()])
+
+
+@pytest.mark.parametrize(
+    "src,dst,kind",
+    [
+        (Shard(0), Replicate(), "all_gather"),
+        (Shard(0), Shard(1), "all_to_all"),
+        (Replicate(), Shard(0), None),
+        (Partial(), Replicate(), "all_reduce"),
+        (Partial(), Shard(0), "reduce_scatter"),
+        (Shard(1), Shard(1), None),
+    ],
+)
+def test_one_collective_per_transition(mesh1d, src, dst, kind):
+    if isinstance(src, Partial):
+        d = DTensor.from_local(torch.ones(7, 5), mesh1d, [src])
+    else:
+        d = distribute_tensor(global_tensor((7, 5)), mesh1d, [src])
+    with CommDebugMode() as comm:
+        d.redistribute(mesh1d, [dst])
+    expected = {} if kind is None else {kind: 1}
+    assert_all_ranks(dict(comm.get_comm_counts()) == expected, str(comm.get_comm_counts()))
+
+
+TWO_D = [Shard(0), Shard(1), Replicate()]
+TWO_D_LAYOUTS = [list(p) for p in itertools.product(TWO_D, TWO_D)]
+
+
+@pytest.mark.parametrize("src", TWO_D_LAYOUTS)
+@pytest.mark.parametrize("dst", TWO_D_LAYOUTS)
+def test_2d_transitions(mesh2d, src, dst):
+    full = global_tensor((5, 7))
+    out = distribute_tensor(full, mesh2d, src).redistribute(mesh2d, dst)
+    assert_close(out.to_local(), _local_block(full, out))
+    assert_close(out.full_tensor(), full)
+
+
+@pytest.mark.parametrize("src", [[Partial(), Shard(0)], [Shard(1), Partial()], [Partial(), Partial()]])
+@pytest.mark.parametrize("dst", [[Replicate(), Replicate()], [Shard(0), Shard(0)], [Shard(1), Replicate()], [Shard(0), Shard(1)]])
+def test_2d_partial(mesh2d, src, dst):
+    full = global_tensor((5, 7))
+    parts = 1
+    for p in src:
+        parts *= 2 if isinstance(p, Partial) else 1
+    base = distribute_tensor(full, mesh2d, [Replicate() if isinstance(p, Partial) else p for p in src])
+    local = base.to_local() / parts  # each partial holds an equal share
+    d = DTensor.from_local(local, mesh2d, src, shape=full.shape)
+    assert_close(d.redistribute(mesh2d, dst).full_tensor(), full)
+
+
+def test_2d_nested_gather_is_one_collective(mesh2d):
+    d = distribute_tensor(global_tensor((5, 3)), mesh2d, [Shard(0), Shard(0)])
+    with CommDebugMode() as comm:
+        out = d.redistribute(mesh2d, [Replicate(), Replicate()])
+    assert_all_ranks(dict(comm.get_comm_counts()) == {"all_gather": 1}, str(comm.get_comm_counts()))
+    assert_close(out.to_local(), global_tensor((5, 3)))
+    p = DTensor.from_local(torch.ones(3), mesh2d, [Partial(), Partial()])
+    with CommDebugMode() as comm:
+        r = p.redistribute(mesh2d, [Replicate(), Replicate()])
+    assert_all_ranks(dict(comm.get_comm_counts()) == {"all_reduce": 1}, str(comm.get_comm_counts()))
+    assert_close(r.to_local(), torch.full((3,), 4.0))
+
+
+@pytest.mark.parametrize("src,dst", [
+    ([Shard(0)], [Replicate()]), ([Replicate()], [Shard(0)]), ([Shard(0)], [Shard(1)]), ([Shard(1)], [Shard(0)]),
+])
+def test_1d_backward(mesh1d, src, dst):
+    full = global_tensor((5, 7))
+    weight = global_tensor((5, 7), seed=3)
+    x = full.clone().requires_grad_()
+    d = distribute_tensor(x, mesh1d, src)
+    out = d.redistribute(mesh1d, dst)
+    (out.full_tensor() * weight).sum().backward()
+    assert_all_ranks(d.grad is not None and d.grad.placements == d.placements, "grad placements")
+    assert_close(d.grad.full_tensor(), weight)
+
+
+def test_backward_of_shard_to_replicate_is_local(mesh1d):
+    full = global_tensor((5, 7)).requires_grad_()
+    d = distribute_tensor(full, mesh1d, [Shard(0)])
+    out = d.redistribute(mesh1d, [Replicate()])
+    grad = DTensor.from_local(torch.ones(5, 7), mesh1d, [Replicate()])
+    with CommDebugMode() as comm:
+        out.backward(grad)
+    assert_all_ranks(comm.get_total_counts() == 0, str(comm.get_comm_counts()))
+    assert_close(d.grad.to_local(), torch.ones_like(d.to_local()))
+
+
+def test_backward_of_partial_is_replicate(mesh1d):
+    local = torch.ones(4, 3, requires_grad=True)
+    d = DTensor.from_local(local, mesh1d, [Partial()])
+    weight = global_tensor((4, 3))
+    (d.full_tensor() * weight).sum().backward()
+    assert_close(local.grad, weight)
+
+
+@pytest.mark.parametrize("dst", [[Replicate(), Replicate()], [Shard(1), Shard(0)], [Replicate(), Shard(0)]])
+def test_2d_backward(mesh2d, dst):
+    full = global_tensor((5, 7)).requires_grad_()
+    weight = global_tensor((5, 7), seed=3)
+    d = distribute_tensor(full, mesh2d, [Shard(0), Shard(1)])
+    (d.redistribute(mesh2d, dst).full_tensor() * weight).sum().backward()
+    assert_close(d.grad.full_tensor(), weight)
+
+
+def _local_block(full: torch.Tensor, d: DTensor) -> torch.Tensor:
+    shape, offset = d._spec.local_shape_and_offset()
+    block = full
+    for dim, (o, s) in enumerate(zip(offset, shape)):
+        block = block.narrow(dim, o, s)
+    return block
