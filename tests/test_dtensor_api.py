@@ -1,0 +1,152 @@
+"""distribute_tensor, from_local, to_local, full_tensor, and bad input raised on every rank."""
+import pytest
+import torch
+from mpi4py import MPI
+
+from helpers import assert_all_ranks, assert_close, global_tensor
+from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from mpidtensor.debug import CommDebugMode, visualize_sharding
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.mark.parametrize("placements", [[Shard(0)], [Shard(1)], [Replicate()], [Partial()]])
+@pytest.mark.parametrize("src", [0, "last", None])
+def test_distribute_tensor(mesh1d, placements, src):
+    full = global_tensor((7, 5))
+    src_rank = WORLD.size - 1 if src == "last" else src
+    mine = full if src_rank in (None, WORLD.rank) else torch.zeros_like(full)  # only the source's data counts
+    d = distribute_tensor(mine, mesh1d, placements, src_data_rank=src_rank)
+    assert_all_ranks(d.shape == full.shape and d.dtype == full.dtype and d.placements == tuple(placements))
+    assert_close(d.full_tensor(), full)
+
+
+def test_distribute_tensor_none_moves_nothing(mesh1d):
+    full = global_tensor((7, 5))
+    with CommDebugMode() as comm:
+        d = distribute_tensor(full, mesh1d, [Shard(1)], src_data_rank=None)
+    assert_all_ranks(comm.get_total_counts() == 0, str(comm.get_comm_counts()))
+    assert_all_ranks(d.to_local().data_ptr() != full.data_ptr())  # a copy, not an alias
+
+
+def test_distribute_tensor_2d(mesh2d):
+    full = global_tensor((9, 5))
+    for placements in ([Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(0)], [Shard(1), Replicate()]):
+        for src in (0, 3, None):
+            mine = full if src in (None, WORLD.rank) else torch.full_like(full, -1.0)
+            d = distribute_tensor(mine, mesh2d, placements, src_data_rank=src)
+            assert_close(d.full_tensor(), full)
+
+
+def test_uneven_local_shapes_follow_torch_chunk(mesh1d):
+    full = global_tensor((5, 3))
+    d = distribute_tensor(full, mesh1d, [Shard(0)])
+    pieces = list(full.chunk(WORLD.size))
+    pieces += [full[:0]] * (WORLD.size - len(pieces))
+    assert_close(d.to_local(), pieces[WORLD.rank])
+
+
+def test_from_local_infers_uneven_shape(mesh1d):
+    full = global_tensor((5, 3))
+    local = distribute_tensor(full, mesh1d, [Shard(0)]).to_local()
+    d = DTensor.from_local(local, mesh1d, [Shard(0)])
+    assert_all_ranks(d.shape == full.shape)
+    explicit = DTensor.from_local(local, mesh1d, [Shard(0)], shape=full.shape, stride=full.stride())
+    assert_close(explicit.full_tensor(), full)
+    checked = DTensor.from_local(local, mesh1d, [Shard(0)], run_check=True)
+    assert_close(checked.full_tensor(), full)
+
+
+def test_from_local_backward(mesh1d):
+    local = torch.randn(3, 4, generator=torch.Generator().manual_seed(WORLD.rank)).requires_grad_()
+    d = DTensor.from_local(local, mesh1d, [Shard(0)])
+    weight = global_tensor((3 * WORLD.size, 4))
+    (d.full_tensor() * weight).sum().backward()
+    assert_close(local.grad, weight.chunk(WORLD.size)[WORLD.rank])
+
+
+def test_to_local_grad_placements(mesh1d):
+    x = distribute_tensor(global_tensor((4, 3)).requires_grad_(), mesh1d, [Replicate()])
+    local = x.to_local(grad_placements=[Partial()])
+    # each rank's local gradient is a partial sum: the total gradient is their sum
+    local.sum().backward()
+    assert_all_ranks(x.grad.placements == (Partial(),))
+    assert_close(x.grad.full_tensor(), torch.full((4, 3), float(WORLD.size)))
+
+
+def test_repr_and_visualize(mesh1d):
+    d = distribute_tensor(global_tensor((5, 2)), mesh1d, [Shard(0)])
+    assert_all_ranks("S(0)" in repr(d))
+    text = visualize_sharding(d)
+    owned = [line for line in text.splitlines() if "-> ranks" in line]
+    assert_all_ranks(len(owned) == WORLD.size, text)
+    assert_all_ranks(f"-> ranks [{WORLD.size - 1}]" in text, text)
+
+
+# --- bad input: a clear error on every rank, and the job goes on --------------------------------
+
+
+def _still_working(mesh):
+    d = distribute_tensor(global_tensor((5, 3)), mesh, [Shard(0)])
+    assert_close(d.full_tensor(), global_tensor((5, 3)))
+
+
+def test_shard_dim_out_of_range(mesh1d):
+    with pytest.raises(ValueError, match="out of range"):
+        distribute_tensor(torch.ones(3, 4), mesh1d, [Shard(2)])
+    with pytest.raises(ValueError, match="out of range"):
+        distribute_tensor(torch.ones(3, 4), mesh1d, [Shard(1)]).redistribute(mesh1d, [Shard(5)])
+    _still_working(mesh1d)
+
+
+def test_wrong_number_of_placements(mesh1d):
+    with pytest.raises(ValueError, match="one placement per mesh dimension"):
+        distribute_tensor(torch.ones(3, 4), mesh1d, [Shard(0), Replicate()])
+    with pytest.raises(ValueError, match="one placement per mesh dimension"):
+        DTensor.from_local(torch.ones(3, 4), mesh1d, [])
+    _still_working(mesh1d)
+
+
+def test_distribute_different_shapes_or_dtypes(mesh1d):
+    if WORLD.size == 1:
+        pytest.skip("needs 2 ranks")
+    with pytest.raises(ValueError, match="different shapes or dtypes"):
+        distribute_tensor(torch.ones(3 + (WORLD.rank == 1), 4), mesh1d, [Shard(0)])
+    dtype = torch.float64 if WORLD.rank == 1 else torch.float32
+    with pytest.raises(ValueError, match="different shapes or dtypes"):
+        distribute_tensor(torch.ones(3, 4, dtype=dtype), mesh1d, [Replicate()], src_data_rank=None)
+    _still_working(mesh1d)
+
+
+def test_from_local_run_check_disagreement(mesh1d):
+    if WORLD.size == 1:
+        pytest.skip("needs 2 ranks")
+    with pytest.raises(ValueError, match="hold different values"):
+        DTensor.from_local(torch.full((2, 2), float(WORLD.rank)), mesh1d, [Replicate()], run_check=True)
+    with pytest.raises(ValueError, match="unsharded dim 1"):
+        DTensor.from_local(torch.ones(2, 2 + WORLD.rank), mesh1d, [Shard(0)], run_check=True)
+    with pytest.raises(ValueError, match="dtypes"):
+        dtype = torch.float64 if WORLD.rank == 0 else torch.float32
+        DTensor.from_local(torch.ones(2, 2, dtype=dtype), mesh1d, [Shard(0)], run_check=True)
+    with pytest.raises(ValueError, match="torch.chunk layout"):
+        # rank 0 holding fewer rows than a later rank is not a torch.chunk layout
+        DTensor.from_local(torch.ones(1 if WORLD.rank == 0 else 2, 2), mesh1d, [Shard(0)])
+    _still_working(mesh1d)
+
+
+def test_mixing_meshes_refused(mesh1d):
+    other = init_device_mesh("cpu", (WORLD.size,), mesh_dim_names=("other",))
+    a = distribute_tensor(torch.ones(4), mesh1d, [Replicate()])
+    b = distribute_tensor(torch.ones(4), other, [Replicate()])
+    with pytest.raises(ValueError, match="different meshes"):
+        a + b
+    with pytest.raises(ValueError, match="another mesh"):
+        a.redistribute(other, [Replicate()])
+    _still_working(mesh1d)
+    other.free()
+
+
+def test_distribute_a_dtensor_refused(mesh1d):
+    d = distribute_tensor(torch.ones(4), mesh1d, [Replicate()])
+    with pytest.raises(TypeError, match="plain torch.Tensor"):
+        distribute_tensor(d, mesh1d, [Replicate()])
