@@ -1,0 +1,128 @@
+"""The one path from torch tensors to mpi4py buffers.
+
+* ``mpi_type``: the MPI datatype of a torch dtype; dtypes MPI lacks (bfloat16,
+  float16, complex32, float8...) travel as opaque elements of their byte size.
+* ``stage`` / ``empty`` / ``unstage``: inputs and outputs live on the
+  *communication device* - the tensor's own device, except that CUDA tensors are
+  staged through host memory when MPI is not CUDA-aware. This is the only place
+  that decision is made.
+* ``as_buffer``: a zero-copy byte view of a C-contiguous tensor (NumPy on the
+  host, CuPy on a GPU), always paired with an explicit MPI datatype.
+* ``derived``: a cache of committed derived datatypes, freed on eviction.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from functools import cache
+from typing import Any, Callable, Hashable
+
+import torch
+from mpi4py import MPI
+
+_MPI_TYPES: dict[torch.dtype, MPI.Datatype] = {
+    torch.float64: MPI.DOUBLE,
+    torch.float32: MPI.FLOAT,
+    torch.complex128: MPI.C_DOUBLE_COMPLEX,
+    torch.complex64: MPI.C_FLOAT_COMPLEX,
+    torch.int64: MPI.INT64_T,
+    torch.int32: MPI.INT32_T,
+    torch.int16: MPI.INT16_T,
+    torch.int8: MPI.INT8_T,
+    torch.uint64: MPI.UINT64_T,
+    torch.uint32: MPI.UINT32_T,
+    torch.uint16: MPI.UINT16_T,
+    torch.uint8: MPI.UINT8_T,
+    torch.bool: MPI.C_BOOL,
+}
+
+
+def has_mpi_type(dtype: torch.dtype) -> bool:
+    """Whether MPI can do arithmetic on ``dtype`` (otherwise it only moves bytes)."""
+    return dtype in _MPI_TYPES
+
+
+@cache
+def mpi_type(dtype: torch.dtype) -> MPI.Datatype:
+    """The MPI datatype for one element of ``dtype`` (opaque bytes if MPI has none)."""
+    if dtype in _MPI_TYPES:
+        return _MPI_TYPES[dtype]
+    return MPI.BYTE.Create_contiguous(dtype.itemsize).Commit()
+
+
+class _TypeCache:
+    """Committed derived datatypes by key; least recently used ones are freed."""
+
+    def __init__(self, maxsize: int) -> None:
+        self._types: OrderedDict[Hashable, MPI.Datatype] = OrderedDict()
+        self._maxsize = maxsize
+
+    def __call__(self, key: Hashable, make: Callable[[], MPI.Datatype]) -> MPI.Datatype:
+        datatype = self._types.get(key)
+        if datatype is None:
+            datatype = self._types[key] = make().Commit()
+            if len(self._types) > self._maxsize:
+                self._types.popitem(last=False)[1].Free()
+        else:
+            self._types.move_to_end(key)
+        return datatype
+
+
+# One collective holds at most 2 types per rank of its communicator; the cache must be
+# at least that big so that none is freed while the collective is being set up.
+derived = _TypeCache(maxsize=256 + 2 * MPI.COMM_WORLD.size)
+
+
+def cuda_aware() -> bool:
+    """Whether MPI may be handed device pointers; ``MPIDTENSOR_CUDA_AWARE=0|1`` overrides."""
+    override = os.environ.get("MPIDTENSOR_CUDA_AWARE")
+    if override in ("0", "1"):
+        return override == "1"
+    return _mpi_cuda_support()
+
+
+@cache
+def _mpi_cuda_support() -> bool:
+    query = getattr(MPI, "Query_cuda_support", None)
+    return bool(query()) if query is not None else False
+
+
+def comm_device(tensor: torch.Tensor) -> torch.device:
+    """Where ``tensor``'s data must be for MPI to read or write it."""
+    if tensor.device.type == "cuda" and not cuda_aware():
+        return torch.device("cpu")
+    return tensor.device
+
+
+def stage(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool = False) -> torch.Tensor:
+    """``tensor``'s data, detached and C-contiguous on the communication device, as ``dtype``.
+
+    A view of ``tensor`` when nothing needs to change, unless ``copy``.
+    """
+    data = tensor.detach().resolve_conj().resolve_neg()
+    data = data.to(comm_device(tensor), dtype, memory_format=torch.contiguous_format, copy=copy)
+    return data.contiguous()  # ``to`` honours memory_format only when it copies
+
+
+def empty(shape: torch.Size | tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised C-contiguous tensor on ``like``'s communication device."""
+    return torch.empty(shape, dtype=dtype or like.dtype, device=comm_device(like))
+
+
+def unstage(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``result`` C-contiguous on ``like``'s device as ``like``'s dtype (no copy if already so)."""
+    return result.to(like.device, like.dtype, memory_format=torch.contiguous_format).contiguous()
+
+
+def as_buffer(tensor: torch.Tensor) -> Any:
+    """A zero-copy byte view of a C-contiguous tensor that mpi4py accepts as a buffer."""
+    if not tensor.is_contiguous():
+        raise ValueError("only C-contiguous tensors may be handed to MPI")
+    data = tensor.reshape(-1).view(torch.uint8)  # bytes: NumPy/CuPy lack some torch dtypes
+    if data.device.type == "cpu":
+        return data.numpy()
+    import cupy  # lazily: only CUDA tensors need it
+
+    torch.cuda.current_stream(data.device).synchronize()
+    with cupy.cuda.Device(data.device.index):
+        return cupy.asarray(data)
