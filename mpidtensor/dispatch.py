@@ -19,14 +19,13 @@ import torch
 from .dtensor import DTensor
 from .ops import registry
 from .ops.pointwise import is_pointwise, pointwise_rule
-from .placements import Replicate
 from .redistribute import plan as plan_redistribution
 from .spec import DTensorSpec
-from ._layout import contiguous_strides
 
 _PLANS: dict[tuple, "Plan"] = {}
 _WARNED: set = set()
 _FLOAT_BY_VALUE: dict[torch._ops.OpOverload, bool] = {}
+_NO_META = object()  # the op could not run on meta tensors
 
 
 def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -83,7 +82,7 @@ def _make_plan(func, args, kwargs) -> Plan:
     rule = registry.rule_for(func)
     if rule is None and is_pointwise(func):
         rule = pointwise_rule
-    if rule is None or out_meta is None:
+    if rule is None or out_meta is _NO_META:
         decomposed = _decomposition(func)
         if decomposed is not None:
             return Plan(lambda a, k: (a, k), lambda a, k: decomposed(*a, **k), lambda out, a, k: out)
@@ -108,7 +107,7 @@ def _build_plan(func, args, kwargs, tensors, specs, mesh, out_meta, sharding) ->
     out_specs = [
         DTensorSpec(mesh, placements, m.shape, m.stride(), m.dtype) for m, placements in zip(metas, sharding.outputs)
     ]
-    local = sharding.local or (lambda a, k, f=func: f(*a, **k))
+    local = sharding.local or (lambda a, k, f=func._op: f(*a, **k))
     return Plan(unwrap, local, _make_wrap(func, out_meta, out_specs, args))
 
 
@@ -201,11 +200,11 @@ def _meta_outputs(func, args, kwargs, specs):
     n_args = len(_tensors(args))
     try:
         return func(*_replace_tensors(args, metas[:n_args]), **_replace_tensors(kwargs, metas[n_args:]))
-    except (NotImplementedError, torch._subclasses.fake_tensor.DataDependentOutputException):
-        return None
+    except NotImplementedError:
+        return _NO_META
     except RuntimeError as err:
         if "meta" in str(err).lower() or "data-dependent" in str(err).lower():
-            return None
+            return _NO_META
         raise
 
 

@@ -40,9 +40,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or {})
 
     def __repr__(self) -> str:
         return (
@@ -190,3 +188,6 @@ class _Redistribute(torch.autograd.Function):
         out_spec = grad._spec.with_placements(target)
         local = redistribute_local(grad._local_tensor, grad._spec, out_spec)
         return DTensor(local, out_spec, requires_grad=False), None
+
+
+from .dispatch import dispatch as _dispatch  # noqa: E402  (dispatch imports DTensor)

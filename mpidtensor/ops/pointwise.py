@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..placements import Partial, Placement, Replicate, Shard
-from .registry import _COST, OpCall, Sharding
+from ..spec import DTensorSpec
+from .registry import _COST, OpCall, Sharding, register, replicated
 
 aten = torch.ops.aten
 
@@ -25,8 +26,8 @@ def is_pointwise(func) -> bool:
 
 
 def _linearity(func) -> str | None:
-    name = func._schema.name.split("::")[-1]
-    if name in _ADDITIVE and func._overloadname == "Tensor":
+    name = func._schema.name.split("::")[-1].removeprefix("_foreach_")
+    if name in _ADDITIVE and func._overloadname in ("Tensor", "List"):
         return "additive"
     if name in _SCALING:
         return "scaling"
@@ -41,6 +42,38 @@ def pointwise_rule(call: OpCall) -> Sharding:
     out = call.out_metas()[0]
     inputs, output = _choose(call.func, call.tensor_specs, out.shape, call.ndim)
     return Sharding(inputs, [output] * len(call.out_metas()))
+
+
+def _foreach_rule(call: OpCall) -> Sharding:
+    """``_foreach_op(list, list | tensor | scalar, ...)``: the pointwise choice made per
+    list position. A lone tensor argument (a scalar tensor) is replicated."""
+    lists = [a for a in list(call.args) + list(call.kwargs.values()) if isinstance(a, (list, tuple))
+             and a and all(isinstance(x, DTensorSpec) for x in a)]
+    n = len(lists[0])
+    choices = []
+    for j in range(n):
+        group = [lst[j] for lst in lists]
+        choices.append(_choose(call.func, group, group[0].shape, call.ndim))
+    inputs = []
+    for a in list(call.args) + list(call.kwargs.values()):
+        if isinstance(a, DTensorSpec):
+            inputs.append(replicated(call.ndim))
+        elif any(a is lst for lst in lists):
+            k = next(i for i, lst in enumerate(lists) if lst is a)
+            inputs += [choices[j][0][k] for j in range(n)]
+        elif isinstance(a, (list, tuple)):
+            inputs += [replicated(call.ndim) for x in a if isinstance(x, DTensorSpec)]
+    outputs = [choices[j][1] for j in range(n)] if call.out_metas() else []
+    return Sharding(inputs, outputs)
+
+
+def _register_foreach() -> None:
+    names = {s.name.split("::")[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("aten::_foreach_")}
+    for name in sorted(names - _FOREACH_NOT_POINTWISE):
+        register(getattr(aten, name))(_foreach_rule)
+
+
+_FOREACH_NOT_POINTWISE = {"_foreach_norm", "_foreach_max", "_foreach_mm", "_foreach_powsum"}
 
 
 def _choose(func, specs, out_shape, mesh_ndim: int):
@@ -111,3 +144,6 @@ def _cost(specs, m: int, targets) -> float:
             w = 0.01
         total += w * nbytes
     return total
+
+
+_register_foreach()

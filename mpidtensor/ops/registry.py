@@ -29,7 +29,7 @@ class OpCall:
     args: tuple  # tensors replaced by DTensorSpec
     kwargs: dict
     mesh: Any  # DeviceMesh
-    out_meta: Any  # the op's output on meta tensors (same structure), or None if meta failed
+    out_meta: Any  # the op's output on meta tensors (same structure)
     tensor_specs: list[DTensorSpec]  # every tensor input, in flattened argument order
 
     @property
