@@ -1,0 +1,181 @@
+"""Time mpidtensor's redistribute against hand-written mpi4py and torch.distributed (gloo).
+
+    mpiexec -n 4 python benchmarks/bench_redistribute.py [--mib 4] [--reps 20]
+
+Each rank holds about ``--mib`` MiB of float32 (its shard, or its whole
+Partial/Replicate tensor). A time is the median over ``--reps`` repetitions,
+after warm-up, of the slowest rank, with a barrier before each repetition.
+ratio = mpidtensor / mpi4py. A column that cannot run here prints "-".
+"""
+import argparse
+import datetime
+import logging
+import socket
+import statistics
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+world = MPI.COMM_WORLD
+n, rank = world.size, world.rank
+
+
+def timed(setup, reps, warmup=3):
+    """Median over reps of the slowest rank's time for ``setup()()``, in ms.
+
+    None (on every rank) if setting up or warming up fails on any rank."""
+    try:
+        fn = setup()
+        for _ in range(warmup):
+            fn()
+        ok = True
+    except Exception as err:  # a missing feature: skip this cell on every rank
+        ok = False
+        if rank == 0:
+            print(f"  (skipped: {type(err).__name__}: {err})")
+    if not world.allreduce(ok, op=MPI.LAND):
+        return None
+    times = []
+    for _ in range(reps):
+        world.Barrier()
+        start = MPI.Wtime()
+        fn()
+        times.append(world.allreduce(MPI.Wtime() - start, op=MPI.MAX))
+    return statistics.median(times) * 1e3
+
+
+def init_gloo():
+    """torch.distributed on gloo over the same ranks; the rendezvous port comes by MPI."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # fallback notices
+        if not dist.is_available() or not dist.is_gloo_available():
+            raise RuntimeError("torch.distributed with gloo is not available")
+        host, port = None, None
+        if rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                host, port = socket.gethostname(), s.getsockname()[1]
+        host, port = world.bcast((host, port))
+        one_node = len(set(world.allgather(socket.gethostname()))) == 1
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{'127.0.0.1' if one_node else host}:{port}",
+            rank=rank,
+            world_size=n,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        return dist, init_device_mesh
+    except Exception as err:
+        if rank == 0:
+            print(f"torch gloo column skipped: {type(err).__name__}: {err}")
+        return None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=float, default=4.0, help="MiB of float32 per rank")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+
+    # An L x L float32 block per rank, L a multiple of the world size so that
+    # every split is even and the mpi4py calls need no counts.
+    side = int((args.mib * 2**20 / 4) ** 0.5)
+    side -= side % n
+    block = torch.randn(side, side)
+    blk = block.numpy()
+    mpi_gathered = np.empty((n * side, side), np.float32)
+    mpi_reduced = np.empty_like(blk)
+    mpi_scattered = np.empty((side // n, side), np.float32)
+    mpi_transposed = np.empty((n * side, side // n), np.float32)
+
+    def mpi_alltoall():  # S(0) -> S(1): pack column blocks, one Alltoall
+        send = np.ascontiguousarray(blk.reshape(side, n, side // n).transpose(1, 0, 2))
+        world.Alltoall(send, mpi_transposed)
+
+    # transition -> (mesh shape, source placements, target placements, mpi4py call)
+    cases = {
+        "S(0) -> R": ((n,), "S0", "R", lambda: world.Allgather(blk, mpi_gathered)),
+        "S(0) -> S(1)": ((n,), "S0", "S1", mpi_alltoall),
+        "R -> S(0)": ((n,), "R", "S0", lambda: blk[rank * side // n:(rank + 1) * side // n]),
+        "P -> R": ((n,), "P", "R", lambda: world.Allreduce(blk, mpi_reduced)),
+        "P -> S(0)": ((n,), "P", "S0", lambda: world.Reduce_scatter_block(blk, mpi_scattered)),
+    }
+    if n == 4:  # rank (i, j) of a 2x2 [S(0), S(0)] layout holds block 2i + j: a world Allgather
+        cases["2x2 [S(0),S(0)] -> [R,R]"] = (
+            (2, 2), "S0,S0", "R,R", lambda: world.Allgather(blk, mpi_gathered))
+
+    def libraries():
+        """(column, module with Shard/Replicate/Partial/DTensor/distribute_tensor, mesh factory)."""
+        try:
+            import mpidtensor
+            yield "mpidtensor", mpidtensor, mpidtensor.init_device_mesh
+        except Exception as err:
+            if rank == 0:
+                print(f"mpidtensor column skipped: {type(err).__name__}: {err}")
+            yield "mpidtensor", None, None
+        gloo = init_gloo()
+        if gloo is None:
+            yield "torch gloo", None, None
+        else:
+            import torch.distributed.tensor as tdt
+            yield "torch gloo", tdt, gloo[1]
+
+    def layout(lib, spec):
+        return [
+            lib.Partial() if p == "P" else lib.Replicate() if p == "R" else lib.Shard(int(p[1:]))
+            for p in spec.split(",")
+        ]
+
+    def redistribution(lib, mesh_factory, shape, src, dst):
+        """A setup for timed(): builds the mesh and input, returns the redistribute call."""
+
+        def setup():
+            mesh = mesh_factory("cpu", shape)
+            if src.startswith("P"):
+                source = lib.DTensor.from_local(block, mesh, layout(lib, src))
+            else:  # each rank's shard is one block
+                whole = block.repeat(n if src.startswith("S") else 1, 1)
+                source = lib.distribute_tensor(whole, mesh, layout(lib, src))
+            target = layout(lib, dst)
+
+            def run():
+                local = source.redistribute(mesh, target).to_local()
+                wait = getattr(local, "wait", None)  # torch's async collective tensors
+                return wait() if wait else local
+
+            return run
+
+        return setup
+
+    results = {name: {"mpi4py": timed(lambda: case[3], args.reps)} for name, case in cases.items()}
+    for column, lib, mesh_factory in libraries():
+        for name, (shape, src, dst, _) in cases.items():
+            results[name][column] = None if lib is None else timed(
+                redistribution(lib, mesh_factory, shape, src, dst), args.reps)
+
+    if rank == 0:
+        print_table(results, n, block)
+
+
+def print_table(results, n, block):
+    mib = block.numel() * 4 / 2**20
+    print(f"\nredistribute, {n} ranks, {tuple(block.shape)} float32 per rank ({mib:.2f} MiB), times in ms")
+    header = ["transition", "mpidtensor", "mpi4py", "torch gloo", "ratio"]
+    rows = []
+    for name, r in results.items():
+        md, mp, tg = r.get("mpidtensor"), r["mpi4py"], r.get("torch gloo")
+        moves_data = name != "R -> S(0)"
+        ratio = f"{md / mp:.2f}" if md is not None and mp is not None and moves_data else "-"
+        rows.append([name] + [f"{t:.3f}" if t is not None else "-" for t in (md, mp, tg)] + [ratio])
+    widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
+    for row in [header, ["-" * w for w in widths]] + rows:
+        print(" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    print("ratio = mpidtensor / mpi4py (R -> S(0) moves no data, so no ratio)")
+
+
+if __name__ == "__main__":
+    main()
