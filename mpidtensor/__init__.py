@@ -2,7 +2,7 @@
 
 Public names match ``torch.distributed.tensor``; launch with ``mpiexec``/``srun``.
 """
-from .api import distribute_tensor
+from .api import distribute_module, distribute_tensor
 from .dtensor import DTensor
 from .mesh import DeviceMesh, init_device_mesh
 from .placements import Partial, Placement, Replicate, Shard
@@ -15,6 +15,7 @@ __all__ = [
     "Placement",
     "Replicate",
     "Shard",
+    "distribute_module",
     "distribute_tensor",
     "init_device_mesh",
 ]

@@ -76,3 +76,39 @@ def _send_from(data: torch.Tensor, mesh: DeviceMesh, placements, src_rank: int) 
         else:
             local = collectives.broadcast(local, comm, src[m])
     return local
+
+
+def distribute_module(
+    module: torch.nn.Module,
+    device_mesh: DeviceMesh,
+    partition_fn=None,
+    input_fn=None,
+    output_fn=None,
+) -> torch.nn.Module:
+    """Turn ``module``'s parameters and buffers into DTensors (as ``torch.distributed.tensor``).
+
+    ``partition_fn(name, submodule, device_mesh)`` distributes one submodule's
+    parameters in place; by default every parameter and buffer not yet a DTensor is
+    replicated. ``input_fn(module, inputs, device_mesh)`` and
+    ``output_fn(module, outputs, device_mesh)`` become forward pre/post hooks.
+    """
+    replicate = [Replicate()] * device_mesh.ndim
+
+    def replicate_rest(submodule: torch.nn.Module) -> None:
+        for key, param in list(submodule._parameters.items()):
+            if param is not None and not isinstance(param, DTensor):
+                dist = distribute_tensor(param.data, device_mesh, replicate)
+                submodule.register_parameter(key, torch.nn.Parameter(dist, requires_grad=param.requires_grad))
+        for key, buf in list(submodule._buffers.items()):
+            if buf is not None and not isinstance(buf, DTensor):
+                submodule._buffers[key] = distribute_tensor(buf, device_mesh, replicate)
+
+    for name, submodule in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, submodule, device_mesh)
+        replicate_rest(submodule)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+    return module
