@@ -122,7 +122,7 @@ def _options(specs, out_shape, m: int, linearity: str | None, divides: bool):
     options += [shard_all(od) for od in sorted(shard_dims)]
     if partials and len(set(partials)) == 1 and partials[0].reduce_op in ("sum", "avg"):
         p = partials[0]
-        if linearity == "additive" and len(partials) == len(specs):
+        if linearity == "additive" and len(partials) == len(specs) >= 2:  # x + scalar is not linear
             options.append((p, current))
         elif linearity == "scaling" and len(partials) == 1 and (current[0] == p or not divides):
             options.append((p, tuple(c if c == p else Replicate() for c in current)))

@@ -1,0 +1,98 @@
+"""The dispatcher: plan cache, plain tensors as Replicate, in-place ops, fallback and strict mode."""
+import warnings
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from helpers import assert_all_ranks, assert_close, global_tensor
+from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from mpidtensor import dispatch
+from mpidtensor.debug import CommDebugMode
+
+WORLD = MPI.COMM_WORLD
+
+
+def test_cache_hit_does_not_replan(mesh1d, monkeypatch):
+    x = distribute_tensor(global_tensor((5, 3)), mesh1d, [Shard(0)])
+    y = x * 2.0
+    calls = []
+    real = dispatch._make_plan
+    monkeypatch.setattr(dispatch, "_make_plan", lambda *a: calls.append(a[0]) or real(*a))
+    for scale in (3.0, 4.0, 5.0):  # a changing float scalar must not re-plan a pointwise op
+        y = x * scale
+    assert_all_ranks(calls == [], f"re-planned {calls}")
+    assert_close(y.full_tensor(), global_tensor((5, 3)) * 5.0)
+
+
+def test_plain_tensors_are_replicate(mesh1d):
+    full = global_tensor((5, 3))
+    x = distribute_tensor(full, mesh1d, [Shard(0)])
+    bias = global_tensor((3,), seed=2)
+    with CommDebugMode() as comm:
+        y = x + bias  # a plain tensor broadcast against a row-sharded DTensor: chunk-free, local
+        z = x * torch.tensor(2.0)
+    assert_all_ranks(comm.get_total_counts() == 0, str(comm.get_comm_counts()))
+    assert_all_ranks(y.placements == (Shard(0),))
+    assert_close(y.full_tensor(), full + bias)
+    assert_close(z.full_tensor(), full * 2)
+    same_shape = global_tensor((5, 3), seed=4)
+    assert_close((x - same_shape).full_tensor(), full - same_shape)  # the plain tensor is chunked
+
+
+def test_inplace_keeps_placements(mesh1d):
+    full = global_tensor((5, 3))
+    x = distribute_tensor(full.clone(), mesh1d, [Shard(0)])
+    r = distribute_tensor(global_tensor((5, 3), seed=2), mesh1d, [Replicate()])
+    out = x.add_(r)
+    assert_all_ranks(out is x and x.placements == (Shard(0),))
+    assert_close(x.full_tensor(), full + global_tensor((5, 3), seed=2))
+
+
+def test_inplace_on_partial_reduces_first(mesh1d):
+    x = DTensor.from_local(torch.ones(4), mesh1d, [Partial()])
+    x.exp_()  # not linear: the partial values are summed first, and x changes placement
+    assert_all_ranks(not x.placements[0].is_partial())
+    assert_close(x.full_tensor(), torch.full((4,), float(WORLD.size)).exp())
+
+
+def test_partial_algebra(mesh1d):
+    n = WORLD.size
+    a = DTensor.from_local(torch.ones(3), mesh1d, [Partial()])
+    b = DTensor.from_local(torch.full((3,), 2.0), mesh1d, [Partial()])
+    with CommDebugMode() as comm:
+        linear = (a + b) * 3.0 - b
+    assert_all_ranks(comm.get_total_counts() == 0 and linear.placements == (Partial(),))
+    assert_close(linear.full_tensor(), torch.full((3,), 7.0 * n))
+    assert_close((a * a).full_tensor(), torch.full((3,), float(n * n)))  # not linear: reduced first
+    assert_close((a + 1.0).full_tensor(), torch.full((3,), n + 1.0))
+
+
+def test_shape_errors_raise_everywhere(mesh1d):
+    x = distribute_tensor(torch.ones(4, 3), mesh1d, [Shard(0)])
+    with pytest.raises(RuntimeError):
+        x + distribute_tensor(torch.ones(5, 3), mesh1d, [Shard(0)])
+    assert_close((x + x).full_tensor(), torch.full((4, 3), 2.0))
+
+
+def test_unknown_op_falls_back_with_one_warning(mesh1d, monkeypatch):
+    monkeypatch.delenv("MPIDTENSOR_STRICT", raising=False)
+    full = global_tensor((6, 6), torch.float64)
+    spd = full @ full.T + 6 * torch.eye(6, dtype=torch.float64)
+    a = distribute_tensor(spd, mesh1d, [Shard(0)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chol = torch.linalg.cholesky(a)
+        torch.linalg.cholesky(a)
+    named = [w for w in caught if "linalg_cholesky_ex" in str(w.message)]
+    assert_all_ranks(len(named) == 1, [str(w.message) for w in caught])
+    assert_all_ranks(chol.placements == (Replicate(),))
+    assert_close(chol.full_tensor(), torch.linalg.cholesky(spd))
+
+
+def test_strict_mode_raises(mesh1d, monkeypatch):
+    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
+    a = distribute_tensor(global_tensor((5,)), mesh1d, [Shard(0)])
+    with pytest.raises(NotImplementedError, match="histc"):
+        torch.histc(a, bins=4)
+    assert_close((a * 2).full_tensor(), global_tensor((5,)) * 2)
