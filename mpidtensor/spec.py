@@ -11,39 +11,36 @@ from .placements import Partial, Placement, Replicate, Shard
 
 
 class DTensorSpec:
-    """Mesh, placements and global shape/stride/dtype of a DTensor. Immutable and
-    hashable (the hash is computed once: specs are keys of the dispatch caches)."""
+    """Mesh, placements and global shape/stride/dtype of a DTensor.
 
-    __slots__ = ("mesh", "placements", "shape", "stride", "dtype", "_hash")
+    Specs are interned: constructing one equal to an existing spec returns that
+    object, so equality is identity and hashing is by address. Both run in C,
+    which matters because specs are the keys of the dispatch caches.
+    """
 
-    def __init__(
-        self,
+    __slots__ = ("mesh", "placements", "shape", "stride", "dtype")
+    _interned: dict[tuple, "DTensorSpec"] = {}
+
+    def __new__(
+        cls,
         mesh: DeviceMesh,
         placements: Sequence[Placement],
         shape: Sequence[int],
         stride: Sequence[int],
         dtype: torch.dtype,
-    ) -> None:
-        self.mesh = mesh
-        self.placements = tuple(placements)
-        self.shape = torch.Size(shape)
-        self.stride = tuple(stride)
-        self.dtype = dtype
-        self._hash = hash((mesh, self.placements, self.shape, self.stride, dtype))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, DTensorSpec)
-            and self._hash == other._hash
-            and self.placements == other.placements
-            and self.shape == other.shape
-            and self.stride == other.stride
-            and self.dtype == other.dtype
-            and self.mesh == other.mesh
-        )
+    ) -> "DTensorSpec":
+        placements, shape, stride = tuple(placements), tuple(shape), tuple(stride)
+        key = (id(mesh), placements, shape, stride, dtype)  # the spec keeps its mesh alive
+        spec = cls._interned.get(key)
+        if spec is None:
+            spec = object.__new__(cls)
+            spec.mesh = mesh
+            spec.placements = placements
+            spec.shape = torch.Size(shape)
+            spec.stride = stride
+            spec.dtype = dtype
+            cls._interned[key] = spec
+        return spec
 
     def __repr__(self) -> str:
         return f"Spec({list(self.placements)}, shape={tuple(self.shape)}, {self.dtype})"
