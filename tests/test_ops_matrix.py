@@ -33,9 +33,9 @@ def _t(*shape, seed=0):
     return global_tensor(shape, seed=seed)
 
 
-def _p(*placements):
-    """Placements for a 1-D mesh, ``None`` for a plain tensor."""
-    return None if placements == (None,) else list(placements)
+def _id(value) -> str:
+    """Readable test ids: op names for functions, reprs for placements and shapes."""
+    return getattr(value, "__name__", None) or str(value)
 
 
 class _Traffic:
@@ -67,12 +67,12 @@ def _check_layout(fn, inputs, placements, mesh, expected):
 
 # --- mm -----------------------------------------------------------------------------------------
 
-MM_1D = [(a, b) for a in (S0, S1, R, P) for b in (S0, S1, R, P, None)]
+MM_1D = [((a,), None if b is None else (b,)) for a in (S0, S1, R, P) for b in (S0, S1, R, P, None)]
 
 
-@pytest.mark.parametrize("pa,pb", MM_1D, ids=str)
+@pytest.mark.parametrize("pa,pb", MM_1D, ids=_id)
 def test_mm_forward(strict, mesh1d, pa, pb):
-    check_op(torch.mm, [_t(M, K), _t(K, N, seed=1)], [_p(pa), _p(pb)], mesh1d, grad=False)
+    check_op(torch.mm, [_t(M, K), _t(K, N, seed=1)], [pa, pb], mesh1d, grad=False)
 
 
 # The classic strategies: S(0)@R, R@S(1), S(1)@S(0), R@R, P@R, R@P.
@@ -80,14 +80,14 @@ STRATEGIES = [((S0,), (R,), (S0,)), ((R,), (S1,), (S1,)), ((S1,), (S0,), (P,)),
               ((R,), (R,), (R,)), ((P,), (R,), (P,)), ((R,), (P,), (P,)), ((PAVG,), (R,), (PAVG,))]
 
 
-@pytest.mark.parametrize("pa,pb,out", STRATEGIES, ids=str)
+@pytest.mark.parametrize("pa,pb,out", STRATEGIES, ids=_id)
 def test_mm_strategy_moves_nothing(strict, mesh1d, pa, pb, out):
     a, b = _t(M, K), _t(K, N, seed=1)
     _check_layout(torch.mm, [a, b], [pa, pb], mesh1d, out)
     check_op(torch.mm, [a, b], [pa, pb], mesh1d, grad=False)
 
 
-@pytest.mark.parametrize("pa,pb,out", STRATEGIES[:6], ids=str)
+@pytest.mark.parametrize("pa,pb,out", STRATEGIES[:6], ids=_id)
 def test_mm_backward(mesh1d, pa, pb, out):
     check_op(torch.mm, [_t(M, K), _t(K, N, seed=1)], [pa, pb], mesh1d)
 
@@ -111,13 +111,13 @@ ADDMM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bias_shape,pbias,pa,pb", ADDMM_CASES, ids=str)
+@pytest.mark.parametrize("bias_shape,pbias,pa,pb", ADDMM_CASES, ids=_id)
 def test_addmm_forward(strict, mesh1d, bias_shape, pbias, pa, pb):
     fn = lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0)  # noqa: E731
     check_op(fn, [_t(*bias_shape, seed=2), _t(M, K), _t(K, N, seed=1)], [pbias, pa, pb], mesh1d, grad=False)
 
 
-@pytest.mark.parametrize("bias_shape,pbias,pa,pb", ADDMM_CASES[:5], ids=str)
+@pytest.mark.parametrize("bias_shape,pbias,pa,pb", ADDMM_CASES[:5], ids=_id)
 def test_addmm_backward(mesh1d, bias_shape, pbias, pa, pb):
     check_op(torch.addmm, [_t(*bias_shape, seed=2), _t(M, K), _t(K, N, seed=1)], [pbias, pa, pb], mesh1d)
 
@@ -142,19 +142,19 @@ BMM_STRATEGIES = [((S0,), (S0,), (S0,)), ((S1,), (R,), (S1,)), ((R,), (S2,), (S2
 BMM_OTHER = [((S0,), (R,)), ((S1,), (S2,)), ((S2,), (S0,)), ((R,), None), ((S1,), (S1,))]
 
 
-@pytest.mark.parametrize("pa,pb,out", BMM_STRATEGIES, ids=str)
+@pytest.mark.parametrize("pa,pb,out", BMM_STRATEGIES, ids=_id)
 def test_bmm_strategy_moves_nothing(strict, mesh1d, pa, pb, out):
     a, b = _t(B, M, K), _t(B, K, N, seed=1)
     _check_layout(torch.bmm, [a, b], [pa, pb], mesh1d, out)
     check_op(torch.bmm, [a, b], [pa, pb], mesh1d, grad=False)
 
 
-@pytest.mark.parametrize("pa,pb", BMM_OTHER, ids=str)
+@pytest.mark.parametrize("pa,pb", BMM_OTHER, ids=_id)
 def test_bmm_forward(strict, mesh1d, pa, pb):
     check_op(torch.bmm, [_t(B, M, K), _t(B, K, N, seed=1)], [pa, pb], mesh1d, grad=False)
 
 
-@pytest.mark.parametrize("pa,pb,out", BMM_STRATEGIES[:4], ids=str)
+@pytest.mark.parametrize("pa,pb,out", BMM_STRATEGIES[:4], ids=_id)
 def test_bmm_backward(mesh1d, pa, pb, out):
     check_op(torch.bmm, [_t(B, M, K), _t(B, K, N, seed=1)], [pa, pb], mesh1d)
 
@@ -170,13 +170,13 @@ BADDBMM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bias_shape,pbias,pa,pb", BADDBMM_CASES, ids=str)
+@pytest.mark.parametrize("bias_shape,pbias,pa,pb", BADDBMM_CASES, ids=_id)
 def test_baddbmm_forward(strict, mesh1d, bias_shape, pbias, pa, pb):
     fn = lambda c, a, b: torch.baddbmm(c, a, b, beta=0.5, alpha=2.0)  # noqa: E731
     check_op(fn, [_t(*bias_shape, seed=2), _t(B, M, K), _t(B, K, N, seed=1)], [pbias, pa, pb], mesh1d, grad=False)
 
 
-@pytest.mark.parametrize("bias_shape,pbias,pa,pb", BADDBMM_CASES[:4], ids=str)
+@pytest.mark.parametrize("bias_shape,pbias,pa,pb", BADDBMM_CASES[:4], ids=_id)
 def test_baddbmm_backward(mesh1d, bias_shape, pbias, pa, pb):
     check_op(torch.baddbmm, [_t(*bias_shape, seed=2), _t(B, M, K), _t(B, K, N, seed=1)], [pbias, pa, pb], mesh1d)
 
@@ -190,22 +190,42 @@ def test_baddbmm_inplace(strict, mesh1d):
 
 # --- vector products and the other add* forms ---------------------------------------------------
 
+def _addmv(c, a, b):
+    return torch.addmv(c, a, b, beta=0.5)
+
+
+def _addbmm(c, a, b):
+    return torch.addbmm(c, a, b, alpha=2.0)
+
+
+def _addmv_(c, a, b):
+    return c.clone().addmv_(a, b)
+
+
+def _addr_(c, a, b):
+    return c.clone().addr_(a, b)
+
+
+def _addbmm_(c, a, b):
+    return c.clone().addbmm_(a, b)
+
+
 OTHER_OPS = [
     (torch.mv, [(M, K), (K,)], [[(S0,), (R,)], [(S1,), (S0,)], [(R,), (P,)], [(R,), (S0,)]]),
     (torch.dot, [(K,), (K,)], [[(S0,), (S0,)], [(R,), (S0,)], [(P,), (R,)], [(R,), (R,)]]),
     (torch.vdot, [(K,), (K,)], [[(S0,), (S0,)], [(R,), (P,)]]),
-    (lambda c, a, b: torch.addmv(c, a, b, beta=0.5), [(M,), (M, K), (K,)],
+    (_addmv, [(M,), (M, K), (K,)],
      [[(S0,), (S0,), (R,)], [(R,), (S1,), (S0,)], [(R,), (R,), (P,)]]),
-    (lambda c, a, b: torch.addbmm(c, a, b, alpha=2.0), [(M, N), (B, M, K), (B, K, N)],
+    (_addbmm, [(M, N), (B, M, K), (B, K, N)],
      [[(R,), (S0,), (S0,)], [(S0,), (S1,), (R,)], [(R,), (S2,), (S1,)], [(S1,), (R,), (S2,)]]),
     (torch.addr, [(M, N), (M,), (N,)], [[(S0,), (S0,), (R,)], [(S1,), (R,), (S0,)], [(R,), (P,), (R,)]]),
-    (lambda c, a, b: c.clone().addmv_(a, b), [(M,), (M, K), (K,)], [[(S0,), (S0,), (R,)], [(R,), (S1,), (S0,)]]),
-    (lambda c, a, b: c.clone().addr_(a, b), [(M, N), (M,), (N,)], [[(S1,), (R,), (S0,)]]),
-    (lambda c, a, b: c.clone().addbmm_(a, b), [(M, N), (B, M, K), (B, K, N)], [[(S0,), (S1,), (R,)]]),
+    (_addmv_, [(M,), (M, K), (K,)], [[(S0,), (S0,), (R,)], [(R,), (S1,), (S0,)]]),
+    (_addr_, [(M, N), (M,), (N,)], [[(S1,), (R,), (S0,)]]),
+    (_addbmm_, [(M, N), (B, M, K), (B, K, N)], [[(S0,), (S1,), (R,)]]),
 ]
 
 
-@pytest.mark.parametrize("fn,shapes,placements", [(f, s, p) for f, s, ps in OTHER_OPS for p in ps], ids=str)
+@pytest.mark.parametrize("fn,shapes,placements", [(f, s, p) for f, s, ps in OTHER_OPS for p in ps], ids=_id)
 def test_other_products_forward(strict, mesh1d, fn, shapes, placements):
     inputs = [_t(*s, seed=i) for i, s in enumerate(shapes)]
     check_op(fn, inputs, placements, mesh1d, grad=False)
@@ -217,11 +237,17 @@ def test_dot_contracted_gives_partial(strict, mesh1d):
     check_op(torch.dot, [a, b], [(S0,), (S0,)], mesh1d, grad=False)
 
 
+def test_vdot_complex_conjugates_left(strict, mesh1d):
+    a, b = global_tensor((K,), torch.complex64), global_tensor((K,), torch.complex64, seed=1)
+    _check_layout(torch.vdot, [a, b], [(S0,), (S0,)], mesh1d, (P,))
+    check_op(torch.vdot, [a, b], [(S0,), (S0,)], mesh1d, grad=False)
+
+
 @pytest.mark.parametrize("fn,shapes,placements", [
     (torch.mv, [(M, K), (K,)], [(S0,), (R,)]),
     (torch.dot, [(K,), (K,)], [(S0,), (S0,)]),
     (torch.addmv, [(M,), (M, K), (K,)], [(R,), (S1,), (S0,)]),
-], ids=str)
+], ids=_id)
 def test_vector_products_backward(mesh1d, fn, shapes, placements):
     check_op(fn, [_t(*s, seed=i) for i, s in enumerate(shapes)], placements, mesh1d)
 
@@ -239,7 +265,7 @@ MM_2D = [
 ]
 
 
-@pytest.mark.parametrize("pa,pb,out", MM_2D, ids=str)
+@pytest.mark.parametrize("pa,pb,out", MM_2D, ids=_id)
 def test_mm_2d_strategy_moves_nothing(strict, mesh2d, pa, pb, out):
     a, b = _t(M, K), _t(K, N, seed=1)
     _check_layout(torch.mm, [a, b], [pa, pb], mesh2d, out)
@@ -247,7 +273,7 @@ def test_mm_2d_strategy_moves_nothing(strict, mesh2d, pa, pb, out):
 
 
 @pytest.mark.parametrize("pa,pb", [((S0, S1), (S1, S0)), ((S1, S0), (S0, S1)), ((P, S1), (S0, R)), ((R, S0), None)],
-                         ids=str)
+                         ids=_id)
 def test_mm_2d_forward(strict, mesh2d, pa, pb):
     check_op(torch.mm, [_t(M, K), _t(K, N, seed=1)], [pa, pb], mesh2d, grad=False)
 
@@ -256,7 +282,7 @@ def test_mm_2d_forward(strict, mesh2d, pa, pb):
     ((S0, S1), (S0, R), (S0, S1)),
     ((S0, S2), (S0, S1), (S0, P)),
     ((S2, S2), (S1, S1), (P, P)),
-], ids=str)
+], ids=_id)
 def test_bmm_2d_strategy_moves_nothing(strict, mesh2d, pa, pb, out):
     a, b = _t(B, M, K), _t(B, K, N, seed=1)
     _check_layout(torch.bmm, [a, b], [pa, pb], mesh2d, out)
@@ -268,7 +294,7 @@ def test_bmm_2d_strategy_moves_nothing(strict, mesh2d, pa, pb, out):
     ((M, N), (S0, S1), (S0, R), (R, S1)),
     ((N,), (R, S0), (S1, R), (S0, S1)),
     ((M, N), (P, R), (P, S0), (R, R)),
-], ids=str)
+], ids=_id)
 def test_addmm_2d_forward(strict, mesh2d, bias_shape, pbias, pa, pb):
     check_op(torch.addmm, [_t(*bias_shape, seed=2), _t(M, K), _t(K, N, seed=1)], [pbias, pa, pb], mesh2d, grad=False)
 
@@ -278,7 +304,7 @@ def test_addmm_2d_forward(strict, mesh2d, bias_shape, pbias, pa, pb):
     (torch.mm, [(M, K), (K, N)], [(S1, S1), (S0, S0)]),
     (torch.addmm, [(N,), (M, K), (K, N)], [(R, S0), (S0, S1), (R, S0)]),
     (torch.bmm, [(B, M, K), (B, K, N)], [(S0, S2), (S0, S1)]),
-], ids=str)
+], ids=_id)
 def test_2d_backward(mesh2d, fn, shapes, placements):
     check_op(fn, [_t(*s, seed=i) for i, s in enumerate(shapes)], placements, mesh2d)
 
@@ -294,7 +320,7 @@ LINEAR = [
 ]
 
 
-@pytest.mark.parametrize("x_shape,px,pw,pbias", LINEAR, ids=str)
+@pytest.mark.parametrize("x_shape,px,pw,pbias", LINEAR, ids=_id)
 def test_linear(mesh1d, x_shape, px, pw, pbias):
     x, w, bias = _t(*x_shape), _t(N, K, seed=1), _t(N, seed=2)
     check_op(torch.nn.functional.linear, [x, w, bias], [px, pw, pbias], mesh1d)
@@ -309,7 +335,7 @@ def test_linear(mesh1d, x_shape, px, pw, pbias):
     pytest.param([(K,), (K, N)], [(S0,), (S0,)], marks=pytest.mark.xfail(
         reason="1-D @ 2-D ends in the in-place view squeeze_, which the fallback does not apply to the DTensor")),
     ([(M, K), (K,)], [(S0,), (R,)]),
-], ids=str)
+], ids=_id)
 def test_matmul(mesh1d, shapes, placements):
     check_op(torch.matmul, [_t(*s, seed=i) for i, s in enumerate(shapes)], placements, mesh1d)
 
@@ -319,7 +345,7 @@ def test_matmul(mesh1d, shapes, placements):
     ("bij,bjk->bik", [(B, M, K), (B, K, N)], [(S0,), (S0,)]),
     ("bhqd,bhkd->bhqk", [(2, B, M, K), (2, B, N, K)], [(S1,), (S1,)]),
     ("bhqd,bhkd->bhqk", [(2, B, M, K), (2, B, N, K)], [(S0,), (R,)]),
-], ids=str)
+], ids=_id)
 def test_einsum_forward(mesh1d, equation, shapes, placements):
     fn = lambda a, b: torch.einsum(equation, a, b)  # noqa: E731
     check_op(fn, [_t(*s, seed=i) for i, s in enumerate(shapes)], placements, mesh1d, grad=False)
@@ -329,7 +355,7 @@ def test_einsum_forward(mesh1d, equation, shapes, placements):
     ("ij,jk->ik", [(M, K), (K, N)], [(S1,), (S0,)]),
     ("bij,bjk->bik", [(B, M, K), (B, K, N)], [(S0,), (S0,)]),
     ("bhqd,bhkd->bhqk", [(2, B, M, K), (2, B, N, K)], [(S1,), (S1,)]),
-], ids=str)
+], ids=_id)
 def test_einsum_backward(mesh1d, equation, shapes, placements):
     fn = lambda a, b: torch.einsum(equation, a, b)  # noqa: E731
     check_op(fn, [_t(*s, seed=i) for i, s in enumerate(shapes)], placements, mesh1d)
