@@ -15,6 +15,7 @@ import warnings
 from typing import Any, Callable
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 
 from .dtensor import DTensor
 from .ops import registry
@@ -79,9 +80,7 @@ def _make_plan(func, args, kwargs) -> Plan:
     mesh = _common_mesh(func, tensors)
     specs = [_spec_of(t, mesh, func) for t in tensors]
     out_meta = _meta_outputs(func, args, kwargs, specs)
-    rule = registry.rule_for(func)
-    if rule is None and is_pointwise(func):
-        rule = pointwise_rule
+    rule = _rule(func)
     if rule is None or out_meta is _NO_META:
         decomposed = _decomposition(func)
         if decomposed is not None:
@@ -91,6 +90,18 @@ def _make_plan(func, args, kwargs) -> Plan:
                            mesh, out_meta, specs)
     sharding = rule(call)
     return _build_plan(func, args, kwargs, tensors, specs, mesh, out_meta, sharding)
+
+
+def _rule(func):
+    """The op's rule; an in-place view op (``squeeze_``, ``t_``…) uses its functional form's."""
+    rule = registry.rule_for(func)
+    if rule is None and torch.Tag.inplace_view in func.tags:
+        packet = getattr(torch.ops.aten, func._schema.name.split("::")[1].removesuffix("_"), None)
+        functional = getattr(packet, func._overloadname, None) if packet is not None else None
+        rule = registry.rule_for(functional) if functional is not None else None
+    if rule is None and is_pointwise(func):
+        rule = pointwise_rule
+    return rule
 
 
 def _build_plan(func, args, kwargs, tensors, specs, mesh, out_meta, sharding) -> Plan:
@@ -125,11 +136,26 @@ def _fallback_plan(func, args, kwargs, tensors, specs, mesh) -> Plan:
     rep = registry.replicated(mesh.ndim)
     converters = [_converter(t, s, s.with_placements(rep)) for t, s in zip(tensors, specs)]
     unwrap = _make_unwrap(args, kwargs, converters)
+    written = _mutated_inputs(func, args)
+    if written:
+        def replicated_specs(out):
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            return [DTensorSpec(mesh, rep, t.shape, t.stride(), t.dtype) for t in outs]
 
-    def wrap(out, a, k):
-        return _wrap_replicated(out, mesh)
+        return Plan(unwrap, lambda a, k: func(*a, **k), _make_inplace_wrap(func, written, replicated_specs))
+    if any(r.alias_info is not None for r in func._schema.returns) and any(
+        c not in (None, _local_of) for c in converters
+    ):
+        # A view of a redistributed copy does not alias the caller's tensor: writing
+        # through it would be lost, so in-place ops on it are refused (_make_inplace_wrap).
+        def wrap_copy(out, a, k):
+            out = _wrap_replicated(out, mesh)
+            for t in _tensors(out):
+                t._not_a_view_of = func
+            return out
 
-    return Plan(unwrap, lambda a, k: func(*a, **k), wrap)
+        return Plan(unwrap, lambda a, k: func(*a, **k), wrap_copy)
+    return Plan(unwrap, lambda a, k: func(*a, **k), lambda out, a, k: _wrap_replicated(out, mesh))
 
 
 def _wrap_replicated(out, mesh):
@@ -285,7 +311,7 @@ def _mutated_inputs(func, args) -> list[tuple[str, int | str]]:
 def _make_wrap(func, out_meta, out_specs, args) -> Callable:
     written = _mutated_inputs(func, args)
     if written and len(out_specs) == len(written):
-        return _make_inplace_wrap(written, out_specs)
+        return _make_inplace_wrap(func, written, lambda out: out_specs)
     specs = iter(out_specs)
 
     def build(o):
@@ -302,17 +328,31 @@ def _make_wrap(func, out_meta, out_specs, args) -> Callable:
     return lambda out, a, k: wrap_out(out)
 
 
-def _make_inplace_wrap(written, out_specs) -> Callable:
-    """In-place and out= ops return the DTensor they wrote into. When the op had to
-    run on a redistributed copy, that DTensor takes the new local tensor and placements."""
+def _make_inplace_wrap(func, written, specs_of: Callable) -> Callable:
+    """In-place and out= ops return the tensor they wrote into. A DTensor written
+    through a redistributed copy takes the new local tensor and placements; an
+    in-place view op (``squeeze_``…) also changes the wrapper's own shape and strides."""
+    inplace_view = torch.Tag.inplace_view in func.tags
 
     def wrap(out, a, k):
+        outs = out if isinstance(out, (tuple, list)) else (out,)
         results = []
-        for (kind, where), spec, local in zip(written, out_specs, out if isinstance(out, (tuple, list)) else (out,)):
+        for (kind, where), spec, local in zip(written, specs_of(out), outs):
             dst = a[where] if kind == "pos" else k[where]
-            if dst._local_tensor is not local:
-                dst._local_tensor = local
-                dst._spec = dst._spec.with_placements(spec.placements)
+            if getattr(dst, "_not_a_view_of", None) is not None:
+                raise RuntimeError(
+                    f"{func} writes into the result of {dst._not_a_view_of}, which mpidtensor computed on a "
+                    f"redistributed copy (no sharding rule), so the write would not reach the original tensor"
+                )
+            if isinstance(dst, DTensor):
+                if inplace_view:
+                    with no_dispatch():
+                        func(*a, **k)
+                    dst._spec = spec
+                    dst._local_tensor = local
+                elif dst._local_tensor is not local:
+                    dst._local_tensor = local
+                    dst._spec = dst._spec.with_placements(spec.placements)
             results.append(dst)
         return type(out)(results) if isinstance(out, (tuple, list)) else results[0]
 

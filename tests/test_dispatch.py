@@ -96,3 +96,39 @@ def test_strict_mode_raises(mesh1d, monkeypatch):
     with pytest.raises(NotImplementedError, match="histc"):
         torch.histc(a, bins=4)
     assert_close((a * 2).full_tensor(), global_tensor((5,)) * 2)
+
+
+def test_inplace_view_changes_the_wrapper(mesh1d):
+    full = global_tensor((1, 7))
+    x = distribute_tensor(full.clone(), mesh1d, [Shard(1)])
+    y = x.squeeze_(0)
+    assert_all_ranks(y is x and x.shape == (7,) and x.placements == (Shard(0),), f"{x.shape} {x.placements}")
+    assert_close(x.full_tensor(), full.squeeze(0))
+    vec = distribute_tensor(global_tensor((7,), seed=2), mesh1d, [Shard(0)])
+    mat = distribute_tensor(global_tensor((7, 4), seed=3), mesh1d, [Replicate()])
+    assert_close(torch.matmul(vec, mat).full_tensor(), global_tensor((7,), seed=2) @ global_tensor((7, 4), seed=3))
+
+
+def test_copy_into_plain_tensor(mesh1d):
+    src = distribute_tensor(global_tensor((5, 3)), mesh1d, [Shard(0)])
+    dst = torch.zeros(5, 3)
+    out = dst.copy_(src)
+    assert_all_ranks(out is dst)
+    assert_close(dst, global_tensor((5, 3)))
+
+
+def test_fallback_inplace_updates_the_dtensor(mesh1d, monkeypatch):
+    monkeypatch.delenv("MPIDTENSOR_STRICT", raising=False)
+    full = global_tensor((5, 4), torch.float64)
+    index, source = torch.tensor([0, 7, 19]), torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    x = distribute_tensor(full.clone(), mesh1d, [Shard(0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # fill_diagonal_ writes through an as_strided view; a view computed on a gathered copy
+        # cannot carry the write back, so it is refused rather than silently lost
+        with pytest.raises(RuntimeError, match="would not reach the original tensor"):
+            x.fill_diagonal_(3.0)
+        out = x.put_(index, source)  # no rule, no decomposition: x becomes replicated
+        x.fill_diagonal_(3.0)  # on a replicated tensor the view is a true alias
+    assert_all_ranks(out is x and x.placements == (Replicate(),), str(x.placements))
+    assert_close(x.full_tensor(), full.clone().put_(index, source).fill_diagonal_(3.0))
