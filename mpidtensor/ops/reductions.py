@@ -1,4 +1,4 @@
-"""Reduction ops: sum, mean, amax/amin, max/min (whole and with indices), argmax/argmin,
+"""Reduction ops: sum (and nansum), mean, amax/amin, max/min (whole and with indices), argmax/argmin,
 var/std (and var_mean/std_mean), linalg_vector_norm, prod, any/all, and the scans
 cumsum/cumprod.
 
@@ -85,7 +85,7 @@ def _layout(call: OpCall, dims: tuple[int, ...], keepdim: bool, keeps: tuple[str
     targets = list(spec.placements)
     for m, p in enumerate(targets):
         if isinstance(p, Partial) and p.reduce_op not in keeps:
-            targets[m] = _unpartial(spec, targets, dims, m)
+            targets[m] = _relocate(spec, targets, dims, m)
     kept: list[Placement | None] = []
     for p in targets:
         if isinstance(p, Shard):
@@ -95,10 +95,11 @@ def _layout(call: OpCall, dims: tuple[int, ...], keepdim: bool, keeps: tuple[str
     return _Layout(spec.with_placements(targets), dims, keepdim, tuple(kept))
 
 
-def _unpartial(spec: DTensorSpec, targets: list[Placement], dims: tuple[int, ...], m: int) -> Placement:
-    """Where a Partial the op cannot keep goes: a reduce-scatter onto the longest kept dim
-    that no mesh dim shards yet (if it has a row per rank), else an all-reduce."""
-    taken = {p.dim for p in targets if isinstance(p, Shard)}
+def _relocate(spec: DTensorSpec, targets: list[Placement], dims: tuple[int, ...], m: int) -> Placement:
+    """Where mesh dim ``m``'s placement goes when the op cannot keep it: a shard of the
+    longest dim outside ``dims`` that no other mesh dim shards (if it has a row per rank;
+    reached by a reduce-scatter or an all-to-all), else Replicate."""
+    taken = {p.dim for i, p in enumerate(targets) if isinstance(p, Shard) and i != m}
     free = [d for d in range(spec.ndim) if d not in dims and d not in taken and spec.shape[d] >= spec.mesh.shape[m]]
     return Shard(max(free, key=lambda d: spec.shape[d])) if free else Replicate()
 
@@ -182,11 +183,13 @@ def _empty_outputs(call: OpCall, outs: list[Placements]) -> Callable:
 # --- sum, mean, prod, amax/amin, max/min, any/all: Partial outputs ------------------------------
 
 
-@register(aten.sum.default, aten.sum.dim_IntList)
+@register(aten.sum.default, aten.sum.dim_IntList, aten.nansum.default)
 def sum_rule(call: OpCall) -> Sharding:
-    """Shards of reduced dims give P(sum); P(sum)/P(avg) inputs stay Partial (sum is linear)."""
+    """Shards of reduced dims give P(sum); P(sum)/P(avg) inputs stay Partial for sum (linear),
+    not for nansum (a NaN part need not make a NaN whole)."""
     b = _bind(call)
-    lay = _layout(call, _reduced_dims(b.get("dim"), call.tensor_specs[0].ndim), bool(b.get("keepdim")), _LINEAR)
+    keeps = _LINEAR if _name(call) == "sum" else ()
+    lay = _layout(call, _reduced_dims(b.get("dim"), call.tensor_specs[0].ndim), bool(b.get("keepdim")), keeps)
     return Sharding([lay.inputs], [lay.outputs(Partial("sum"))])
 
 
@@ -476,3 +479,18 @@ def scan_rule(call: OpCall) -> Sharding:
         return c + before if is_sum else c * before
 
     return Sharding([lay.inputs], [out], local)
+
+
+@register(aten.flip.default)
+def flip_rule(call: OpCall) -> Sharding:
+    """The scans' backward (cumsum, cumprod, prod) flips. A block of a flipped dim would
+    belong to the mirrored rank, with another size when shards are uneven, so such shards
+    move to a free unflipped dim (all-to-all) or are gathered; other shards and every
+    Partial stay (a permutation commutes with any reduction)."""
+    spec = call.tensor_specs[0]
+    dims = _reduced_dims(call.args[1], spec.ndim, empty_means_all=False)
+    targets = list(spec.placements)
+    for m, p in enumerate(targets):
+        if isinstance(p, Shard) and p.dim in dims:
+            targets[m] = _relocate(spec, targets, dims, m)
+    return Sharding([tuple(targets)], [tuple(targets)])
