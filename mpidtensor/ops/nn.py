@@ -333,6 +333,60 @@ def _vocab_lookup(func, offset: int, size: int) -> Callable:
     return local
 
 
+@register(aten.embedding_renorm_)
+def embedding_renorm_(call: OpCall) -> Sharding:
+    """``max_norm``: rescale, in place, the rows the ids use whose norm exceeds max_norm.
+
+    The weight keeps its placements (it is written in place, through a detached alias):
+    vocab shards renorm their own rows; shards of the embedding dim all-reduce partial
+    norms; Partial weights all-reduce the rows to measure them, then scale their parts.
+    The ids are gathered."""
+    w = call.tensor_specs[0]
+    norm_type = float(_arg(call, 3))
+    by_op: dict[str, list[int]] = {}
+    for m, p in enumerate(w.placements):
+        if isinstance(p, Partial) and call.mesh.shape[m] > 1:
+            by_op.setdefault(p.reduce_op, []).append(m)
+    columns = _split_by(call.mesh, w.placements, 1)
+    if "product" in by_op or (columns and not norm_type > 0):
+        raise NotImplementedError(
+            f"embedding_renorm_ of a weight with placements {w.placements} and norm_type {norm_type}"
+        )
+    local = None  # the weight is whole on this rank: the kernel
+    if by_op or columns or _split_by(call.mesh, w.placements, 0):
+        partial = [(op, _comm(call.mesh, dims)) for op, dims in by_op.items()]
+        offset, size = _span(w, w.placements, 0)
+        local = _renorm_rows(offset, size, partial, _comm(call.mesh, columns) if columns else None, norm_type)
+    return Sharding([None, (_R,) * call.ndim], [w.placements], local)
+
+
+def _renorm_rows(offset: int, size: int, partial: list, column_comm, norm_type: float) -> Callable:
+    """embedding_renorm_ on rows [offset, offset + size) of the vocab, as torch does it:
+    scale max_norm / (norm + 1e-7) where the norm exceeds max_norm."""
+    infinite = norm_type == float("inf")
+
+    def local(args, kwargs):
+        w, ids, max_norm = args[0], args[1], args[2]
+        rows = ids[(ids >= offset) & (ids < offset + size)].unique() - offset
+        part = w.index_select(0, rows)
+        whole = part
+        for op, comm in partial:
+            whole = collectives.all_reduce(whole, comm, op)
+        if column_comm is None:
+            norm = torch.linalg.vector_norm(whole.double(), norm_type, dim=1)
+        elif infinite:
+            norm = collectives.all_reduce(whole.double().abs().amax(1) if whole.shape[1] else
+                                          whole.new_zeros(len(rows), dtype=torch.double), column_comm, "max")
+        else:
+            powers = collectives.all_reduce(whole.double().abs().pow(norm_type).sum(1), column_comm, "sum")
+            norm = powers.pow(1 / norm_type)
+        scale = torch.where(norm > max_norm, max_norm / (norm + 1e-7), 1.0)
+        w.index_copy_(0, rows, (part * scale.unsqueeze(1)).to(w.dtype))
+        return w
+
+    return local
+
+
 @register(aten.embedding_dense_backward)
 def embedding_backward(call: OpCall) -> Sharding:
     """grad_weight from (grad_output, indices): sharded on the embedding dim where grad_output
