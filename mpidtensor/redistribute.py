@@ -75,14 +75,16 @@ class ReduceScatter:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Keep this rank's chunk of a replicated tensor: a view, no communication."""
+    """Keep this rank's chunk of a replicated tensor: no communication. The chunk is
+    made contiguous (a copy only when it is not already), as a shard held on its own
+    would be, so that local views match the global tensor's."""
 
     dim: int
     offset: int
     size: int
 
     def run(self, t, mesh):
-        return t.narrow(self.dim, self.offset, self.size)
+        return t.narrow(self.dim, self.offset, self.size).contiguous()
 
 
 @dataclass(frozen=True)
