@@ -359,26 +359,21 @@ def test_mse_loss_2d(mesh2d, reduction, px, py):
 
 
 def qkv(batch=5, heads=3, kv_heads=None, length=4, embed=6):
-    kv_heads = kv_heads or heads
-    return [global_tensor((batch, heads, length, embed), seed=11), global_tensor((batch, kv_heads, length, embed), seed=12),
-            global_tensor((batch, kv_heads, length, embed), seed=13)]
+    """Query, key, value of shapes [batch, heads, length, embed] (kv_heads for key and value)."""
+    kv_shape = (batch, kv_heads or heads, length, embed)
+    return [global_tensor((batch, heads, length, embed), seed=11), global_tensor(kv_shape, seed=12),
+            global_tensor(kv_shape, seed=13)]
 
 
 def check_attention(mesh, tensors, placements, mask=None, mask_placements=None, **kwargs):
-    """Output and q/k/v gradients against plain torch (``mask_placements=None``: a plain mask).
-    Gradients come from autograd.grad: the CPU kernel's gradient strides differ from
-    contiguous leaves, and storing them in ``.grad`` needs ``new_empty_strided``, not an nn op."""
-    ref = [t.clone().requires_grad_() for t in tensors]
-    dist = [distribute_tensor(t.clone().requires_grad_(), mesh, p) for t, p in zip(tensors, placements)]
+    """check_op on attention; ``mask_placements=None``: the mask is a plain tensor."""
     dist_mask = mask if mask is None or mask_placements is None else distribute_tensor(mask, mesh, mask_placements)
-    ref_out = F.scaled_dot_product_attention(*ref, attn_mask=mask, **kwargs)
-    dist_out = F.scaled_dot_product_attention(*dist, attn_mask=dist_mask, **kwargs)
-    assert_close(dist_out.full_tensor(), ref_out, atol=1e-5, rtol=1e-5)
-    weight = global_tensor(ref_out.shape, seed=21)
-    ref_grads = torch.autograd.grad((ref_out * weight).sum(), ref)
-    dist_grads = torch.autograd.grad((dist_out.full_tensor() * weight).sum(), dist)
-    for d, r in zip(dist_grads, ref_grads):
-        assert_close(d.full_tensor(), r, atol=1e-5, rtol=1e-5)
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dist_mask if isinstance(q, DTensor) else mask,
+                                              **kwargs)
+
+    check_op(fn, tensors, placements, mesh, atol=1e-5, rtol=1e-5)
 
 
 ATT1 = [[Shard(0)], [Shard(1)], [R]]
@@ -446,8 +441,10 @@ def _linear_cases():
         "mse_loss_backward": (lambda g, x, y: aten.mse_loss_backward(g, x, y, 0), g, [x, y]),
         "embedding_backward": (lambda g, i: aten.embedding_dense_backward(g, i, 11, -1, False),
                                global_tensor((5, 3, 6)), [ids_tensor((5, 3), 11)]),
-        "attention_backward": (lambda g, *a: aten._scaled_dot_product_flash_attention_for_cpu_backward(g, *a, 0.0, True),
-                               global_tensor(out.shape), [q, k, v, out, lse]),
+        "attention_backward": (
+            lambda g, *a: aten._scaled_dot_product_flash_attention_for_cpu_backward(g, *a, 0.0, True),
+            global_tensor(out.shape), [q, k, v, out, lse],
+        ),
     }
 
 
@@ -465,3 +462,25 @@ def test_partial_operand_stays_partial(mesh1d, name):
     for d, r in zip(got, expected):
         assert_all_ranks(d.placements == (Partial(),), f"placements {d.placements}")
         assert_close(d.full_tensor(), r, atol=1e-5, rtol=1e-5)
+
+
+def test_backward_follows_sharded_grad(mesh1d):
+    """Replicated forward operands and a sharded gradient: the operands are chunked locally,
+    the gradient is not gathered (softmax over the split dim: one all-reduce of row sums)."""
+    x, g = global_tensor((5, 9)), global_tensor((5, 9), seed=2)
+    w, b = global_tensor((9,), seed=3), global_tensor((9,), seed=4)
+    y = torch.softmax(x, 1)
+    _, mean, rstd = aten.native_layer_norm(x, [9], w, b, 1e-5)
+    cases = [
+        (lambda g, y: aten._softmax_backward_data(g, y, 1, torch.float32), [y], Shard(1), ["all_reduce"]),
+        (lambda g, *a: aten.native_layer_norm_backward(g, a[0], [9], *a[1:], [True] * 3)[0], [x, mean, rstd, w, b],
+         Shard(0), []),
+    ]
+    for fn, others, shard, calls in cases:
+        dist_g = distribute_tensor(g, mesh1d, [shard])
+        dist_others = [distribute_tensor(o, mesh1d, [R]) for o in others]
+        with Collectives() as seen:
+            got = fn(dist_g, *dist_others)
+        assert_all_ranks(seen.calls == (calls if mesh1d.size() > 1 else []), f"collectives {seen.calls}")
+        assert_all_ranks(got.placements == (shard,), f"placements {got.placements}")
+        assert_close(got.full_tensor(), fn(g, *others), atol=1e-5, rtol=1e-5)

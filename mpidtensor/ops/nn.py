@@ -1,5 +1,7 @@
-"""Neural-network ops: softmax and log_softmax, layer_norm and fused rms_norm, embedding,
-nll_loss (cross_entropy's second half), mse_loss and CPU flash attention, forward and backward.
+"""Neural-network ops: softmax and log_softmax, layer_norm and fused rms_norm (what rms_norm
+reaches on CUDA; on CPU it decomposes into pointwise ops and a mean), embedding and its
+max_norm renorm, nll_loss (cross_entropy's second half), mse_loss and CPU flash attention,
+forward and backward. gelu and silu are pointwise (``pointwise.py``).
 
 What each keeps sharded without communication:
 
@@ -10,7 +12,8 @@ What each keeps sharded without communication:
   gradients of a batch-sharded input are Partial(sum);
 * embedding: weight sharded over the vocab (each rank looks up its own rows, output
   Partial(sum)) or over the embedding dim (output sharded on its last dim); indices
-  sharded on any dim (output sharded alike);
+  sharded on any dim (output sharded alike); max_norm renorms the weight in place in
+  its own layout;
 * losses: the batch (and spatial) dims sharded, unevenly too; ``nll_loss`` also with the
   class dim sharded (vocab-parallel loss). Sums are Partial(sum); means divide the local
   sum by the GLOBAL count (mse) or the GLOBAL total weight (nll: one all-reduce of a
@@ -18,7 +21,8 @@ What each keeps sharded without communication:
 * attention: q, k, v (and mask) sharded alike over batch or heads.
 
 Ops that are linear in one operand (softmax backward in its gradient, nll in its input,
-...) keep that operand's Partial(sum/avg) where the other operands are replicated.
+...) keep that operand's Partial(sum/avg) where the other operands are replicated; a
+backward whose forward operands are replicated follows a sharded gradient.
 """
 from __future__ import annotations
 
@@ -100,6 +104,15 @@ def _fill_free(spec: DTensorSpec, target: list[Placement | None], avoid: set[int
     return tuple(target)
 
 
+def _follow_grad(target: Placements, grad: DTensorSpec, dims: range) -> tuple[Placement, ...]:
+    """In a backward, where the forward operands are whole (Replicate) but the gradient is
+    sharded over one of ``dims``, shard the operands alike: a local chunk instead of a
+    gather of the gradient."""
+    return tuple(
+        pg if p == _R and isinstance(pg, Shard) and pg.dim in dims else p for p, pg in zip(target, grad.placements)
+    )
+
+
 def _span(spec: DTensorSpec, placements: Placements, dim: int) -> tuple[int, int]:
     """(global offset, size) along ``dim`` of this rank's block under ``placements``."""
     mesh = spec.mesh
@@ -173,7 +186,7 @@ def softmax_backward(call: OpCall) -> Sharding:
     stays where the output is replicated."""
     grad, y = call.tensor_specs[0], call.tensor_specs[1]
     dim = _arg(call, 2) % max(y.ndim, 1)
-    y_target = _softmax_placements(y, dim)
+    y_target = _follow_grad(_softmax_placements(y, dim), grad, range(y.ndim))
     g_target = tuple(
         pg if isinstance(py, Replicate) and isinstance(pg, Partial) and pg.reduce_op in _LINEAR else py
         for pg, py in zip(grad.placements, y_target)
@@ -227,7 +240,8 @@ def _norm_backward_rule(call: OpCall, stats: tuple[str, ...], params: tuple[str,
     mesh dims sharding the batch. A Partial grad_out stays (all outputs Partial) where the
     input is replicated: these gradients are linear in grad_out."""
     grad, x = _arg(call, 0), _arg(call, 1)
-    x_target = _norm_placements(x, len(_arg(call, 2)))
+    normalized = len(_arg(call, 2))
+    x_target = _follow_grad(_norm_placements(x, normalized), grad, range(x.ndim - normalized))
     g_target, param_grad = [], []
     for pg, px in zip(grad.placements, x_target):
         if isinstance(px, Replicate) and isinstance(pg, Partial) and pg.reduce_op in _LINEAR:
@@ -598,8 +612,8 @@ def mse_loss_backward(call: OpCall) -> Sharding:
     if x.shape != y.shape or (reduction == _NONE and grad.shape != x.shape):
         return replicate_all(call)
     target = _common_placements(x, y)
-    if reduction == _NONE:  # where x and y are whole, a sharded grad is followed by a local chunk
-        target = tuple(pg if p == _R and isinstance(pg, Shard) else p for p, pg in zip(target, grad.placements))
+    if reduction == _NONE:
+        target = _follow_grad(target, grad, range(x.ndim))
     g_target = []
     for pg, p in zip(grad.placements, target):
         if isinstance(p, Replicate) and isinstance(pg, Partial) and pg.reduce_op in _LINEAR:
