@@ -64,7 +64,7 @@ def rand(*size, requires_grad: bool = False, dtype: torch.dtype | None = None, l
     def init(spec, shape, device):
         return random.uniform(random.draw_seed(device), random.Block.of(spec), spec.dtype)
 
-    return _create("rand", size, init, dtype, layout, requires_grad, device_mesh, placements, floating=True)
+    return _create("rand", size, init, dtype, layout, requires_grad, device_mesh, placements, seeded=True)
 
 
 def randn(*size, requires_grad: bool = False, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
@@ -73,11 +73,11 @@ def randn(*size, requires_grad: bool = False, dtype: torch.dtype | None = None, 
     def init(spec, shape, device):
         return random.normal(random.draw_seed(device), random.Block.of(spec), spec.dtype)
 
-    return _create("randn", size, init, dtype, layout, requires_grad, device_mesh, placements, floating=True)
+    return _create("randn", size, init, dtype, layout, requires_grad, device_mesh, placements, seeded=True)
 
 
 def _create(name: str, size, init: Init, dtype, layout, requires_grad: bool, mesh: DeviceMesh | None,
-            placements, floating: bool = False) -> DTensor:
+            placements, seeded: bool = False) -> DTensor:
     if mesh is None:
         raise ValueError(f"{name}: pass device_mesh= (mpidtensor has no default mesh)")
     if mesh.get_coordinate() is None:
@@ -86,14 +86,16 @@ def _create(name: str, size, init: Init, dtype, layout, requires_grad: bool, mes
         raise NotImplementedError(f"{name}: only layout=torch.strided is supported, got {layout}")
     shape = _size(name, size)
     dtype = torch.get_default_dtype() if dtype is None else dtype
-    if floating and dtype not in random._FLOATS:
+    if seeded and dtype not in random._FLOATS:
         raise ValueError(f"{name}: dtype must be a real floating dtype, got {dtype}")
     placements = [Replicate()] * mesh.ndim if placements is None else placements
     placements = normalize_placements(placements, mesh.ndim, len(shape))
     spec = DTensorSpec(mesh, placements, shape, contiguous_strides(shape), dtype)
     whole = spec.with_placements([Replicate() if isinstance(p, Partial) else p for p in placements])
     local_shape, _ = whole.local_shape_and_offset()
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    device = random._mesh_device(mesh)
+    if seeded:
+        random.sync_default_generator(mesh, device)
     local = init(whole, tuple(local_shape), device)
     for m, p in enumerate(placements):
         if isinstance(p, Partial):

@@ -67,6 +67,19 @@ def test_layout_invariance_2d(mesh1d, mesh2d, op):
     _generators_in_step()
 
 
+def test_first_random_op_syncs_generators():
+    """Torch seeds every process differently: the first random op on a mesh makes them agree."""
+    from mpidtensor import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (MPI.COMM_WORLD.size,), mesh_dim_names=("fresh",))
+    torch.manual_seed(100 + MPI.COMM_WORLD.rank)
+    local = _zeros(mesh, R).uniform_().to_local()
+    replicas = MPI.COMM_WORLD.allgather(local)
+    assert_all_ranks(all(torch.equal(r, replicas[0]) for r in replicas), "replicas differ")
+    _generators_in_step()
+    mesh.free()
+
+
 def test_partial_input_becomes_replicate(mesh1d):
     x = _zeros(mesh1d, P)
     x.normal_()

@@ -3,6 +3,10 @@ whatever the mesh and the placements, on CPU and CUDA.
 
 Each call draws one seed from torch's generator for the device (the default one,
 or the op's ``generator=``); every rank draws alike, so generators stay in step.
+Torch seeds each process differently, so the first random op on a mesh copies the
+default generator's state of the mesh's first rank to the others (as
+torch.distributed.tensor does); later seeding, and any explicit ``generator=``,
+must be the same on every rank.
 Each element is then a pure function of (seed, its GLOBAL row-major linear index):
 a counter-based hash (SplitMix64, in wrapping int64 torch ops on the device,
 vectorised over the local block) gives its random bits. Uniforms take the top 24
@@ -69,6 +73,25 @@ class Block:
         return index
 
 
+_SYNCED: set = set()  # (generator, mesh) pairs whose states were made equal
+
+
+def sync_default_generator(mesh, device: torch.device) -> None:
+    """Give every rank of ``mesh`` the state of the default generator of ``device`` on the
+    mesh's first rank, once per mesh (collective over the mesh on its first call)."""
+    gen = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
+    key = (id(gen), mesh)
+    if key in _SYNCED:
+        return
+    comm = mesh.comm
+    gen.set_state(comm.bcast(gen.get_state() if comm.rank == 0 else None, root=0))
+    _SYNCED.add(key)
+
+
+def _mesh_device(mesh) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+
+
 def draw_seed(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
     """One 63-bit seed from ``generator`` (default: torch's for ``device``), as a 0-d
     int64 tensor on ``device`` (no host sync on a GPU)."""
@@ -109,10 +132,14 @@ def normal(seed: torch.Tensor, block: Block, dtype: torch.dtype, mean: float = 0
     return z.mul_(std).add_(mean).to(dtype)
 
 
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype Bernoulli draws compare uniforms in for a tensor of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def bernoulli(seed: torch.Tensor, block: Block, p, dtype: torch.dtype) -> torch.Tensor:
     """1 with probability ``p`` (a float or a tensor of the block's shape), else 0, in ``dtype``."""
-    u = uniform(seed, block, torch.float64 if dtype == torch.float64 else torch.float32)
-    return (u < p).to(dtype)
+    return (uniform(seed, block, _work_dtype(dtype)) < p).to(dtype)
 
 
 # --- rules --------------------------------------------------------------------------------------
@@ -134,13 +161,13 @@ def _arg(call_args: Sequence, kwargs: dict, position: int, name: str, default):
 def _sampler(func, args: Sequence, kwargs: dict):
     """``(seed, block, dtype) -> values`` for one call of ``func`` (None: not layout-invariant here)."""
     name = func._schema.name.split("::")[-1]
-    if name in ("uniform_",):
+    if name == "uniform_":
         low, high = _arg(args, kwargs, 1, "from", 0.0), _arg(args, kwargs, 2, "to", 1.0)
         return lambda s, b, dt: uniform(s, b, dt).mul_(high - low).add_(low)
-    if name in ("normal_",):
+    if name == "normal_":
         mean, std = _arg(args, kwargs, 1, "mean", 0.0), _arg(args, kwargs, 2, "std", 1.0)
         return lambda s, b, dt: normal(s, b, dt, mean, std)
-    if name in ("exponential_",):
+    if name == "exponential_":
         lambd = _arg(args, kwargs, 1, "lambd", 1.0)
         return lambda s, b, dt: torch.log1p(-uniform(s, b, dt)).mul_(-1.0 / lambd)
     if name in ("bernoulli_", "bernoulli") and func._overloadname in ("float", "p"):
@@ -174,6 +201,7 @@ def _supported(dtype: torch.dtype, func) -> bool:
 )
 def fill_random(call: OpCall) -> Sharding:
     """Fresh values over the input's layout (Partial becomes Replicate); the input is not moved."""
+    sync_default_generator(call.mesh, _mesh_device(call.mesh))
     self = call.tensor_specs[0]
     out_dtype = call.out_metas()[0].dtype
     sample = _sampler(call.func, call.args, call.kwargs)
@@ -197,6 +225,7 @@ def fill_random(call: OpCall) -> Sharding:
 @register(aten.bernoulli.default)
 def bernoulli_probs(call: OpCall) -> Sharding:
     """``torch.bernoulli(probs)``: the probabilities must be whole values (Partial is reduced)."""
+    sync_default_generator(call.mesh, _mesh_device(call.mesh))
     self = call.tensor_specs[0]
     dtype = call.out_metas()[0].dtype
     if dtype not in _FLOATS:
@@ -218,6 +247,7 @@ _DROPOUT_KEEPS = ("sum", "avg", "max", "min")  # x * mask * scale (scale > 0) co
 def native_dropout(call: OpCall) -> Sharding:
     """``(x * mask / (1 - p), mask)`` with mask ~ Bernoulli(1 - p), drawn exactly like
     ``x.new_empty(...).bernoulli_(1 - p)`` (the path eager CPU dropout takes)."""
+    sync_default_generator(call.mesh, _mesh_device(call.mesh))
     self = call.tensor_specs[0]
     p, train = call.args[1], call.args[2]
     if self.dtype not in _FLOATS:
@@ -245,8 +275,3 @@ def native_dropout(call: OpCall) -> Sharding:
 def _keep_all(args, kwargs):
     x = args[0]
     return x.clone(), torch.ones_like(x, dtype=torch.bool)
-
-
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype ``bernoulli`` compares in for a tensor of ``dtype``."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
