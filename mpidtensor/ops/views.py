@@ -131,7 +131,7 @@ def unsqueeze_rule(call: OpCall) -> Sharding:
     return Sharding([None], [_renumber(spec.placements, dim_map)])
 
 
-@register(aten.squeeze)
+@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
 def squeeze_rule(call: OpCall) -> Sharding:
     """Only dims of global size 1 go (a local block may have size 1 elsewhere, so the
     local op names them); a shard of a squeezed dim moves to another dim first."""
