@@ -13,6 +13,8 @@ import torch
 from helpers import assert_all_ranks, assert_close, global_tensor
 from op_check import check_op
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from mpidtensor.dispatch import clear_cache
+from mpidtensor.ops import reductions
 from mpidtensor.mesh import tracing
 
 P1 = [[Shard(0)], [Shard(1)], [Replicate()]]
@@ -172,6 +174,29 @@ def test_long_dims(mesh1d, fn):
 def test_long_dims_2d(mesh2d, fn):
     check_op(fn, [global_tensor((37, 4))], [[Shard(0), Shard(0)]], mesh2d)
     check_op(fn, [global_tensor((4, 37))], [[Replicate(), Shard(1)]], mesh2d)
+
+
+@pytest.fixture
+def always_combine(monkeypatch):
+    """Force the combine-inside-the-op path, whatever the cost (plans made meanwhile are dropped)."""
+    monkeypatch.setattr(reductions, "_cheapest_way", lambda call, lay, *args: lay)
+    clear_cache()
+    yield
+    clear_cache()
+
+
+@pytest.mark.parametrize("fn", _ids({**COMBINING_OPS, **INDEX_OPS}))
+def test_combining_with_empty_shards(mesh1d, always_combine, fn):
+    """The combining path on short dims, where blocks are empty at 3 and 4 ranks."""
+    for shape in ((2, 3), (5, 7)):
+        for placements in ([Shard(0)], [Shard(1)]):
+            check_op(fn, [global_tensor(shape)], [placements], mesh1d)
+
+
+@pytest.mark.parametrize("fn", _ids({**COMBINING_OPS, **INDEX_OPS}))
+def test_combining_with_empty_shards_2d(mesh2d, always_combine, fn):
+    check_op(fn, [global_tensor((2, 3))], [[Shard(0), Shard(0)]], mesh2d)
+    check_op(fn, [global_tensor((5, 7))], [[Shard(1), Shard(0)]], mesh2d)
 
 
 @pytest.mark.parametrize("fn", _ids(FLOAT_OPS))
