@@ -185,6 +185,25 @@ def test_index_put_inplace_broadcast_value(mesh1d):
         assert_close(x.full_tensor(), expected)
 
 
+@pytest.mark.parametrize("px,pm", [(S0, S0), (S1, S1), (S1, R), (S0, None), (R, S1)])
+def test_index_put_boolean_mask(mesh1d, monkeypatch, px, pm):
+    mask = global_tensor((7, 9), torch.bool, seed=8)
+    x3 = global_tensor((5, 6, 7), seed=2)
+    mask3 = global_tensor((5, 6), torch.bool, seed=4)
+
+    def put(x, value, mask, dims):
+        out = x.clone()
+        out[mask if dims == 2 else (slice(None), mask)] = value
+        return out
+
+    check_op(lambda x, m: put(x, -1.0, m, 2), [X, mask], [px, pm], mesh1d)
+    check_op(lambda x, m: put(x, torch.tensor(3.0), m, 1), [X, mask[0]], [px, None], mesh1d)
+    check_op(lambda x, m: put(x, -1.0, m, 2), [x3, mask3], [px, pm], mesh1d)
+    values = global_tensor((int(mask.sum()),), seed=1)
+    monkeypatch.delenv("MPIDTENSOR_STRICT")  # the values' gradient, grad[mask], has a data-dependent shape
+    check_op(lambda x, m, v: put(x, v, m, 2), [X, mask, values], [px, pm, S0], mesh1d)
+
+
 def test_index_embedding_style_backward_is_sharded(mesh1d):
     """Rows of a row-sharded table read by index: forward and backward stay exact."""
     table = global_tensor((11, 4))

@@ -32,7 +32,7 @@ from .._layout import contiguous_strides
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
 from .pointwise import pointwise_rule
-from .registry import _COST, OpCall, Sharding, register
+from .registry import _COST, OpCall, Sharding, register, replicate_all
 
 aten = torch.ops.aten
 
@@ -377,6 +377,8 @@ def _index_specs(call: OpCall) -> tuple[DTensorSpec, list, list[DTensorSpec]]:
 def index(call: OpCall) -> Sharding:
     """``self[indices]`` with tensor indices (integer; boolean masks have data-dependent shapes)."""
     self, indices, index_specs = _index_specs(call)
+    if any(_is_mask(s) for s in index_specs):
+        return replicate_all(call)  # (boolean masks give data-dependent shapes: not reached)
     lay = _Indexing.of(self.ndim, indices)
     n = len(index_specs)
 
@@ -421,6 +423,8 @@ def index_put(call: OpCall) -> Sharding:
     """``self[indices] = values`` (``+=`` with accumulate); values broadcast to ``self[indices]``."""
     self, indices, index_specs = _index_specs(call)
     values = call.tensor_specs[-1]
+    if any(_is_mask(s) for s in index_specs):
+        return _masked_put(call, self, indices, values)
     lay = _Indexing.of(self.ndim, indices)
     n = len(index_specs)
     accumulate = call.args[3] if len(call.args) > 3 else call.kwargs.get("accumulate", False)
@@ -461,6 +465,37 @@ def index_put(call: OpCall) -> Sharding:
         return _finish(x, _unpadded(out, sharded), inplace)
 
     return Sharding(inputs, outputs, local)
+
+
+def _is_mask(spec: DTensorSpec) -> bool:
+    return spec.dtype in (torch.bool, torch.uint8)
+
+
+def _masked_put(call: OpCall, self: DTensorSpec, indices: list, values: DTensorSpec) -> Sharding:
+    """``self[mask] = value`` with boolean masks (each covering as many dims of self as it
+    has): with a single value, every dim stays sharded, masks sharded alike; a tensor of
+    values is matched to the True entries in order, so then all is replicated."""
+    if values.shape.numel() != 1 or not all(t is None or _is_mask(t) for t in indices):
+        return replicate_all(call)
+    starts, dim = [], 0
+    for t in indices:
+        if t is not None:
+            starts.append(dim)
+        dim += 1 if t is None else t.ndim
+    masks = [t for t in indices if t is not None]
+
+    def mask_at(mask: DTensorSpec, start: int, d: int) -> Placement:
+        return Shard(d - start) if start <= d < start + mask.ndim else R
+
+    def options(m: int) -> list[_Option]:
+        opts = [_Option((R,) * (len(masks) + 2), (R,))]
+        for d in range(self.ndim):
+            along = tuple(mask_at(t, start, d) for t, start in zip(masks, starts))
+            opts.append(_Option((Shard(d),) + along + (R,), (Shard(d),)))
+        return opts
+
+    inputs, outputs = _choose(call, options, _inplace(call))
+    return Sharding(inputs, outputs)
 
 
 # --- ops along one dim: sort, topk, kthvalue ----------------------------------------------------
