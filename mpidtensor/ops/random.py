@@ -99,21 +99,21 @@ def draw_seed(device: torch.device, generator: torch.Generator | None = None) ->
 
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bits."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
+    """Logical right shift of int64 bits (a new tensor)."""
+    return (z >> s).bitwise_and_((1 << (64 - s)) - 1)
 
 
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser (wrapping int64 arithmetic)."""
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
+def _mix_(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser, in place (wrapping int64 arithmetic): one temporary at a time."""
+    z.bitwise_xor_(_shr(z, 30)).mul_(_MIX1)
+    z.bitwise_xor_(_shr(z, 27)).mul_(_MIX2)
+    return z.bitwise_xor_(_shr(z, 31))
 
 
 def random_bits(seed: torch.Tensor, block: Block, stream: int = 0) -> torch.Tensor:
     """64 random bits (int64) per element of ``block``, from (seed, global index, stream)."""
-    counter = block.linear_index(seed.device) * _STREAMS + stream
-    return _mix(_mix(seed) + counter * _GAMMA)
+    state = block.linear_index(seed.device).mul_(_STREAMS).add_(stream).mul_(_GAMMA)
+    return _mix_(state.add_(_mix_(seed.clone())))
 
 
 def uniform(seed: torch.Tensor, block: Block, dtype: torch.dtype, stream: int = 0) -> torch.Tensor:
