@@ -249,16 +249,22 @@ def test_3d_renumbering(mesh1d):
 
 @pytest.mark.parametrize("fn", _ids(INDEX_OPS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
-def test_index_ops_ties(mesh1d, fn, dtype):
+@pytest.mark.parametrize("combine", [False, True], ids=["cheapest", "combine"])
+def test_index_ops_ties(request, mesh1d, fn, dtype, combine):
     """Many equal values: the first global index must win, whichever rank holds it."""
+    if combine:
+        request.getfixturevalue("always_combine")
     x = (torch.arange(35).reshape(5, 7) * 7 % 3).to(dtype)
     for placements in P1:
         check_op(fn, [x], [placements], mesh1d, grad=False)
 
 
 @pytest.mark.parametrize("fn", _ids(INDEX_OPS))
-def test_index_ops_nan(mesh1d, fn):
+@pytest.mark.parametrize("combine", [False, True], ids=["cheapest", "combine"])
+def test_index_ops_nan(request, mesh1d, fn, combine):
     """A NaN wins over every number (torch's rule), also from a later shard."""
+    if combine:
+        request.getfixturevalue("always_combine")
     x = global_tensor((5, 7))
     x[3, 5] = x[4, 2] = math.nan
     expected = fn(x)
