@@ -132,3 +132,14 @@ def test_fallback_inplace_updates_the_dtensor(mesh1d, monkeypatch):
         x.fill_diagonal_(3.0)  # on a replicated tensor the view is a true alias
     assert_all_ranks(out is x and x.placements == (Replicate(),), str(x.placements))
     assert_close(x.full_tensor(), full.clone().put_(index, source).fill_diagonal_(3.0))
+
+
+def test_untagged_elementwise_ops(mesh1d, monkeypatch):
+    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
+    full = global_tensor((5, 3), torch.complex64)
+    z = distribute_tensor(full, mesh1d, [Shard(0)])
+    assert_close(z.real.full_tensor(), full.real)
+    assert_close(z.imag.full_tensor(), full.imag)
+    x = distribute_tensor(full.real.contiguous(), mesh1d, [Shard(1)])
+    assert_close(torch.where(x > 0, 1.0, x).full_tensor(), torch.where(full.real > 0, 1.0, full.real))
+    assert_close(torch.where(x > 0, x, 0.0).full_tensor(), torch.where(full.real > 0, full.real, 0.0))

@@ -18,7 +18,7 @@ aten = torch.ops.aten
 # Linear in all tensor operands together: Partial inputs (same op) give a Partial output.
 _ADDITIVE = {"add", "sub", "add_", "sub_"}
 # Linear in one tensor operand when the others are not Partial (the first operand for division).
-_SCALING = {"mul", "mul_", "div", "div_", "neg", "neg_", "clone", "positive", "alias", "view_as_real", "view_as_complex"}
+_SCALING = {"mul", "mul_", "div", "div_", "neg", "neg_", "clone", "positive", "alias", "real", "imag"}
 
 
 def is_pointwise(func) -> bool:
@@ -65,6 +65,10 @@ def _foreach_rule(call: OpCall) -> Sharding:
             inputs += [replicated(call.ndim) for x in a if isinstance(x, DTensorSpec)]
     outputs = [choices[j][1] for j in range(n)] if call.out_metas() else []
     return Sharding(inputs, outputs)
+
+
+# Elementwise but not tagged pointwise in torch.
+register(aten.real, aten.imag, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)(pointwise_rule)
 
 
 def _register_foreach() -> None:

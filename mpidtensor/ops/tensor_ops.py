@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..placements import Partial, Replicate
+from ..placements import Partial, Replicate, Shard
 from .registry import OpCall, Sharding, register, same_as_input
 
 aten = torch.ops.aten
@@ -31,3 +31,14 @@ def copy_(call: OpCall) -> Sharding:
     """``dst.copy_(src)``: src takes dst's placements."""
     dst = call.tensor_specs[0].placements
     return Sharding([dst, dst], [dst])
+
+
+@register(aten.view_as_real, aten.view_as_complex)
+def complex_view(call: OpCall) -> Sharding:
+    """Adding or removing the trailing (real, imag) dim keeps every other dim's shard;
+    ``view_as_complex`` needs that trailing dim whole."""
+    spec = call.tensor_specs[0]
+    last = Shard(spec.ndim - 1)
+    placements = tuple(Replicate() if p == last and call.func is aten.view_as_complex.default else p
+                       for p in spec.placements)
+    return Sharding([placements], [placements])
