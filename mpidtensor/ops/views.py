@@ -20,7 +20,7 @@ import torch
 from .._layout import local_shape_and_offset, local_span
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import OpCall, Sharding, redistribute_cost, register
+from .registry import OpCall, Sharding, cheapest, register
 
 aten = torch.ops.aten
 
@@ -451,29 +451,27 @@ def unbind_rule(call: OpCall) -> Sharding:
 
 @register(aten.cat.default, aten.stack.default)
 def cat_rule(call: OpCall) -> Sharding:
-    """All inputs take one layout, chosen per mesh dim by cost: a shard of any dim but
-    the joined one, Replicate, or a Partial some input has (joining is linear)."""
+    """All inputs take one layout, the cheapest to reach: per mesh dim a shard of any
+    dim but the joined one, Replicate, or a Partial some input has (joining is linear)."""
     stack = call.func is aten.stack.default
     out_ndim = call.out_metas()[0].ndim
     in_ndim = out_ndim - stack
     dim = _norm(_bound(call)["dim"], out_ndim)
     specs = call.tensor_specs
-    # cat skips legacy empty 1-D inputs of another rank; they are only replicated
-    real = [s for s in specs if s.ndim == in_ndim]
-    mesh_shape = specs[0].mesh.shape
-    shape = real[0].shape
-    shardable = [d for d in range(in_ndim) if stack or d != dim]
-    chosen: list[Placement] = []
-    for m in range(len(mesh_shape)):
-        current = [s.placements[m] for s in real]
-        by_size = sorted(shardable, key=lambda d: -_block_per_rank(shape, chosen, mesh_shape, d))
-        options = [Replicate(), *(Shard(d) for d in by_size)]
-        options += sorted({p for p in current if isinstance(p, Partial)}, key=repr)
-
-        def cost(option: Placement) -> float:
-            return sum(redistribute_cost(s, s.placements[:m] + (option,) + s.placements[m + 1:]) for s in real)
-
-        chosen.append(min(options, key=cost))
-    inputs = [tuple(chosen) if s.ndim == in_ndim else (Replicate(),) * len(mesh_shape) for s in specs]
-    out = _renumber(chosen, {d: d + (stack and d >= dim) for d in range(in_ndim)})
-    return Sharding(inputs, [out])
+    # cat skips legacy empty 1-D inputs of another rank: they are only replicated
+    joined = [i for i, s in enumerate(specs) if s.ndim == in_ndim]
+    shape = specs[joined[0]].shape
+    by_size = sorted((d for d in range(in_ndim) if stack or d != dim), key=lambda d: -shape[d])
+    per_mesh_dim = []
+    for m in range(call.ndim):
+        current = [specs[i].placements[m] for i in joined]
+        partials = sorted({p for p in current if isinstance(p, Partial)}, key=repr)
+        per_mesh_dim.append([Replicate(), *(Shard(d) for d in by_size), *partials])
+    replicate = (Replicate(),) * call.ndim
+    candidates = (
+        Sharding([layout if i in joined else replicate for i in range(len(specs))], [layout])
+        for layout in itertools.product(*per_mesh_dim)
+    )
+    best = cheapest(call, candidates)
+    layout = best.outputs[0]
+    return Sharding(best.inputs, [_renumber(layout, {d: d + (stack and d >= dim) for d in range(in_ndim)})])
