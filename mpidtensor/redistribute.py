@@ -100,7 +100,22 @@ class ToPartial:
         return torch.ones_like(t) if self.op == "product" else torch.zeros_like(t)
 
 
-Step = AllGather | AllToAll | AllReduce | ReduceScatter | Chunk | ToPartial
+@dataclass(frozen=True)
+class Restride:
+    """Lay the local tensor out in the global tensor's dim order (collectives return
+    C-contiguous tensors, but e.g. a transposed DTensor's local must stay transposed
+    so that local views and kernels see what the global strides promise)."""
+
+    order: tuple[int, ...]  # dims from outermost to innermost in memory
+    inverse: tuple[int, ...]
+
+    def run(self, t, mesh):
+        if t.permute(self.order).is_contiguous():
+            return t
+        return t.permute(self.order).contiguous().permute(self.inverse)
+
+
+Step = AllGather | AllToAll | AllReduce | ReduceScatter | Chunk | ToPartial | Restride
 
 _PLANS: dict[tuple[DTensorSpec, DTensorSpec], tuple[Step, ...]] = {}
 
@@ -110,8 +125,22 @@ def plan(src: DTensorSpec, dst: DTensorSpec) -> tuple[Step, ...]:
     key = (src, dst)
     steps = _PLANS.get(key)
     if steps is None:
-        steps = _PLANS[key] = _merge(_plan(src, dst))
+        steps = _merge(_plan(src, dst))
+        order = _memory_order(dst.shape, dst.stride)
+        if order != tuple(range(len(order))) and any(not isinstance(s, (Chunk, ToPartial)) for s in steps):
+            steps += (Restride(order, tuple(order.index(d) for d in range(len(order)))),)
+        _PLANS[key] = steps
     return steps
+
+
+def _memory_order(shape, stride) -> tuple[int, ...]:
+    """Dims from the largest stride to the smallest; size-1 dims, whose stride means
+    nothing, keep their place when the others are in order and go last otherwise."""
+    big = [d for d in range(len(shape)) if shape[d] > 1]
+    ordered = sorted(big, key=lambda d: (-stride[d], d))
+    if ordered == big:
+        return tuple(range(len(shape)))
+    return tuple(ordered + [d for d in range(len(shape)) if shape[d] <= 1])
 
 
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
