@@ -165,7 +165,7 @@ def _finish(self_local: torch.Tensor, result: torch.Tensor, inplace: bool) -> to
 # --- index_select -------------------------------------------------------------------------------
 
 
-@register(aten.index_select)
+@register(aten.index_select.default)
 def index_select(call: OpCall) -> Sharding:
     self, index = call.tensor_specs
     dim = _norm(call.args[1], self.ndim)
@@ -202,7 +202,7 @@ def index_select(call: OpCall) -> Sharding:
 # --- gather -------------------------------------------------------------------------------------
 
 
-@register(aten.gather)
+@register(aten.gather.default)
 def gather(call: OpCall) -> Sharding:
     self, index = call.tensor_specs
     dim = _norm(call.args[1], self.ndim)
@@ -547,7 +547,10 @@ register(aten.masked_fill.Tensor, aten.masked_fill_.Tensor)(pointwise_rule)
 # --- new_* factories ----------------------------------------------------------------------------
 
 
-@register(aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty_strided)
+@register(
+    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+    aten.new_empty_strided.default,
+)
 def new_factory(call: OpCall) -> Sharding:
     """A new constant tensor of a GLOBAL size. Unlike torch.distributed.tensor (which
     replicates unless the size equals the input's), a tensor dim keeps the input's
