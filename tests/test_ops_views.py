@@ -233,6 +233,18 @@ def test_split_of_sharded_dim_moves_shard_to_another_dim(mesh1d):
     assert_all_ranks(all(p.placements == (Shard(1),) for p in pieces), "pieces are not sharded on dim 1")
 
 
+# --- diagonal and unfold --------------------------------------------------------------------------
+
+
+def _diagonals_windows(x):
+    return x.diagonal(), x.diagonal(1, -1, 0), x.unfold(1, 3, 2), x.narrow_copy(0, 1, 3)
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_diagonal_unfold(request, mesh_name):
+    _check_all(request, mesh_name, global_tensor((5, 7, 3)), _diagonals_windows)
+
+
 # --- cat and stack ---------------------------------------------------------------------------------
 
 

@@ -341,14 +341,18 @@ def _block(length: int, dim: int, placements, mesh) -> tuple[int, int]:
     return local_span(length, dim, placements, mesh.shape, mesh._coord)
 
 
-@register(aten.slice.Tensor)
+@register(aten.slice.Tensor, aten.narrow.default)
 def slice_rule(call: OpCall) -> Sharding:
     """Each rank keeps the part of the slice inside its block, when that is its chunk of the result."""
     spec = call.tensor_specs[0]
     args = _bound(call)
     dim = _norm(args["dim"], spec.ndim)
     length = spec.shape[dim]
-    sel = range(length)[args["start"]:args["end"]:args["step"]]
+    if call.func is aten.narrow.default:
+        start = _norm(args["start"], length)
+        sel = range(length)[start:start + args["length"]]
+    else:
+        sel = range(length)[args["start"]:args["end"]:args["step"]]
     placements = _fit_slices(spec, dim, length, [sel])
     start, end, step = _local_bounds(sel, *_block(length, dim, placements, spec.mesh))
     return Sharding(
@@ -444,6 +448,70 @@ def unbind_rule(call: OpCall) -> Sharding:
     placements = _relocate(spec.shape, spec.mesh.shape, list(spec.placements), _sharders(spec.placements, dim), others)
     out = _renumber(placements, {d: d - (d > dim) for d in others})
     return Sharding([tuple(placements)], [out] * spec.shape[dim])
+
+
+# --- diagonal and unfold: a new dim made of two old ones or of windows -----------------------------
+
+
+def _moved_off(spec: DTensorSpec, dims: Sequence[int], keep_in: Sequence[int]) -> list[Placement]:
+    """``spec``'s placements with the shards of ``dims`` moved to dims of ``keep_in``."""
+    bad = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim in dims]
+    return _relocate(spec.shape, spec.mesh.shape, list(spec.placements), bad, keep_in)
+
+
+@register(aten.diagonal.default)
+def diagonal_rule(call: OpCall) -> Sharding:
+    """The two dims of the diagonal leave (shards on them move first); the others
+    keep their shards, renumbered. The diagonal is the new last dim."""
+    spec = call.tensor_specs[0]
+    args = _bound(call)
+    pair = (_norm(args["dim1"], spec.ndim), _norm(args["dim2"], spec.ndim))
+    others = [d for d in range(spec.ndim) if d not in pair]
+    placements = _moved_off(spec, pair, others)
+    return Sharding([tuple(placements)], [_renumber(placements, {d: i for i, d in enumerate(others)})])
+
+
+@register(aten.diagonal_backward.default)
+def diagonal_backward_rule(call: OpCall) -> Sharding:
+    """Gradient dims map back to the input's other dims; its diagonal dim is not sharded."""
+    grad = call.tensor_specs[0]
+    args = _bound(call)
+    sizes = list(args["input_sizes"])
+    offset, dim1, dim2 = args["offset"], _norm(args["dim1"], len(sizes)), _norm(args["dim2"], len(sizes))
+    others = [d for d in range(len(sizes)) if d not in (dim1, dim2)]
+    placements = _moved_off(grad, [grad.ndim - 1], range(grad.ndim - 1))
+    out = _renumber(placements, dict(enumerate(others)))
+    local_sizes = _local_shape(sizes, out, grad.mesh)
+    return Sharding(
+        [tuple(placements)], [out],
+        local=lambda a, k: aten.diagonal_backward.default(a[0], local_sizes, offset, dim1, dim2),
+    )
+
+
+@register(aten.unfold.default)
+def unfold_rule(call: OpCall) -> Sharding:
+    """Windows along ``dimension`` overlap, so that dim is not sharded; the others keep
+    their shards (the window dim is appended last)."""
+    spec = call.tensor_specs[0]
+    dim = _norm(_bound(call)["dimension"], max(spec.ndim, 1))
+    placements = _moved_off(spec, [dim], [d for d in range(spec.ndim) if d != dim])
+    return Sharding([tuple(placements)], [tuple(placements)])
+
+
+@register(aten.unfold_backward.default)
+def unfold_backward_rule(call: OpCall) -> Sharding:
+    """The window count and window dims of the gradient are not sharded; the others are kept."""
+    grad = call.tensor_specs[0]
+    args = _bound(call)
+    sizes = list(args["input_sizes"])
+    dim, size, step = _norm(args["dim"], max(len(sizes), 1)), args["size"], args["step"]
+    window = grad.ndim - 1
+    placements = _moved_off(grad, [dim, window], [d for d in range(window) if d != dim])
+    local_sizes = _local_shape(sizes, placements, grad.mesh)
+    return Sharding(
+        [tuple(placements)], [tuple(placements)],
+        local=lambda a, k: aten.unfold_backward.default(a[0], local_sizes, dim, size, step),
+    )
 
 
 # --- cat and stack ---------------------------------------------------------------------------------
