@@ -4,6 +4,7 @@ Public names match ``torch.distributed.tensor``; launch with ``mpiexec``/``srun`
 """
 from .api import distribute_module, distribute_tensor
 from .dtensor import DTensor
+from .factories import empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, init_device_mesh
 from .placements import Partial, Placement, Replicate, Shard
 from . import ops  # noqa: F401  (registers the sharding rules)
@@ -17,5 +18,11 @@ __all__ = [
     "Shard",
     "distribute_module",
     "distribute_tensor",
+    "empty",
+    "full",
     "init_device_mesh",
+    "ones",
+    "rand",
+    "randn",
+    "zeros",
 ]

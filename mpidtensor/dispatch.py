@@ -10,6 +10,7 @@ local op and wraps the outputs.
 """
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from typing import Any, Callable
@@ -25,15 +26,21 @@ from .spec import DTensorSpec
 
 _PLANS: dict[tuple, "Plan"] = {}
 _WARNED: set = set()
-_FLOAT_BY_VALUE: dict[torch._ops.OpOverload, bool] = {}
+_FLOAT_BY_VALUE: dict[int, bool] = {}  # by id(func): OpOverload hashes in Python
 _NO_META = object()  # the op could not run on meta tensors
 
 
 def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    by_value = _FLOAT_BY_VALUE.get(func)
+    fid = id(func)  # op overloads live for the whole process
+    by_value = _FLOAT_BY_VALUE.get(fid)
     if by_value is None:
-        by_value = _FLOAT_BY_VALUE[func] = not is_pointwise(func)
-    key = (func, _key(args, by_value), _key(kwargs, by_value) if kwargs else None)
+        by_value = _FLOAT_BY_VALUE[fid] = not is_pointwise(func)
+    key = [fid]
+    for a in args:
+        key.append(a._spec if isinstance(a, DTensor) else _key(a, by_value))
+    if kwargs:
+        key.append(_key(kwargs, by_value))
+    key = tuple(key)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _make_plan(func, args, kwargs)
@@ -119,7 +126,7 @@ def _build_plan(func, args, kwargs, tensors, specs, mesh, out_meta, sharding) ->
         DTensorSpec(mesh, placements, m.shape, m.stride(), m.dtype) for m, placements in zip(metas, sharding.outputs)
     ]
     local = sharding.local or (lambda a, k, f=func._op: f(*a, **k))
-    return Plan(unwrap, local, _make_wrap(func, out_meta, out_specs, args))
+    return Plan(unwrap, local, _mark_broken_views(func, converters, _make_wrap(func, out_meta, out_specs, args)))
 
 
 def _fallback_plan(func, args, kwargs, tensors, specs, mesh) -> Plan:
@@ -143,19 +150,29 @@ def _fallback_plan(func, args, kwargs, tensors, specs, mesh) -> Plan:
             return [DTensorSpec(mesh, rep, t.shape, t.stride(), t.dtype) for t in outs]
 
         return Plan(unwrap, lambda a, k: func(*a, **k), _make_inplace_wrap(func, written, replicated_specs))
-    if any(r.alias_info is not None for r in func._schema.returns) and any(
-        c not in (None, _local_of) for c in converters
-    ):
-        # A view of a redistributed copy does not alias the caller's tensor: writing
-        # through it would be lost, so in-place ops on it are refused (_make_inplace_wrap).
-        def wrap_copy(out, a, k):
-            out = _wrap_replicated(out, mesh)
-            for t in _tensors(out):
-                t._not_a_view_of = func
-            return out
+    wrap = _mark_broken_views(func, converters, lambda out, a, k: _wrap_replicated(out, mesh))
+    return Plan(unwrap, lambda a, k: func(*a, **k), wrap)
 
-        return Plan(unwrap, lambda a, k: func(*a, **k), wrap_copy)
-    return Plan(unwrap, lambda a, k: func(*a, **k), lambda out, a, k: _wrap_replicated(out, mesh))
+
+def _mark_broken_views(func, converters, wrap: Callable) -> Callable:
+    """For a view op: tag the outputs that do not alias the caller's tensor, because an
+    input was redistributed (a copy) or was itself such an output. An in-place op on a
+    tagged tensor is refused (``_make_inplace_wrap``): its write would be lost."""
+    if not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+        return wrap
+    copied = any(c not in (None, _local_of) for c in converters)
+
+    def marking_wrap(out, a, k):
+        out = wrap(out, a, k)
+        source = func if copied else next(
+            (t._not_a_view_of for t in a if getattr(t, "_not_a_view_of", None) is not None), None
+        )
+        if source is not None:
+            for t in _tensors(out):
+                t._not_a_view_of = source
+        return out
+
+    return marking_wrap
 
 
 def _wrap_replicated(out, mesh):
@@ -260,8 +277,7 @@ def _converter(t, src: DTensorSpec, dst: DTensorSpec) -> Callable | None:
     return convert
 
 
-def _local_of(a: DTensor) -> torch.Tensor:
-    return a._local_tensor
+_local_of = operator.attrgetter("_local_tensor")
 
 
 def _make_unwrap(args, kwargs, converters) -> Callable:
@@ -324,6 +340,9 @@ def _make_wrap(func, out_meta, out_specs, args) -> Callable:
             return lambda v: kind(s(x) for s, x in zip(subs, v))
         return lambda x: x
 
+    if isinstance(out_meta, torch.Tensor):  # the common case, one frame less
+        spec = out_specs[0]
+        return lambda out, a, k: DTensor(out, spec, requires_grad=False)
     wrap_out = build(out_meta)
     return lambda out, a, k: wrap_out(out)
 

@@ -118,7 +118,9 @@ def as_buffer(tensor: torch.Tensor) -> Any:
     """A zero-copy byte view of a C-contiguous tensor that mpi4py accepts as a buffer."""
     if not tensor.is_contiguous():
         raise ValueError("only C-contiguous tensors may be handed to MPI")
-    data = tensor.reshape(-1).view(torch.uint8)  # bytes: NumPy/CuPy lack some torch dtypes
+    # bytes (NumPy/CuPy lack some torch dtypes); as_strided, since a contiguous tensor of
+    # 0 or 1 element may carry any stride, which reshape would keep and view refuse
+    data = tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8)
     if data.device.type == "cpu":
         return data.numpy()
     import cupy  # lazily: only CUDA tensors need it

@@ -32,7 +32,7 @@ from .._layout import contiguous_strides
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
 from .pointwise import pointwise_rule
-from .registry import _COST, OpCall, Sharding, register, replicate_all
+from .registry import COST, OpCall, Sharding, register, replicate_all
 
 aten = torch.ops.aten
 
@@ -75,14 +75,14 @@ def _cost(specs: Sequence[DTensorSpec], m: int, opt: _Option, out_bytes: list[in
             continue
         nbytes = max(spec.shape.numel(), 1) * spec.dtype.itemsize
         if isinstance(cur, Partial):
-            total += _COST["reduce_scatter" if isinstance(target, Shard) else "all_reduce"] * nbytes
+            total += COST["reduce_scatter" if isinstance(target, Shard) else "all_reduce"] * nbytes
         elif isinstance(cur, Shard):
-            total += _COST["all_to_all" if isinstance(target, Shard) else "all_gather"] * nbytes
+            total += COST["all_to_all" if isinstance(target, Shard) else "all_gather"] * nbytes
         else:
             total += 0.01 * nbytes
     if not any(isinstance(s.placements[m], Partial) for s in specs):
         # A new Partial output will have to be reduced by whoever reads it.
-        total += sum(_COST["all_reduce"] * b for p, b in zip(opt.outputs, out_bytes) if isinstance(p, Partial))
+        total += sum(COST["all_reduce"] * b for p, b in zip(opt.outputs, out_bytes) if isinstance(p, Partial))
     return total
 
 

@@ -35,7 +35,7 @@ from .._layout import local_span
 from ..mesh import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import _COST, OpCall, Placements, Sharding, register, replicate_all
+from .registry import OpCall, Placements, Sharding, register, replicate_all, transition_cost
 
 aten = torch.ops.aten
 
@@ -64,15 +64,7 @@ def _inputs(call: OpCall, targets: dict[str, Placements | None]) -> list[Placeme
 
 def _cost(spec: DTensorSpec, m: int, target: Placement) -> float:
     """Rough bytes moved to bring ``spec`` to ``target`` at mesh dim ``m`` alone."""
-    current = spec.placements[m]
-    if current == target:
-        return 0.0
-    nbytes = _nbytes(spec)
-    if isinstance(current, Partial):
-        return _COST["reduce_scatter" if isinstance(target, Shard) else "all_reduce"] * nbytes
-    if isinstance(current, Shard):
-        return _COST["all_to_all" if isinstance(target, Shard) else "all_gather"] * nbytes
-    return 0.01 * nbytes
+    return transition_cost(spec.placements[m], target) * _nbytes(spec)
 
 
 def _nbytes(t: DTensorSpec | torch.Tensor) -> int:
@@ -479,7 +471,7 @@ def _class_local_target(offset: int, size: int, ignore_index: int) -> Callable:
 
 @register(aten.nll_loss_forward, aten.nll_loss2d_forward)
 def nll_loss(call: OpCall) -> Sharding:
-    x, target, weight = _arg(call, 0), _arg(call, 1), _arg(call, 2)
+    x, target = _arg(call, 0), _arg(call, 1)
     reduction, ignore_index = _arg(call, 3), _arg(call, 4)
     modes = _nll_modes(x, target)
     x_target = tuple(m[1] for m in modes)

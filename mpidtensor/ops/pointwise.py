@@ -11,7 +11,7 @@ import torch
 
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import _COST, OpCall, Sharding, register, replicated
+from .registry import OpCall, Sharding, register, replicated, transition_cost
 
 aten = torch.ops.aten
 
@@ -134,20 +134,10 @@ def _options(specs, out_shape, m: int, linearity: str | None, divides: bool):
 
 
 def _cost(specs, m: int, targets) -> float:
-    total = 0.0
-    for s, t in zip(specs, targets):
-        c = s.placements[m]
-        if c == t:
-            continue
-        nbytes = max(s.shape.numel(), 1) * s.dtype.itemsize
-        if isinstance(c, Partial):
-            w = _COST["reduce_scatter" if isinstance(t, Shard) else "all_reduce"]
-        elif isinstance(c, Shard):
-            w = _COST["all_to_all" if isinstance(t, Shard) else "all_gather"]
-        else:
-            w = 0.01
-        total += w * nbytes
-    return total
+    return sum(
+        transition_cost(s.placements[m], t) * max(s.shape.numel(), 1) * s.dtype.itemsize
+        for s, t in zip(specs, targets)
+    )
 
 
 _register_foreach()

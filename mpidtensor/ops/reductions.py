@@ -29,7 +29,7 @@ from .._layout import local_shape_and_offset
 from ..mesh import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import _COST, OpCall, Sharding, redistribute_cost, register
+from .registry import COST, OpCall, Sharding, redistribute_cost, register
 
 aten = torch.ops.aten
 
@@ -283,7 +283,7 @@ def select_rule(call: OpCall) -> Sharding:
     flat = b["dim"] is None
     lay = _layout(call, _reduced_dims(b["dim"], spec.ndim), bool(b["keepdim"]))
     pair_size = spec.dtype.itemsize + 8  # a value and an int64 index
-    lay = _cheapest_way(call, lay, lambda group, kept: _COST["all_gather"] * group * kept * pair_size)
+    lay = _cheapest_way(call, lay, lambda group, kept: COST["all_gather"] * group * kept * pair_size)
     out = lay.outputs(Replicate())
     n_out = len(call.out_metas())
     if not lay.across:
@@ -374,7 +374,7 @@ def moments_rule(call: OpCall) -> Sharding:
     acc = _accumulator(spec.dtype)
     passes = 1 if lazy else 2
     lay = _layout(call, dims, bool(b["keepdim"]))
-    lay = _cheapest_way(call, lay, lambda group, kept: _COST["all_reduce"] * kept * acc.itemsize * passes)
+    lay = _cheapest_way(call, lay, lambda group, kept: COST["all_reduce"] * kept * acc.itemsize * passes)
     n_out = len(call.out_metas())
     if not lay.across:
         outs = [lay.outputs(Replicate())] * n_out
@@ -420,7 +420,7 @@ def vector_norm_rule(call: OpCall) -> Sharding:
     combine = {math.inf: "max", -math.inf: "min", 0.0: "sum", 1.0: "sum"}.get(order)
     out_dtype = call.out_metas()[0].dtype
     if combine is None:
-        lay = _cheapest_way(call, lay, lambda group, kept: _COST["all_reduce"] * kept * out_dtype.itemsize)
+        lay = _cheapest_way(call, lay, lambda group, kept: COST["all_reduce"] * kept * out_dtype.itemsize)
     if combine is not None or not lay.across:
         out = lay.outputs(Partial(combine) if combine else Replicate())
         fill = 0 if order == math.inf else math.inf
@@ -450,7 +450,7 @@ def logsumexp_rule(call: OpCall) -> Sharding:
     dims = _reduced_dims(b["dim"], spec.ndim)
     out_dtype = call.out_metas()[0].dtype
     lay = _layout(call, dims, bool(b["keepdim"]))
-    lay = _cheapest_way(call, lay, lambda group, kept: 2 * _COST["all_reduce"] * kept * out_dtype.itemsize)
+    lay = _cheapest_way(call, lay, lambda group, kept: 2 * COST["all_reduce"] * kept * out_dtype.itemsize)
     out = lay.outputs(Replicate())
     if not lay.across:
         return Sharding([lay.inputs], [out])
@@ -490,7 +490,7 @@ def scan_rule(call: OpCall) -> Sharding:
     keeps = _LINEAR if is_sum else ("product",)
     out_dtype = call.out_metas()[0].dtype
     lay = _layout(call, dims, True, keeps)
-    lay = _cheapest_way(call, lay, lambda group, kept: _COST["all_gather"] * group * kept * out_dtype.itemsize, keeps)
+    lay = _cheapest_way(call, lay, lambda group, kept: COST["all_gather"] * group * kept * out_dtype.itemsize, keeps)
     out = tuple(lay.inputs)
     if not lay.across or lay.kept_empty():
         return Sharding([lay.inputs], [out])

@@ -92,25 +92,26 @@ def _flatten(obj) -> list:
 
 # --- helpers shared by rules -------------------------------------------------------------------
 
-_COST = {"all_gather": 1.0, "all_to_all": 0.5, "all_reduce": 2.0, "reduce_scatter": 1.0, "chunk": 0.0}
+COST = {"all_gather": 1.0, "all_to_all": 0.5, "all_reduce": 2.0, "reduce_scatter": 1.0, "chunk": 0.0}
+
+
+def transition_cost(current: Placement, target: Placement) -> float:
+    """Relative bytes moved to take one mesh dim from ``current`` to ``target``."""
+    if current == target:
+        return 0.0
+    if isinstance(current, Partial):
+        return COST["reduce_scatter" if isinstance(target, Shard) else "all_reduce"]
+    if isinstance(current, Shard):
+        return COST["all_to_all" if isinstance(target, Shard) else "all_gather"]
+    return 0.01  # a local chunk or partition
 
 
 def redistribute_cost(spec: DTensorSpec, target: Placements) -> float:
     """A rough byte count for moving ``spec`` to ``target`` (0 when nothing moves)."""
     if spec.placements == target:
         return 0.0
-    nbytes = spec.shape.numel() * spec.dtype.itemsize if spec.shape else spec.dtype.itemsize
-    cost = 0.0
-    for cur, tgt in zip(spec.placements, target):
-        if cur == tgt:
-            continue
-        if isinstance(cur, Partial):
-            cost += _COST["reduce_scatter" if isinstance(tgt, Shard) else "all_reduce"]
-        elif isinstance(cur, Shard):
-            cost += _COST["all_to_all" if isinstance(tgt, Shard) else "all_gather"]
-        else:
-            cost += 0.01  # a local chunk or partition
-    return cost * nbytes + 1e-9 * nbytes
+    nbytes = max(spec.shape.numel(), 1) * spec.dtype.itemsize
+    return nbytes * (sum(transition_cost(c, t) for c, t in zip(spec.placements, target)) + 1e-9)
 
 
 def cheapest(call: OpCall, candidates: Iterable[Sharding]) -> Sharding:
