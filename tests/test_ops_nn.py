@@ -2,8 +2,7 @@
 cross_entropy/nll_loss, mse_loss, gelu/silu and attention, forward and gradients.
 
 Odd sizes (5, 7, 9, 11) give uneven and empty shards at 2-4 ranks; losses must equal
-plain torch on them. Tests run with ``MPIDTENSOR_STRICT=1`` (a missing rule fails)
-unless they take the ``allow_fallback`` fixture because they reach ops of other families.
+plain torch on them. Tests run with ``MPIDTENSOR_STRICT=1``: a missing rule fails.
 """
 from __future__ import annotations
 
@@ -25,12 +24,6 @@ R = Replicate()
 def _strict(monkeypatch):
     """A missing rule fails instead of silently replicating."""
     monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
-
-
-@pytest.fixture
-def allow_fallback(monkeypatch):
-    """For tests that reach ops of families still being written (views, reductions)."""
-    monkeypatch.delenv("MPIDTENSOR_STRICT")
 
 
 class Collectives:
@@ -144,7 +137,7 @@ def test_layer_norm_batch_sharded_no_communication(mesh1d):
 
 
 @pytest.mark.parametrize("px", [[Shard(0)], [Shard(2)], [R]])
-def test_rms_norm(mesh1d, allow_fallback, px):
+def test_rms_norm(mesh1d, px):
     """On CPU rms_norm decomposes into pointwise ops and a mean (reductions family)."""
     x = global_tensor((5, 3, 9))
     check_op(lambda t, w: F.rms_norm(t, (9,), w, 1e-6), [x, global_tensor((9,), seed=2)], [px, [R]], mesh1d)
@@ -327,7 +320,7 @@ def test_cross_entropy_mean_one_all_reduce(mesh1d):
     assert_all_ranks(loss.placements == (Partial(),), f"placements {loss.placements}")
 
 
-def test_cross_entropy_label_smoothing(mesh1d, allow_fallback):
+def test_cross_entropy_label_smoothing(mesh1d):
     """Label smoothing adds a sum over classes (reductions family)."""
     x, t = global_tensor((7, 9)), _targets((7,), 9, ignore_index=2)
     check_op(lambda a, b: F.cross_entropy(a, b, ignore_index=2, label_smoothing=0.1), [x, t], [[Shard(0)], [Shard(0)]],
