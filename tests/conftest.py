@@ -52,6 +52,13 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs with MPIDTENSOR_STRICT=1: an op without a sharding rule fails the
+    test instead of quietly replicating. Tests of the fallback unset it themselves."""
+    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
+
+
 @pytest.fixture(scope="session")
 def mesh1d():
     """A 1-D mesh over all ranks."""
