@@ -39,7 +39,10 @@ def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, *, dim: int, sizes: Se
     flat = empty((sum(counts),), tensor)  # the pieces back to back, in rank order
     datatype = mpi_type(tensor.dtype)
     tracing.record("all_gather", send.nbytes)
-    comm.Allgatherv([as_buffer(send), send.numel(), datatype], [as_buffer(flat), (counts, _offsets(counts)), datatype])
+    if len(set(counts)) == 1:  # even pieces: MPICH's Allgather is ~3x faster than Allgatherv here
+        comm.Allgather([as_buffer(send), send.numel(), datatype], [as_buffer(flat), counts[0], datatype])
+    else:
+        comm.Allgatherv([as_buffer(send), send.numel(), datatype], [as_buffer(flat), (counts, _offsets(counts)), datatype])
     if prod(send.shape[:dim]) == 1:  # pieces are contiguous runs of the result
         return unstage(flat.view(_resized(send.shape, dim, sum(sizes))), tensor)
     pieces = [chunk.view(_resized(send.shape, dim, size)) for chunk, size in zip(flat.split(counts), sizes)]
