@@ -1,0 +1,62 @@
+# mpidtensor: development environment, tests, demo and benchmark.
+#
+#   make test            create .venv if needed, run pytest at 1, 2, 3 and 4 ranks
+#   make demo / bench    examples/demo.py / benchmarks/bench_redistribute.py at 4 ranks
+#   make venv MPI=system build mpi4py against the site MPI (the mpicc/mpiexec on
+#                        PATH, e.g. after `module load`) instead of the mpich wheel
+#   make clean           remove .venv and build/cache files
+
+PYTHON ?= python3
+VENV   ?= .venv
+MPI    ?= mpich
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(MPI)
+
+ifeq ($(MPI),system)
+  MPIEXEC ?= mpiexec
+  EXTRAS  := test
+else
+  MPIEXEC ?= $(VENV)/bin/mpiexec
+  EXTRAS  := mpich,test
+endif
+
+TEST_SIZES   ?= 1 2 3 4
+TEST_TIMEOUT ?= 900# seconds for one world size (whole mpiexec run)
+CASE_TIMEOUT ?= 120# seconds for one test (pytest-timeout)
+PYTEST_ARGS  ?=
+
+# Ranks outnumber cores here (4 ranks on 2 cores): one torch thread per rank,
+# and MPICH ranks that yield the core while they wait (docs/mpi-settings.md).
+export OMP_NUM_THREADS ?= 1
+export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
+
+.PHONY: venv test demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+ifeq ($(MPI),system)
+	$(PY) -m pip install -q --no-binary mpi4py --no-cache-dir 'mpi4py>=4'
+endif
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+test: $(STAMP)
+	@for n in $(TEST_SIZES); do \
+	  echo "== pytest on $$n rank(s)"; \
+	  timeout $(TEST_TIMEOUT) $(MPIEXEC) -n $$n $(PY) -m pytest -q --with-mpi \
+	    --timeout=$(CASE_TIMEOUT) $(PYTEST_ARGS) tests </dev/null \
+	    || { rc=$$?; echo "== pytest failed on $$n rank(s) (exit $$rc)"; exit $$rc; }; \
+	done
+
+demo: $(STAMP)
+	$(MPIEXEC) -n 4 $(PY) examples/demo.py
+
+bench: $(STAMP)
+	$(MPIEXEC) -n 4 $(PY) benchmarks/bench_redistribute.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
