@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
+from mpidtensor.mesh import tracing
+
 WORLD = MPI.COMM_WORLD
 
 
@@ -35,3 +37,20 @@ def global_tensor(shape, dtype=torch.float32, seed: int = 1234) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
     return torch.randint(-100, 100, shape, generator=gen, dtype=dtype)
+
+
+class CollectiveLog:
+    """The kinds of the collectives run inside a ``with`` block, in order (``.calls``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __call__(self, kind: str, nbytes: int) -> None:
+        self.calls.append(kind)
+
+    def __enter__(self) -> "CollectiveLog":
+        tracing.push(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        tracing.pop(self)

@@ -6,33 +6,11 @@ import pytest
 import torch
 
 from helpers import assert_all_ranks, assert_close, global_tensor
+from helpers import CollectiveLog as _Count
 from op_check import check_op
-from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from mpidtensor.mesh import tracing
+from mpidtensor import Partial, Replicate, Shard, distribute_tensor
 
 S0, S1, R, P = [Shard(0)], [Shard(1)], [Replicate()], [Partial()]
-
-
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
-
-
-class _Count:
-    """Counts collectives while active."""
-
-    def __init__(self):
-        self.calls: list[str] = []
-
-    def __call__(self, kind, nbytes):
-        self.calls.append(kind)
-
-    def __enter__(self):
-        tracing.push(self)
-        return self
-
-    def __exit__(self, *exc):
-        tracing.pop(self)
 
 
 def _ints(values) -> torch.Tensor:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from helpers import assert_all_ranks, global_tensor
+from helpers import CollectiveLog as _Traffic
 from mpidtensor import Partial, Replicate, Shard, distribute_tensor
-from mpidtensor.mesh import tracing
 from op_check import check_op
 
 S0, S1, S2, R, P = Shard(0), Shard(1), Shard(2), Replicate(), Partial()
@@ -36,23 +36,6 @@ def _t(*shape, seed=0):
 def _id(value) -> str:
     """Readable test ids: op names for functions, reprs for placements and shapes."""
     return getattr(value, "__name__", None) or str(value)
-
-
-class _Traffic:
-    """Counts collectives while active."""
-
-    def __init__(self):
-        self.calls: list[str] = []
-
-    def __call__(self, kind: str, nbytes: int) -> None:
-        self.calls.append(kind)
-
-    def __enter__(self):
-        tracing.push(self)
-        return self
-
-    def __exit__(self, *exc):
-        tracing.pop(self)
 
 
 def _check_layout(fn, inputs, placements, mesh, expected):

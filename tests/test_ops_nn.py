@@ -11,32 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_all_ranks, assert_close, global_tensor
+from helpers import CollectiveLog as Collectives
 from op_check import check_op
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from mpidtensor.dispatch import dispatch
-from mpidtensor.mesh import tracing
 
 aten = torch.ops.aten
 R = Replicate()
-
-
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    """A missing rule fails instead of silently replicating."""
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
-
-
-class Collectives:
-    """Records the kinds of the collectives run inside a ``with`` block."""
-
-    def __enter__(self):
-        self.calls: list[str] = []
-        self._recorder = lambda kind, nbytes: self.calls.append(kind)
-        tracing.push(self._recorder)
-        return self
-
-    def __exit__(self, *exc):
-        tracing.pop(self._recorder)
 
 
 def ids_tensor(shape, high: int, seed: int = 7) -> torch.Tensor:

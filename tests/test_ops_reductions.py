@@ -11,33 +11,14 @@ import pytest
 import torch
 
 from helpers import assert_all_ranks, assert_close, global_tensor
+from helpers import CollectiveLog as Collectives
 from op_check import check_op
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from mpidtensor.dispatch import clear_cache
 from mpidtensor.ops import reductions
-from mpidtensor.mesh import tracing
 
 P1 = [[Shard(0)], [Shard(1)], [Replicate()]]
 P2 = [[Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(1)]]
-
-
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    """A missing rule fails instead of silently replicating."""
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
-
-
-class Collectives:
-    """Records the collectives run inside a ``with`` block."""
-
-    def __enter__(self):
-        self.calls: list[str] = []
-        self._recorder = lambda kind, nbytes: self.calls.append(kind)
-        tracing.push(self._recorder)
-        return self
-
-    def __exit__(self, *exc):
-        tracing.pop(self._recorder)
 
 
 def as_partial(x: DTensor, op: str = "sum", mesh_dim: int = 0) -> DTensor:

@@ -10,20 +10,14 @@ import torch
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, global_tensor
+from helpers import CollectiveLog as Collectives
 from op_check import check_op
 from mpidtensor import Partial, Replicate, Shard, distribute_tensor
-from mpidtensor.mesh import tracing
 
 WORLD = MPI.COMM_WORLD.size
 P1 = [[Shard(0)], [Shard(1)], [Shard(2)], [Replicate()], [Partial()]]
 P2 = [[Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(1)], [Shard(2), Shard(0)], [Partial(), Shard(1)]]
 MESHES = ["mesh1d", "mesh2d"]
-
-
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    """A missing rule fails instead of silently replicating."""
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
 
 
 def _check_all(request, mesh_name: str, x: torch.Tensor, fn, **kw) -> None:
@@ -32,19 +26,6 @@ def _check_all(request, mesh_name: str, x: torch.Tensor, fn, **kw) -> None:
     for placements in P1 if mesh_name == "mesh1d" else P2:
         if all(not isinstance(p, Shard) or p.dim < x.ndim for p in placements):
             check_op(fn, [x], [placements], mesh, **kw)
-
-
-class Collectives:
-    """Records the kinds of the collectives run inside a ``with`` block."""
-
-    def __enter__(self) -> "Collectives":
-        self.calls: list[str] = []
-        self._recorder = lambda kind, nbytes: self.calls.append(kind)
-        tracing.push(self._recorder)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        tracing.pop(self._recorder)
 
 
 # --- renumbering views -----------------------------------------------------------------------------

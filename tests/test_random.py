@@ -15,11 +15,6 @@ SHAPE = (7, 9)
 EXACT = dict(atol=0, rtol=0)
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
-
-
 def _zeros(mesh, placements, shape=SHAPE, dtype=torch.float32) -> DTensor:
     return distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, placements)
 

@@ -132,19 +132,6 @@ def _cheapest_way(
 # --- argument helpers --------------------------------------------------------------------------
 
 
-def _bind(call: OpCall) -> dict:
-    """The call's arguments by schema name, defaults filled in."""
-    bound = {}
-    for i, arg in enumerate(call.func._schema.arguments):
-        if i < len(call.args) and not arg.kwarg_only:
-            bound[arg.name] = call.args[i]
-        elif arg.name in call.kwargs:
-            bound[arg.name] = call.kwargs[arg.name]
-        else:
-            bound[arg.name] = arg.default_value if arg.has_default_value() else None
-    return bound
-
-
 def _reduced_dims(dim, ndim: int, empty_means_all: bool = True) -> tuple[int, ...]:
     """Sorted non-negative reduced dims; ``None`` (and ``[]``, for most ops) means all."""
     if dim is None:
@@ -208,7 +195,7 @@ def _empty_outputs(call: OpCall, outs: list[Placements]) -> Callable:
 def sum_rule(call: OpCall) -> Sharding:
     """Shards of reduced dims give P(sum); P(sum)/P(avg) inputs stay Partial for sum (linear),
     not for nansum (a NaN part need not make a NaN whole)."""
-    b = _bind(call)
+    b = call.bound()
     keeps = _LINEAR if _name(call) == "sum" else ()
     lay = _layout(call, _reduced_dims(b.get("dim"), call.tensor_specs[0].ndim), bool(b.get("keepdim")), keeps)
     return Sharding([lay.inputs], [lay.outputs(Partial("sum"))])
@@ -217,7 +204,7 @@ def sum_rule(call: OpCall) -> Sharding:
 @register(aten.mean.default, aten.mean.dim)
 def mean_rule(call: OpCall) -> Sharding:
     """Like sum; across shards the local op is the local sum over the GLOBAL count."""
-    b = _bind(call)
+    b = call.bound()
     spec = call.tensor_specs[0]
     dims = _reduced_dims(b.get("dim"), spec.ndim)
     keepdim = bool(b.get("keepdim"))
@@ -239,7 +226,7 @@ def mean_rule(call: OpCall) -> Sharding:
 @register(aten.prod.default, aten.prod.dim_int)
 def prod_rule(call: OpCall) -> Sharding:
     """Shards of reduced dims give P(product) (an empty shard's product is 1)."""
-    b = _bind(call)
+    b = call.bound()
     lay = _layout(call, _reduced_dims(b.get("dim"), call.tensor_specs[0].ndim), bool(b.get("keepdim")), ("product",))
     return Sharding([lay.inputs], [lay.outputs(Partial("product"))])
 
@@ -248,7 +235,7 @@ def prod_rule(call: OpCall) -> Sharding:
 def extremum_rule(call: OpCall) -> Sharding:
     """Shards of reduced dims give P(max)/P(min); empty shards hold the op's identity."""
     op = "max" if _name(call) in ("amax", "max") else "min"
-    b = _bind(call)
+    b = call.bound()
     spec = call.tensor_specs[0]
     lay = _layout(call, _reduced_dims(b.get("dim"), spec.ndim), bool(b.get("keepdim")), (op,))
     out = lay.outputs(Partial(op))
@@ -260,7 +247,7 @@ def any_all_rule(call: OpCall) -> Sharding:
     """Shards of reduced dims give P(max) (any) / P(min) (all) on the 0/1 result. A P(max)/P(min)
     input stays Partial only for bool/uint8 (non-negative, so max/min commute with != 0)."""
     op = "max" if _name(call) == "any" else "min"
-    b = _bind(call)
+    b = call.bound()
     spec = call.tensor_specs[0]
     keeps = (op,) if spec.dtype in (torch.bool, torch.uint8) else ()
     lay = _layout(call, _reduced_dims(b.get("dim"), spec.ndim, empty_means_all=False), bool(b.get("keepdim")), keeps)
@@ -278,7 +265,7 @@ def select_rule(call: OpCall) -> Sharding:
     over those mesh dims. Where moving the input's shards away is cheaper (short dims), it
     is done instead and the op runs locally."""
     op = "max" if "max" in _name(call) else "min"
-    b = _bind(call)
+    b = call.bound()
     spec = call.tensor_specs[0]
     flat = b["dim"] is None
     lay = _layout(call, _reduced_dims(b["dim"], spec.ndim), bool(b["keepdim"]))
@@ -364,7 +351,7 @@ def moments_rule(call: OpCall) -> Sharding:
     divisor is positive, so that no 0/0 is summed); the mean is replicated. Where moving the
     input's shards away is cheaper (short dims), it is done instead."""
     name = _name(call)
-    b = _bind(call)
+    b = call.bound()
     spec = call.tensor_specs[0]
     dims = _reduced_dims(b["dim"], spec.ndim)
     count = math.prod(spec.shape[d] for d in dims)
@@ -411,7 +398,7 @@ def vector_norm_rule(call: OpCall) -> Sharding:
     """Across shards: ord=inf/-inf give P(max)/P(min) of |x| (an empty shard holds 0 / inf),
     ord=0/1 give P(sum); other ords all-reduce the local sums of |x|^ord and take the root
     (or move the input's shards away, where that is cheaper)."""
-    b = _bind(call)
+    b = call.bound()
     spec = call.tensor_specs[0]
     dims = _reduced_dims(b["dim"], spec.ndim)
     keepdim = bool(b["keepdim"])
@@ -445,7 +432,7 @@ def logsumexp_rule(call: OpCall) -> Sharding:
     """Across shards: all-reduce the local maxima (an empty shard holds -inf), then the local
     sums of exp(x - max); infinite maxima are shifted by 0, as torch does. Where moving the
     input's shards away is cheaper (short dims), that is done instead."""
-    b = _bind(call)
+    b = call.bound()
     spec = call.tensor_specs[0]
     dims = _reduced_dims(b["dim"], spec.ndim)
     out_dtype = call.out_metas()[0].dtype
@@ -484,7 +471,7 @@ def scan_rule(call: OpCall) -> Sharding:
     of the ranks before it (or the shards move to another dim, where that is cheaper).
     P(sum) (cumsum) and P(product) (cumprod) inputs stay Partial."""
     is_sum = _name(call) == "cumsum"
-    b = _bind(call)
+    b = call.bound()
     spec = call.tensor_specs[0]
     dims = _reduced_dims(b["dim"], spec.ndim)
     keeps = _LINEAR if is_sum else ("product",)

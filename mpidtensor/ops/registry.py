@@ -36,6 +36,18 @@ class OpCall:
     def ndim(self) -> int:
         return self.mesh.ndim
 
+    def bound(self) -> dict:
+        """The arguments by schema name; absent ones take their default (or None)."""
+        out = {}
+        for i, arg in enumerate(self.func._schema.arguments):
+            if i < len(self.args) and not arg.kwarg_only:
+                out[arg.name] = self.args[i]
+            elif arg.name in self.kwargs:
+                out[arg.name] = self.kwargs[arg.name]
+            else:
+                out[arg.name] = arg.default_value if arg.has_default_value() else None
+        return out
+
     def out_metas(self) -> list[torch.Tensor]:
         """Output meta tensors in flattened order."""
         return [t for t in _flatten(self.out_meta) if isinstance(t, torch.Tensor)]

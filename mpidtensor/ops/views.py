@@ -28,19 +28,6 @@ aten = torch.ops.aten
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def _bound(call: OpCall) -> dict:
-    """The call's arguments by schema name, defaults filled in."""
-    out = {}
-    for i, arg in enumerate(call.func._schema.arguments):
-        if i < len(call.args) and not arg.kwarg_only:
-            out[arg.name] = call.args[i]
-        elif arg.name in call.kwargs:
-            out[arg.name] = call.kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-    return out
-
-
 def _norm(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
@@ -110,7 +97,7 @@ def permute_rule(call: OpCall) -> Sharding:
     """Dims are reordered: a shard follows its dim."""
     spec = call.tensor_specs[0]
     ndim = spec.ndim
-    args = _bound(call)
+    args = call.bound()
     if call.func is aten.permute.default:
         order = [_norm(d, ndim) for d in args["dims"]]
     elif ndim < 2:
@@ -126,7 +113,7 @@ def permute_rule(call: OpCall) -> Sharding:
 @register(aten.unsqueeze.default)
 def unsqueeze_rule(call: OpCall) -> Sharding:
     spec = call.tensor_specs[0]
-    dim = _norm(_bound(call)["dim"], spec.ndim + 1)
+    dim = _norm(call.bound()["dim"], spec.ndim + 1)
     dim_map = {d: d + (d >= dim) for d in range(spec.ndim)}
     return Sharding([None], [_renumber(spec.placements, dim_map)])
 
@@ -137,7 +124,7 @@ def squeeze_rule(call: OpCall) -> Sharding:
     local op names them); a shard of a squeezed dim moves to another dim first."""
     spec = call.tensor_specs[0]
     ndim, shape = spec.ndim, spec.shape
-    args = _bound(call)
+    args = call.bound()
     if "dim" not in args:
         asked = range(ndim)
     elif isinstance(args["dim"], int):
@@ -175,7 +162,7 @@ def expand_rule(call: OpCall) -> Sharding:
 def repeat_rule(call: OpCall) -> Sharding:
     """Tiling a sharded dim breaks its chunk layout: only dims repeated once keep shards."""
     spec = call.tensor_specs[0]
-    repeats = list(_bound(call)["repeats"])
+    repeats = list(call.bound()["repeats"])
     lead = len(repeats) - spec.ndim
     tiled = [d for d in range(spec.ndim) if repeats[lead + d] != 1]
     kept = [d for d in range(spec.ndim) if d not in tiled]
@@ -345,7 +332,7 @@ def _block(length: int, dim: int, placements, mesh) -> tuple[int, int]:
 def slice_rule(call: OpCall) -> Sharding:
     """Each rank keeps the part of the slice inside its block, when that is its chunk of the result."""
     spec = call.tensor_specs[0]
-    args = _bound(call)
+    args = call.bound()
     dim = _norm(args["dim"], spec.ndim)
     length = spec.shape[dim]
     if call.func is aten.narrow.default:
@@ -365,7 +352,7 @@ def slice_rule(call: OpCall) -> Sharding:
 def split_rule(call: OpCall) -> Sharding:
     """Every piece is a slice; shards of the split dim stay only if all pieces align."""
     spec = call.tensor_specs[0]
-    dim = _norm(_bound(call)["dim"], spec.ndim)
+    dim = _norm(call.bound()["dim"], spec.ndim)
     length = spec.shape[dim]
     sels, start = [], 0
     for piece in call.out_metas():
@@ -385,7 +372,7 @@ def slice_backward_rule(call: OpCall) -> Sharding:
     """Zero-pad the gradient of a slice: the forward check read backwards (each rank's
     gradient block must be the part of the slice inside its block of the input)."""
     grad = call.tensor_specs[0]
-    args = _bound(call)
+    args = call.bound()
     sizes = list(args["input_sizes"])
     dim = _norm(args["dim"], len(sizes))
     sel = range(sizes[dim])[args["start"]:args["end"]:args["step"]]
@@ -404,7 +391,7 @@ def select_rule(call: OpCall) -> Sharding:
     its row and the other ranks zeros, a ``Partial(sum)`` made without communication;
     other dtypes move the shard to another dim first."""
     spec = call.tensor_specs[0]
-    args = _bound(call)
+    args = call.bound()
     dim = _norm(args["dim"], spec.ndim)
     length = spec.shape[dim]
     index = _norm(args["index"], length)
@@ -428,7 +415,7 @@ def select_rule(call: OpCall) -> Sharding:
 def select_backward_rule(call: OpCall) -> Sharding:
     """The gradient has no ``dim`` to be sharded on: every layout is kept, no communication."""
     grad = call.tensor_specs[0]
-    args = _bound(call)
+    args = call.bound()
     sizes = list(args["input_sizes"])
     dim = _norm(args["dim"], len(sizes))
     index = _norm(args["index"], sizes[dim])
@@ -443,7 +430,7 @@ def select_backward_rule(call: OpCall) -> Sharding:
 def unbind_rule(call: OpCall) -> Sharding:
     """Unbinding a sharded dim would leave most ranks empty-handed: its shards move first."""
     spec = call.tensor_specs[0]
-    dim = _norm(_bound(call)["dim"], spec.ndim)
+    dim = _norm(call.bound()["dim"], spec.ndim)
     others = [d for d in range(spec.ndim) if d != dim]
     placements = _relocate(spec.shape, spec.mesh.shape, list(spec.placements), _sharders(spec.placements, dim), others)
     out = _renumber(placements, {d: d - (d > dim) for d in others})
@@ -464,7 +451,7 @@ def diagonal_rule(call: OpCall) -> Sharding:
     """The two dims of the diagonal leave (shards on them move first); the others
     keep their shards, renumbered. The diagonal is the new last dim."""
     spec = call.tensor_specs[0]
-    args = _bound(call)
+    args = call.bound()
     pair = (_norm(args["dim1"], spec.ndim), _norm(args["dim2"], spec.ndim))
     others = [d for d in range(spec.ndim) if d not in pair]
     placements = _moved_off(spec, pair, others)
@@ -475,7 +462,7 @@ def diagonal_rule(call: OpCall) -> Sharding:
 def diagonal_backward_rule(call: OpCall) -> Sharding:
     """Gradient dims map back to the input's other dims; its diagonal dim is not sharded."""
     grad = call.tensor_specs[0]
-    args = _bound(call)
+    args = call.bound()
     sizes = list(args["input_sizes"])
     offset, dim1, dim2 = args["offset"], _norm(args["dim1"], len(sizes)), _norm(args["dim2"], len(sizes))
     others = [d for d in range(len(sizes)) if d not in (dim1, dim2)]
@@ -493,7 +480,7 @@ def unfold_rule(call: OpCall) -> Sharding:
     """Windows along ``dimension`` overlap, so that dim is not sharded; the others keep
     their shards (the window dim is appended last)."""
     spec = call.tensor_specs[0]
-    dim = _norm(_bound(call)["dimension"], max(spec.ndim, 1))
+    dim = _norm(call.bound()["dimension"], max(spec.ndim, 1))
     placements = _moved_off(spec, [dim], [d for d in range(spec.ndim) if d != dim])
     return Sharding([tuple(placements)], [tuple(placements)])
 
@@ -502,7 +489,7 @@ def unfold_rule(call: OpCall) -> Sharding:
 def unfold_backward_rule(call: OpCall) -> Sharding:
     """The window count and window dims of the gradient are not sharded; the others are kept."""
     grad = call.tensor_specs[0]
-    args = _bound(call)
+    args = call.bound()
     sizes = list(args["input_sizes"])
     dim, size, step = _norm(args["dim"], max(len(sizes), 1)), args["size"], args["step"]
     window = grad.ndim - 1
@@ -524,7 +511,7 @@ def cat_rule(call: OpCall) -> Sharding:
     stack = call.func is aten.stack.default
     out_ndim = call.out_metas()[0].ndim
     in_ndim = out_ndim - stack
-    dim = _norm(_bound(call)["dim"], out_ndim)
+    dim = _norm(call.bound()["dim"], out_ndim)
     specs = call.tensor_specs
     # cat skips legacy empty 1-D inputs of another rank: they are only replicated
     joined = [i for i, s in enumerate(specs) if s.ndim == in_ndim]
