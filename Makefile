@@ -25,8 +25,9 @@ TEST_TIMEOUT ?= 900# seconds for one world size (whole mpiexec run)
 CASE_TIMEOUT ?= 120# seconds for one test (pytest-timeout)
 PYTEST_ARGS  ?=
 
-# Ranks outnumber cores here (4 ranks on 2 cores): one torch thread per rank,
-# and MPICH ranks that yield the core while they wait (docs/mpi-settings.md).
+# Ranks may outnumber cores (4 ranks on 2 cores here): one torch thread per rank,
+# and MPICH's progress loop naps (usleep) after a run of empty polls, which kept
+# tiny collectives fastest when other jobs share the cores (docs/mpi-settings.md).
 export OMP_NUM_THREADS ?= 1
 export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 
