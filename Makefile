@@ -3,7 +3,8 @@
 #   make test            create .venv if needed, run pytest at 1, 2, 3 and 4 ranks
 #   make demo / bench    examples/demo.py / benchmarks/bench_redistribute.py at 4 ranks
 #   make venv MPI=system build mpi4py against the site MPI (the mpicc/mpiexec on
-#                        PATH, e.g. after `module load`) instead of the mpich wheel
+#                        PATH, e.g. after `module load`) instead of the mpich wheel;
+#                        `make clean` first to switch an existing .venv back
 #   make clean           remove .venv and build/cache files
 
 PYTHON ?= python3
@@ -39,7 +40,8 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 ifeq ($(MPI),system)
-	$(PY) -m pip install -q --no-binary mpi4py --no-cache-dir 'mpi4py>=4'
+	$(PY) -m pip uninstall -q -y mpich
+	$(PY) -m pip install -q --no-binary mpi4py --no-cache-dir --force-reinstall --no-deps 'mpi4py>=4'
 endif
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
