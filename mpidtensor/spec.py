@@ -7,7 +7,7 @@ import torch
 
 from ._layout import local_shape_and_offset
 from .mesh import DeviceMesh
-from .placements import Partial, Placement, Replicate, Shard
+from .placements import Placement
 
 
 class DTensorSpec:
@@ -55,13 +55,3 @@ class DTensorSpec:
     def local_shape_and_offset(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """This rank's local shape and its offset in the global tensor."""
         return local_shape_and_offset(self.shape, self.placements, self.mesh.shape, self.mesh._coord)
-
-    def sharders(self, tensor_dim: int) -> list[int]:
-        """Mesh dims that shard ``tensor_dim``, outer first."""
-        return [m for m, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == tensor_dim]
-
-    def is_replicated(self) -> bool:
-        return all(isinstance(p, Replicate) for p in self.placements)
-
-    def has_partial(self) -> bool:
-        return any(isinstance(p, Partial) for p in self.placements)
