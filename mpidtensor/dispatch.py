@@ -21,7 +21,7 @@ from torch.utils._mode_utils import no_dispatch
 from .dtensor import DTensor
 from .ops import registry
 from .ops.pointwise import is_pointwise, pointwise_rule
-from .redistribute import plan as plan_redistribution
+from .redistribute import clear_plans as clear_redistribution_plans, plan as plan_redistribution
 from .spec import DTensorSpec
 
 _PLANS: dict[tuple, "Plan"] = {}
@@ -48,8 +48,9 @@ def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
 
 
 def clear_cache() -> None:
-    """Forget every cached plan (e.g. after freeing meshes)."""
+    """Forget every cached dispatch and redistribution plan, so the next calls plan anew."""
     _PLANS.clear()
+    clear_redistribution_plans()
 
 
 def _key(obj, floats_by_value: bool):

@@ -143,6 +143,11 @@ def _memory_order(shape, stride) -> tuple[int, ...]:
     return tuple(ordered + [d for d in range(len(shape)) if shape[d] <= 1])
 
 
+def clear_plans() -> None:
+    """Forget every cached redistribution plan."""
+    _PLANS.clear()
+
+
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
     for step in plan(src, dst):
         local = step.run(local, src.mesh)
