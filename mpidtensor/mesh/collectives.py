@@ -1,13 +1,22 @@
 """Collectives on torch tensors over an mpi4py communicator.
 
 Results are new C-contiguous tensors with the input's dtype and device.
-All-to-all describes its pieces with subarray datatypes and needs no packing.
-Gather and scatter along a non-leading dimension pack into, or unpack from,
-rank-ordered pieces with one local copy: a datatype for one index along such a
-dimension has to be traversed column-wise, which is far slower for small
-trailing dimensions.
-Every collective reports itself to ``tracing.record``. Argument errors are
-raised before any communication, so they happen on every rank alike.
+All-to-all describes its pieces with subarray datatypes (one per peer, count 1,
+displacement 0) and needs no packing. Gather and scatter along a non-leading
+dimension pack into, or unpack from, rank-ordered pieces with one local copy: a
+datatype for one index along such a dimension has to be traversed column-wise,
+which is far slower for small trailing dimensions.
+
+Every collective reports itself to ``tracing.record``. Argument errors are raised
+before any communication; under ``MPIDTENSOR_DEBUG=1`` the ranks first agree on the
+collective and its arguments (``guard``), and with ``MPIDTENSOR_TIMEOUT`` set each
+blocking MPI call is watched (``watchdog``).
+
+Large counts: mpi4py 4 calls MPI-4's large-count (``_c``) routines, so an MPI-4
+library takes element counts beyond 2**31 as they are. With an older MPI the counts
+and displacements of one call must fit in a C int: ``MAX_COUNT`` is then 2**31 - 1 and
+the collectives that would exceed it run in rounds of at most ``MAX_COUNT`` elements
+(all-to-all never needs to: its counts are 1 and its displacements 0).
 """
 from __future__ import annotations
 
@@ -18,7 +27,7 @@ from typing import Literal, Sequence
 import torch
 from mpi4py import MPI
 
-from . import tracing
+from . import abort, guard, tracing, watchdog
 from .buffers import as_buffer, derived, empty, has_mpi_type, mpi_type, stage, unstage
 
 ReduceOp = Literal["sum", "avg", "min", "max", "product"]
@@ -26,23 +35,35 @@ ReduceOp = Literal["sum", "avg", "min", "max", "product"]
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAND}
 
+# The most elements one count or displacement of one MPI call may hold (None: no limit).
+MAX_COUNT: int | None = None if MPI.Get_version() >= (4, 0) else 2**31 - 1
+
+abort.install()  # an uncaught exception on one rank ends the job instead of hanging it
+
 
 def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, *, dim: int, sizes: Sequence[int]) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` in rank order; rank r's has ``sizes[r]`` there."""
-    dim = _dim(dim, tensor.ndim)
-    _check_sizes(sizes, comm)
-    rank = comm.rank
-    if tensor.size(dim) != sizes[rank]:
-        raise ValueError(f"tensor has {tensor.size(dim)} along dim {dim}, sizes[{rank}] is {sizes[rank]}")
+    if guard.ENABLED:
+        facts = guard.tensor_facts(tensor, (dim,))
+        facts.update(dim=guard.norm_dim(dim, tensor.ndim), sizes=tuple(sizes))
+        guard.check("all_gather", comm, facts, lambda: _gather_args(tensor, comm, dim, sizes))
+    dim = _gather_args(tensor, comm, dim, sizes)
     send = stage(tensor)
     counts = _counts(send.shape, dim, sizes)
     flat = empty((sum(counts),), tensor)  # the pieces back to back, in rank order
     datatype = mpi_type(tensor.dtype)
     tracing.record("all_gather", send.nbytes)
-    if len(set(counts)) == 1:  # even pieces: MPICH's Allgather is ~3x faster than Allgatherv here
-        comm.Allgather([as_buffer(send), send.numel(), datatype], [as_buffer(flat), counts[0], datatype])
-    else:
-        comm.Allgatherv([as_buffer(send), send.numel(), datatype], [as_buffer(flat), (counts, _offsets(counts)), datatype])
+    _enter("all_gather", comm, tensor.dtype, counts)
+    try:
+        if MAX_COUNT is not None and len(flat) > MAX_COUNT:
+            _all_gather_rounds(send.view(-1), flat, counts, comm, datatype)
+        elif len(set(counts)) == 1:  # even pieces: MPICH's Allgather is ~3x faster than Allgatherv here
+            comm.Allgather([as_buffer(send), send.numel(), datatype], [as_buffer(flat), counts[0], datatype])
+        else:
+            comm.Allgatherv([as_buffer(send), send.numel(), datatype],
+                            [as_buffer(flat), (counts, _offsets(counts)), datatype])
+    finally:
+        _leave()
     if prod(send.shape[:dim]) == 1:  # pieces are contiguous runs of the result
         return unstage(flat.view(_resized(send.shape, dim, sum(sizes))), tensor)
     pieces = [chunk.view(_resized(send.shape, dim, size)) for chunk, size in zip(flat.split(counts), sizes)]
@@ -60,33 +81,45 @@ def all_to_all(
 ) -> torch.Tensor:
     """Send piece k of ``tensor`` (``split_sizes[k]`` along ``split_dim``) to rank k and
     concatenate the pieces received (``concat_sizes[k]`` from rank k) along ``concat_dim``."""
-    split_dim, concat_dim = _dim(split_dim, tensor.ndim), _dim(concat_dim, tensor.ndim)
-    if split_dim == concat_dim:
-        raise ValueError("split_dim and concat_dim must differ")
-    _check_sizes(split_sizes, comm, total=tensor.size(split_dim))
-    _check_sizes(concat_sizes, comm)
-    if tensor.size(concat_dim) != concat_sizes[comm.rank]:
-        raise ValueError(f"tensor has {tensor.size(concat_dim)} along dim {concat_dim}, "
-                         f"concat_sizes[{comm.rank}] is {concat_sizes[comm.rank]}")
+    if guard.ENABLED:
+        facts = guard.tensor_facts(tensor, (concat_dim,))
+        facts.update(split_dim=guard.norm_dim(split_dim, tensor.ndim),
+                     concat_dim=guard.norm_dim(concat_dim, tensor.ndim), split_sizes=tuple(split_sizes), concat_sizes=tuple(concat_sizes))
+        guard.check("all_to_all", comm, facts,
+                    lambda: _all_to_all_args(tensor, comm, split_dim, concat_dim, split_sizes, concat_sizes))
+    split_dim, concat_dim = _all_to_all_args(tensor, comm, split_dim, concat_dim, split_sizes, concat_sizes)
     send = stage(tensor)
     shape = _resized(_resized(send.shape, split_dim, split_sizes[comm.rank]), concat_dim, sum(concat_sizes))
     out = empty(shape, tensor)
     tracing.record("all_to_all", send.nbytes)
-    comm.Alltoallw(
-        [as_buffer(send), *_blocks(send, split_dim, split_sizes)],
-        [as_buffer(out), *_blocks(out, concat_dim, concat_sizes)],
-    )
+    zeros = [0] * comm.size
+    send_counts, send_types = _blocks(send, split_dim, split_sizes)
+    recv_counts, recv_types = _blocks(out, concat_dim, concat_sizes)
+    _enter("all_to_all", comm, tensor.dtype, list(split_sizes))
+    try:
+        comm.Alltoallw([as_buffer(send), (send_counts, zeros), send_types],
+                       [as_buffer(out), (recv_counts, zeros), recv_types])
+    finally:
+        _leave()
     return unstage(out, tensor)
 
 
 def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum") -> torch.Tensor:
     """Reduce ``tensor`` elementwise over all ranks; every rank gets the result."""
+    if guard.ENABLED:
+        guard.check("all_reduce", comm, {**guard.tensor_facts(tensor), "op": op},
+                    lambda: _reduction(tensor.dtype, op))
     dtype, mpi_op = _reduction(tensor.dtype, op)
     send = stage(tensor, dtype)
     out = empty(send.shape, tensor, dtype)
     tracing.record("all_reduce", send.nbytes)
     datatype = mpi_type(dtype)
-    comm.Allreduce([as_buffer(send), send.numel(), datatype], [as_buffer(out), out.numel(), datatype], mpi_op)
+    _enter("all_reduce", comm, dtype, [send.numel()])
+    try:
+        for start, n in _spans(send.numel()):
+            comm.Allreduce([_span(send, start, n), n, datatype], [_span(out, start, n), n, datatype], mpi_op)
+    finally:
+        _leave()
     if op == "avg":
         out /= comm.size
     return unstage(out, tensor)
@@ -96,19 +129,25 @@ def reduce_scatter(
     tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp, *, dim: int, sizes: Sequence[int]
 ) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks; rank r gets the ``sizes[r]`` slice along ``dim``."""
-    dim = _dim(dim, tensor.ndim)
-    dtype, mpi_op = _reduction(tensor.dtype, op)
-    _check_sizes(sizes, comm, total=tensor.size(dim))
+    if guard.ENABLED:
+        facts = guard.tensor_facts(tensor)
+        facts.update(op=op, dim=guard.norm_dim(dim, tensor.ndim), sizes=tuple(sizes))
+        guard.check("reduce_scatter", comm, facts, lambda: _reduce_scatter_args(tensor, comm, op, dim, sizes))
+    dim, dtype, mpi_op = _reduce_scatter_args(tensor, comm, op, dim, sizes)
     send = stage(tensor.movedim(dim, 0), dtype)  # MPI splits memory in order: ``dim`` must lead
     out = empty(_resized(send.shape, 0, sizes[comm.rank]), tensor, dtype)
     tracing.record("reduce_scatter", send.nbytes)
     datatype = mpi_type(dtype)
-    comm.Reduce_scatter(
-        [as_buffer(send), send.numel(), datatype],
-        [as_buffer(out), out.numel(), datatype],
-        _counts(send.shape, 0, sizes),
-        mpi_op,
-    )
+    counts = _counts(send.shape, 0, sizes)
+    _enter("reduce_scatter", comm, dtype, counts)
+    try:
+        if MAX_COUNT is not None and send.numel() > MAX_COUNT:
+            _reduce_scatter_rounds(send.view(-1), out.view(-1), counts, comm, datatype, mpi_op)
+        else:
+            comm.Reduce_scatter([as_buffer(send), send.numel(), datatype],
+                                [as_buffer(out), out.numel(), datatype], counts, mpi_op)
+    finally:
+        _leave()
     if op == "avg":
         out /= comm.size
     return unstage(out.movedim(0, dim), tensor)
@@ -116,10 +155,19 @@ def reduce_scatter(
 
 def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0) -> torch.Tensor:
     """``root``'s ``tensor`` on every rank (all ranks pass the same shape and dtype)."""
+    if guard.ENABLED:
+        guard.check("broadcast", comm, {**guard.tensor_facts(tensor), "root": root}, lambda: _root(root, comm))
+    _root(root, comm)
     is_root = comm.rank == root
     out = stage(tensor, copy=True) if is_root else empty(tensor.shape, tensor)
     tracing.record("broadcast", out.nbytes if is_root else 0)
-    comm.Bcast([as_buffer(out), out.numel(), mpi_type(out.dtype)], root)
+    datatype = mpi_type(out.dtype)
+    _enter("broadcast", comm, out.dtype, [out.numel()])
+    try:
+        for start, n in _spans(out.numel()):
+            comm.Bcast([_span(out, start, n), n, datatype], root)
+    finally:
+        _leave()
     return unstage(out, tensor)
 
 
@@ -128,24 +176,142 @@ def scatter(tensor: torch.Tensor, comm: MPI.Intracomm, root: int, *, dim: int, s
 
     Every rank passes a tensor of the full shape; only root's contents are read.
     """
-    dim = _dim(dim, tensor.ndim)
-    _check_sizes(sizes, comm, total=tensor.size(dim))
+    if guard.ENABLED:
+        facts = guard.tensor_facts(tensor)
+        facts.update(root=root, dim=guard.norm_dim(dim, tensor.ndim), sizes=tuple(sizes))
+        guard.check("scatter", comm, facts, lambda: _scatter_args(tensor, comm, root, dim, sizes))
+    dim = _scatter_args(tensor, comm, root, dim, sizes)
     rank = comm.rank
     counts = _counts(tensor.shape, dim, sizes)
     out = empty(_resized(tensor.shape, dim, sizes[rank]), tensor)
     datatype = mpi_type(tensor.dtype)
-    send = None
-    if rank == root:
-        send = [as_buffer(_pieces_in_rank_order(tensor, dim, sizes)), (counts, _offsets(counts)), datatype]
+    pieces = _pieces_in_rank_order(tensor, dim, sizes) if rank == root else None
     tracing.record("scatter", tensor.nbytes if rank == root else 0)
-    comm.Scatterv(send, [as_buffer(out), out.numel(), datatype], root)
+    _enter("scatter", comm, tensor.dtype, counts)
+    try:
+        if MAX_COUNT is not None and sum(counts) > MAX_COUNT:
+            _scatter_rounds(pieces, out.view(-1), counts, comm, root, datatype)
+        else:
+            send = None if pieces is None else [as_buffer(pieces), (counts, _offsets(counts)), datatype]
+            comm.Scatterv(send, [as_buffer(out), out.numel(), datatype], root)
+    finally:
+        _leave()
     return unstage(out, tensor)
 
 
+# --- argument checks: identical on every rank when the ranks agree (see guard) ---------------
+
+def _gather_args(tensor: torch.Tensor, comm: MPI.Intracomm, dim: int, sizes: Sequence[int]) -> int:
+    dim = _dim(dim, tensor.ndim)
+    _check_sizes(sizes, comm)
+    if tensor.size(dim) != sizes[comm.rank]:
+        raise ValueError(f"tensor has {tensor.size(dim)} along dim {dim}, sizes[{comm.rank}] is {sizes[comm.rank]}")
+    return dim
+
+
+def _all_to_all_args(tensor, comm, split_dim, concat_dim, split_sizes, concat_sizes) -> tuple[int, int]:
+    split_dim, concat_dim = _dim(split_dim, tensor.ndim), _dim(concat_dim, tensor.ndim)
+    if split_dim == concat_dim:
+        raise ValueError("split_dim and concat_dim must differ")
+    _check_sizes(split_sizes, comm, total=tensor.size(split_dim))
+    _check_sizes(concat_sizes, comm)
+    if tensor.size(concat_dim) != concat_sizes[comm.rank]:
+        raise ValueError(f"tensor has {tensor.size(concat_dim)} along dim {concat_dim}, "
+                         f"concat_sizes[{comm.rank}] is {concat_sizes[comm.rank]}")
+    return split_dim, concat_dim
+
+
+def _reduce_scatter_args(tensor, comm, op, dim, sizes) -> tuple[int, torch.dtype, MPI.Op]:
+    dim = _dim(dim, tensor.ndim)
+    dtype, mpi_op = _reduction(tensor.dtype, op)
+    _check_sizes(sizes, comm, total=tensor.size(dim))
+    return dim, dtype, mpi_op
+
+
+def _scatter_args(tensor, comm, root, dim, sizes) -> int:
+    _root(root, comm)
+    dim = _dim(dim, tensor.ndim)
+    _check_sizes(sizes, comm, total=tensor.size(dim))
+    return dim
+
+
+def _root(root: int, comm: MPI.Intracomm) -> None:
+    if not 0 <= root < comm.size:
+        raise ValueError(f"root {root} is not a rank of a communicator of {comm.size}")
+
+
+# --- watchdog slot --------------------------------------------------------------------------
+
+def _enter(kind: str, comm: MPI.Intracomm, dtype: torch.dtype, counts: list[int]) -> None:
+    if watchdog.ENABLED:
+        watchdog.enter(kind, comm, {"dtype": dtype, "counts": counts})
+
+
+def _leave() -> None:
+    if watchdog.ENABLED:
+        watchdog.leave()
+
+
+# --- rounds of at most MAX_COUNT elements (MPI libraries without large counts) -------------
+
+def _spans(total: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of consecutive rounds covering ``total`` elements (one if it fits)."""
+    if MAX_COUNT is None or total <= MAX_COUNT:
+        return [(0, total)]
+    return [(start, min(MAX_COUNT, total - start)) for start in range(0, total, MAX_COUNT)]
+
+
+def _span(tensor: torch.Tensor, start: int, n: int):
+    """A buffer over elements ``[start, start + n)`` of a C-contiguous tensor."""
+    if start == 0 and n == tensor.numel():
+        return as_buffer(tensor)
+    return as_buffer(tensor.view(-1)[start:start + n])
+
+
+def _round_parts(counts: Sequence[int], size: int) -> list[tuple[int, list[int]]]:
+    """Rounds over rank-ordered pieces of ``counts`` elements: ``(offset in each piece,
+    elements of each piece)``, with at most ``MAX_COUNT`` elements per round in all."""
+    width = max(1, MAX_COUNT // size)
+    return [(start, [min(max(c - start, 0), width) for c in counts]) for start in range(0, max(counts), width)]
+
+
+def _all_gather_rounds(send: torch.Tensor, flat: torch.Tensor, counts, comm, datatype) -> None:
+    offsets = _offsets(counts)
+    for start, part in _round_parts(counts, comm.size):
+        got = flat.new_empty(sum(part))
+        mine = part[comm.rank]
+        comm.Allgatherv([_span(send, start, mine), mine, datatype],
+                        [as_buffer(got), (part, _offsets(part)), datatype])
+        for offset, piece in zip(offsets, got.split(part)):
+            flat[offset + start:offset + start + len(piece)] = piece
+
+
+def _reduce_scatter_rounds(send: torch.Tensor, out: torch.Tensor, counts, comm, datatype, mpi_op) -> None:
+    offsets = _offsets(counts)
+    for start, part in _round_parts(counts, comm.size):
+        packed = torch.cat([send[o + start:o + start + n] for o, n in zip(offsets, part)])
+        mine = part[comm.rank]
+        comm.Reduce_scatter([as_buffer(packed), len(packed), datatype],
+                            [_span(out, start, mine), mine, datatype], part, mpi_op)
+
+
+def _scatter_rounds(pieces: torch.Tensor | None, out: torch.Tensor, counts, comm, root, datatype) -> None:
+    offsets = _offsets(counts)
+    for start, part in _round_parts(counts, comm.size):
+        send = None
+        if pieces is not None:
+            packed = torch.cat([pieces[o + start:o + start + n] for o, n in zip(offsets, part)])
+            send = [as_buffer(packed), (part, _offsets(part)), datatype]
+        mine = part[comm.rank]
+        comm.Scatterv(send, [_span(out, start, mine), mine, datatype], root)
+
+
+# --- layout helpers ---------------------------------------------------------------------------
+
 def _pieces_in_rank_order(tensor: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
-    """``tensor``'s pieces along ``dim``, each C-contiguous, back to back (one copy at most)."""
+    """``tensor``'s pieces along ``dim``, each C-contiguous, back to back (one copy at most), flat."""
     if prod(tensor.shape[:dim]) == 1:  # already so when C-contiguous
-        return stage(tensor)
+        return stage(tensor).view(-1)
     flat = empty((tensor.numel(),), tensor)
     pieces = tensor.detach().split(list(sizes), dim)
     for chunk, piece in zip(flat.split([p.numel() for p in pieces]), pieces):
@@ -168,24 +334,25 @@ def _reduction(dtype: torch.dtype, op: str) -> tuple[torch.dtype, MPI.Op]:
     return (torch.complex64 if dtype.is_complex else torch.float32), _OPS[op]  # as torch accumulates
 
 
-def _block(dtype: torch.dtype, shape: tuple[int, ...], dim: int, size: int) -> tuple[int, MPI.Datatype]:
-    """``(count, datatype)`` for the first ``size`` indices along ``dim`` of a C-contiguous array."""
-    piece = _resized(shape, dim, size)
-    if not prod(piece):
-        return 0, mpi_type(dtype)  # MPI subarrays cannot be empty
-    return 1, derived(
-        ("block", dtype, shape, piece), lambda: mpi_type(dtype).Create_subarray(shape, piece, [0] * len(shape))
-    )
+def _blocks(tensor: torch.Tensor, dim: int, sizes: Sequence[int]) -> tuple[list[int], list[MPI.Datatype]]:
+    """Alltoallw counts and datatypes of ``tensor``'s pieces along ``dim``, one per rank.
 
-
-def _blocks(
-    tensor: torch.Tensor, dim: int, sizes: Sequence[int]
-) -> tuple[tuple[list[int], list[int]], list[MPI.Datatype]]:
-    """Alltoallw ``((counts, byte displacements), datatypes)`` of ``tensor``'s pieces along ``dim``."""
+    Each piece is a subarray located by its start, so displacements stay 0 and no count
+    or offset can overflow a C int; an empty piece goes as count 0 (subarrays cannot be empty).
+    """
     shape = tuple(tensor.shape)
-    step = prod(shape[dim + 1:]) * tensor.element_size()
-    counts, types = zip(*(_block(tensor.dtype, shape, dim, size) for size in sizes))
-    return (list(counts), [offset * step for offset in _offsets(sizes)]), list(types)
+    counts, types = [], []
+    for start, size in zip(_offsets(sizes), sizes):
+        piece = _resized(shape, dim, size)
+        if not prod(piece):
+            counts.append(0)
+            types.append(mpi_type(tensor.dtype))
+            continue
+        starts = _resized((0,) * len(shape), dim, start)
+        counts.append(1)
+        types.append(derived(("block", tensor.dtype, shape, piece, starts),
+                             lambda: mpi_type(tensor.dtype).Create_subarray(shape, piece, starts)))
+    return counts, types
 
 
 def _counts(shape: Sequence[int], dim: int, sizes: Sequence[int]) -> list[int]:

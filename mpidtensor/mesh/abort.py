@@ -1,0 +1,47 @@
+"""End the whole MPI job when one rank dies of an uncaught exception.
+
+Without this, the other ranks wait forever in their next collective. ``install``
+(called when mpidtensor is imported) chains a ``sys.excepthook`` that first lets the
+previous hook print the traceback, then calls ``MPI.COMM_WORLD.Abort(1)``. It
+installs nothing in a job of one rank, and nothing with
+``MPIDTENSOR_ABORT_ON_EXCEPTION=0``; interactive sessions (``python -i``) only print.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from types import TracebackType
+
+from mpi4py import MPI
+
+_installed = False
+
+
+def install() -> bool:
+    """Install the aborting excepthook once; return whether it is installed."""
+    global _installed
+    if _installed:
+        return True
+    if os.environ.get("MPIDTENSOR_ABORT_ON_EXCEPTION", "1") == "0" or MPI.COMM_WORLD.size == 1:
+        return False
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        try:
+            previous(exc_type, exc, tb)
+        finally:
+            if not hasattr(sys, "ps1"):  # an interactive session carries on after the error
+                sys.stderr.write(f"[mpidtensor] rank {MPI.COMM_WORLD.rank}: uncaught {exc_type.__name__}; "
+                                 "aborting the MPI job (MPIDTENSOR_ABORT_ON_EXCEPTION=0 disables)\n")
+                for stream in (sys.stdout, sys.stderr):
+                    if stream is not None:
+                        stream.flush()
+                _abort()
+
+    sys.excepthook = hook
+    _installed = True
+    return True
+
+
+def _abort() -> None:
+    MPI.COMM_WORLD.Abort(1)

@@ -1,0 +1,101 @@
+"""Watchdog (``MPIDTENSOR_TIMEOUT=seconds``): end a job stuck in a collective.
+
+Each blocking collective is bracketed by ``enter`` / ``leave``, which set and clear
+one global slot. A daemon thread, started by the first ``enter``, wakes a few times
+per timeout; when the slot has been held longer than the timeout it prints this
+rank's collective, communicator, sizes, the previous collective and the Python stack
+to stderr, then calls ``MPI.COMM_WORLD.Abort``. Every rank stuck in a collective
+reports for itself, so the reports show which collective each one waits in.
+The environment is read once at import; with ``ENABLED`` false nothing is recorded.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from mpi4py import MPI
+
+
+def _timeout_from_env() -> float | None:
+    raw = os.environ.get("MPIDTENSOR_TIMEOUT", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"MPIDTENSOR_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    return value if value > 0 else None
+
+
+TIMEOUT: float | None = _timeout_from_env()
+ENABLED: bool = TIMEOUT is not None
+
+# (kind, comm, details, start time, thread id) of the collective in progress, or None
+_current: tuple[str, MPI.Comm, dict[str, Any], float, int] | None = None
+_last: str | None = None
+_thread: threading.Thread | None = None
+_lock = threading.Lock()
+
+
+def enter(kind: str, comm: MPI.Comm, details: dict[str, Any]) -> None:
+    """Record that this rank now blocks in collective ``kind`` on ``comm`` (``details``:
+    sizes, dtype... for the report)."""
+    global _current
+    if _thread is None:
+        _start()
+    _current = (kind, comm, details, time.monotonic(), threading.get_ident())
+
+
+def leave() -> None:
+    """Record that the collective in progress has returned (or raised)."""
+    global _current, _last
+    if _current is not None:
+        _last = _current[0]
+    _current = None
+
+
+def _start() -> None:
+    global _thread
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_watch, name="mpidtensor-watchdog", daemon=True)
+            _thread.start()
+
+
+def _watch() -> None:
+    """Poll the slot; abort the job once one collective has outlived the timeout."""
+    period = min(max(TIMEOUT / 4, 0.05), 1.0)
+    while True:
+        time.sleep(period)
+        current = _current
+        if current is not None and time.monotonic() - current[3] > TIMEOUT:
+            sys.stderr.write(report(current))
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+
+def report(current: tuple[str, MPI.Comm, dict[str, Any], float, int]) -> str:
+    """The text printed when ``current`` has timed out."""
+    kind, comm, details, start, thread = current
+    frame = sys._current_frames().get(thread)
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (stack unavailable)\n"
+    facts = ", ".join(f"{k}={v}" for k, v in details.items())
+    return (
+        f"\n[mpidtensor watchdog] rank {MPI.COMM_WORLD.rank}: stuck for {time.monotonic() - start:.1f} s "
+        f"(MPIDTENSOR_TIMEOUT={TIMEOUT:g}) in {kind} on {_describe(comm)}"
+        f"{': ' + facts if facts else ''}; previous collective: {_last or 'none'}; aborting the job.\n"
+        f"Stack of the waiting thread (most recent call last):\n{stack}"
+    )
+
+
+def _describe(comm: MPI.Comm) -> str:
+    """``comm``'s size and its members' COMM_WORLD ranks."""
+    try:
+        world = comm.group.Translate_ranks(list(range(comm.size)), MPI.COMM_WORLD.group)
+        return f"a communicator of {comm.size} ranks (world ranks {list(world)})"
+    except MPI.Exception:
+        return f"a communicator of {comm.size} ranks"

@@ -1,0 +1,74 @@
+"""Run a separate small MPI job from inside the test job (for hangs and aborts that
+would take the test job down with them).
+
+Only rank 0 of the outer job launches ``mpiexec -n N python script`` with a clean
+environment (the outer launcher's PMI/Hydra variables would make the inner ranks
+join the outer job) and a timeout; the others wait without spinning. Every rank gets
+the same result, so the tests' verdicts stay collective.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+MPIEXEC = Path(sys.executable).with_name("mpiexec")
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_", "OMPI_", "PRTE_", "SLURM_")
+
+
+@dataclass
+class Result:
+    returncode: int | None  # None: killed by the timeout
+    output: str  # stdout and stderr of all inner ranks
+    seconds: float
+    finished_at: float  # time.time() when the job ended
+
+    def seconds_after(self, mark: str) -> float | None:
+        """Seconds from the ``time.time()`` that the script printed as ``<mark>=<t>`` to the end."""
+        for line in self.output.splitlines():
+            if line.startswith(mark + "="):
+                return self.finished_at - float(line.split("=", 1)[1])
+        return None
+
+
+def run_job(script: str, tmp_dir: Path, *, ranks: int = 2, env: dict[str, str] | None = None,
+            timeout: float = 20) -> Result:
+    """Run ``script`` (Python source, dedented) on ``ranks`` fresh MPI ranks; collective.
+
+    Importing torch alone can take many seconds on loaded shared cores: scripts print a
+    time mark (see ``Result.seconds_after``) to time what matters, and ``timeout`` is generous.
+    """
+    result = None
+    if WORLD.rank == 0:
+        result = _launch(script, tmp_dir, ranks, env or {}, timeout)
+    request = WORLD.Ibarrier()  # wait by sleeping: the inner job needs the cores
+    while not request.Test():
+        time.sleep(0.02)
+    return WORLD.bcast(result, root=0)
+
+
+def _launch(script: str, tmp_dir: Path, ranks: int, extra: dict[str, str], timeout: float) -> Result:
+    path = tmp_dir / "job.py"
+    path.write_text(textwrap.dedent(script))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env.update(extra)
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(path)], env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return Result(proc.returncode, output, time.monotonic() - start, time.time())
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec, its proxies and the ranks
+        output, _ = proc.communicate()
+        return Result(None, output, time.monotonic() - start, time.time())

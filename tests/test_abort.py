@@ -1,0 +1,69 @@
+"""An uncaught exception on one rank ends the whole job with that rank's traceback."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from helpers import assert_all_ranks
+from mpidtensor.mesh import abort
+from subjob import run_job
+
+RAISE_ON_RANK_1 = """
+    import time
+    import torch
+    from mpi4py import MPI
+    import mpidtensor
+    from mpidtensor.mesh import collectives
+
+    comm = MPI.COMM_WORLD
+    comm.Barrier()
+    if comm.rank == 1:
+        print(f"RAISED={time.time()}", flush=True)
+        raise RuntimeError("boom on rank one")
+    collectives.all_reduce(torch.ones(3), comm)  # rank 0 would wait here forever
+    print("rank 0 finished", flush=True)
+"""
+
+
+def test_uncaught_exception_aborts_the_job(tmp_path):
+    result = run_job(RAISE_ON_RANK_1, tmp_path, timeout=120)
+    problems = []
+    if result.returncode in (None, 0):
+        problems.append(f"job {'hung' if result.returncode is None else 'succeeded'}")
+    for needle in ("RuntimeError: boom on rank one", "Traceback", "aborting the MPI job"):
+        if needle not in result.output:
+            problems.append(f"output lacks {needle!r}")
+    if "rank 0 finished" in result.output:
+        problems.append("rank 0 went on")
+    assert_all_ranks(not problems, f"{problems} after {result.seconds:.1f} s:\n{result.output[-2000:]}")
+    after = result.seconds_after("RAISED")
+    assert_all_ranks(after is not None and after < 5, f"ended {after} s after the exception")
+
+
+def test_opt_out_and_single_rank(monkeypatch: pytest.MonkeyPatch):
+    """``MPIDTENSOR_ABORT_ON_EXCEPTION=0`` and a world of one rank install nothing."""
+    monkeypatch.setattr(abort, "_installed", False)
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setenv("MPIDTENSOR_ABORT_ON_EXCEPTION", "0")
+    assert_all_ranks(abort.install() is False and sys.excepthook is sys.__excepthook__, "installed")
+    monkeypatch.delenv("MPIDTENSOR_ABORT_ON_EXCEPTION")
+    installed = abort.install()
+    expected = abort.MPI.COMM_WORLD.size > 1
+    assert_all_ranks(installed is expected and (sys.excepthook is not sys.__excepthook__) is expected,
+                     f"install() gave {installed} at world size {abort.MPI.COMM_WORLD.size}")
+
+
+def test_hook_prints_through_the_previous_hook_then_aborts(monkeypatch: pytest.MonkeyPatch):
+    if abort.MPI.COMM_WORLD.size == 1:
+        pytest.skip("the hook is installed in jobs of more than one rank")
+    calls = []
+    monkeypatch.setattr(abort, "_installed", False)
+    monkeypatch.setattr(sys, "excepthook", lambda *exc: calls.append(("previous", exc[0])))
+    monkeypatch.setattr(abort, "_abort", lambda: calls.append(("abort", None)))
+    abort.install()
+    try:
+        raise KeyError("x")
+    except KeyError as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    assert_all_ranks(calls == [("previous", KeyError), ("abort", None)], str(calls))

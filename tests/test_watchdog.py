@@ -1,0 +1,58 @@
+"""MPIDTENSOR_TIMEOUT: a rank stuck in a collective reports where and ends the job."""
+from __future__ import annotations
+
+from helpers import assert_all_ranks
+from mpidtensor.mesh import watchdog
+from subjob import run_job
+
+HANG = """
+    import time
+    import torch
+    from mpi4py import MPI
+    from mpidtensor.mesh import collectives
+
+    comm = MPI.COMM_WORLD
+    comm.Barrier()  # unwatched: waits for the slower rank's imports
+    collectives.all_reduce(torch.ones(2), comm)  # the previous collective in the report
+    if comm.rank == 1:
+        time.sleep(120)  # never joins the all-gather below
+    print(f"HANG={time.time()}", flush=True)
+    collectives.all_gather(torch.ones(2, 3), comm, dim=0, sizes=[2, 2])
+"""
+
+
+def test_watchdog_aborts_a_hung_collective(tmp_path):
+    result = run_job(HANG, tmp_path, env={"MPIDTENSOR_TIMEOUT": "1"}, timeout=100)
+    problems = [] if result.returncode not in (None, 0) else ["the job was not aborted"]
+    for needle in ("[mpidtensor watchdog] rank 0", "in all_gather on a communicator of 2 ranks (world ranks [0, 1])",
+                   "counts=[6, 6]", "previous collective: all_reduce", "MPIDTENSOR_TIMEOUT=1", "job.py"):
+        if needle not in result.output:
+            problems.append(f"output lacks {needle!r}")
+    assert_all_ranks(not problems, f"{problems} after {result.seconds:.1f} s:\n{result.output[-3000:]}")
+    after = result.seconds_after("HANG")
+    assert_all_ranks(after is not None and after < 6, f"ended {after} s after the hang began")
+
+
+def test_no_false_alarm(tmp_path):
+    """A job slower than the timeout between collectives, but never inside one, finishes."""
+    script = """
+        import time
+        import torch
+        from mpi4py import MPI
+        from mpidtensor.mesh import collectives
+
+        comm = MPI.COMM_WORLD
+        for _ in range(2):
+            comm.Barrier()  # unwatched: the ranks enter the all-reduce together
+            collectives.all_reduce(torch.ones(2), comm)
+            time.sleep(1.5)
+        print("done", comm.rank, flush=True)
+    """
+    result = run_job(script, tmp_path, env={"MPIDTENSOR_TIMEOUT": "1"}, timeout=100)
+    ok = result.returncode == 0 and "done 0" in result.output and "done 1" in result.output
+    assert_all_ranks(ok, f"rc {result.returncode}:\n{result.output[-2000:]}")
+
+
+def test_disabled_by_default():
+    assert_all_ranks(watchdog.TIMEOUT is None and not watchdog.ENABLED and watchdog._thread is None,
+                     f"watchdog on without MPIDTENSOR_TIMEOUT: {watchdog.TIMEOUT}")
