@@ -2,12 +2,16 @@
 
 Public names match ``torch.distributed.tensor``; launch with ``mpiexec``/``srun``.
 """
+import torch as _torch
+
 from .api import distribute_module, distribute_tensor
-from .dtensor import DTensor
+from .dtensor import DTensor, to_dtensor as _to_dtensor
 from .factories import empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, init_device_mesh
 from .placements import Partial, Placement, Replicate, Shard
 from . import ops  # noqa: F401  (registers the sharding rules)
+
+_torch.Tensor.to_dtensor = _to_dtensor  # local_tensor.to_dtensor(device_mesh=..., placements=...)
 
 __all__ = [
     "DTensor",

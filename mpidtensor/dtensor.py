@@ -4,6 +4,11 @@ It holds this rank's local tensor and a :class:`DTensorSpec`. Every aten op on i
 goes through :func:`mpidtensor.dispatch.dispatch`. The conversions to and from
 local tensors and between placements are autograd functions, so gradients flow
 through them with the placements PyTorch documents.
+
+Under ``torch.compile`` a DTensor is a traceable wrapper subclass (``__tensor_flatten__``
+/ ``__tensor_unflatten__``; the spec is interned and copies to itself); the collectives
+of dispatch are traced as custom ops (:mod:`mpidtensor.traceable`), and ``from_local``,
+``redistribute`` and ``full_tensor`` are graph breaks.
 """
 from __future__ import annotations
 
@@ -27,7 +32,30 @@ class DTensor(torch.Tensor):
     __slots__ = ("_local_tensor", "_spec")
 
     @staticmethod
-    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> "DTensor":
+    def __new__(
+        cls,
+        local_tensor: torch.Tensor,
+        spec: DTensorSpec | DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        requires_grad: bool = False,
+        device_mesh: DeviceMesh | None = None,
+        run_check: bool = False,
+        shape: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> "DTensor":
+        """``DTensor(local, spec, requires_grad=...)`` wraps ``local`` as it is (internal).
+
+        ``DTensor(local_tensor, device_mesh=..., placements=...)``, or with the mesh and
+        placements positionally, is :meth:`from_local` (``requires_grad=True`` then makes
+        the result a leaf that requires grad).
+        """
+        if spec.__class__ is not DTensorSpec:
+            if spec is not None and device_mesh is not None:
+                raise TypeError("DTensor(): device_mesh given both positionally and by keyword")
+            out = DTensor.from_local(local_tensor, device_mesh if spec is None else spec, placements,
+                                     run_check=run_check, shape=shape, stride=stride)
+            return out.requires_grad_() if requires_grad else out
         r = torch.Tensor._make_wrapper_subclass(
             cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local_tensor.device,
             layout=local_tensor.layout, requires_grad=requires_grad,
@@ -55,6 +83,18 @@ class DTensor(torch.Tensor):
     def __tensor_unflatten__(inner_tensors, spec, outer_size, outer_stride):
         local = inner_tensors["_local_tensor"]
         return DTensor(local, spec, requires_grad=local.requires_grad)
+
+    def __coerce_tangent_metadata__(self) -> "DTensor":
+        """A compiled backward's incoming gradient: Partial is settled, as eager's would be."""
+        if not any(p.is_partial() for p in self._spec.placements):
+            return self
+        return redistribute_dtensor(self, self._spec.with_placements(_settled(self._spec.placements)))
+
+    def __coerce_same_metadata_as_tangent__(self, spec: DTensorSpec, expected_type=None) -> "DTensor | None":
+        """This gradient moved to the placements the compiled backward was traced for."""
+        if expected_type is not None or spec.mesh is not self._spec.mesh or spec.shape != self._spec.shape:
+            return None
+        return redistribute_dtensor(self, self._spec.with_placements(spec.placements))
 
     # --- public API --------------------------------------------------------------------------
     @property
@@ -134,6 +174,27 @@ class DTensor(torch.Tensor):
         return replicated.to_local(grad_placements=grad_placements)
 
 
+def to_dtensor(
+    self: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    run_check: bool = False,
+    shape: Sequence[int] | None = None,
+    stride: Sequence[int] | None = None,
+) -> DTensor:
+    """``tensor.to_dtensor(device_mesh=..., placements=...)``: this rank's tensor as its
+    shard of a DTensor, i.e. :meth:`DTensor.from_local` (installed on ``torch.Tensor``)."""
+    if isinstance(self, DTensor):
+        raise TypeError("to_dtensor: the tensor is a DTensor already; use .redistribute() to change placements")
+    return DTensor.from_local(self, device_mesh, placements, run_check=run_check, shape=shape, stride=stride)
+
+
+def _settled(placements) -> list[Placement]:
+    """``placements`` with every Partial replaced by Replicate."""
+    return [Replicate() if p.is_partial() else p for p in placements]
+
+
 def redistribute_dtensor(x: DTensor, spec: DTensorSpec) -> DTensor:
     """``x`` moved to ``spec``'s placements (any, Partial included); differentiable."""
     if x._spec == spec:
@@ -154,7 +215,7 @@ class _FromLocal(torch.autograd.Function):
             return grad, None
         if grad._spec.placements != spec.placements:
             # The local gradient must match the forward's layout; Partial becomes Replicate.
-            target = [Replicate() if p.is_partial() else p for p in spec.placements]
+            target = _settled(spec.placements)
             grad = redistribute_dtensor(grad, grad._spec.with_placements(target))
         return grad._local_tensor, None
 
@@ -184,10 +245,25 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: DTensor):
         src = ctx.src
-        target = [Replicate() if p.is_partial() else p for p in src.placements]
+        target = _settled(src.placements)
         out_spec = grad._spec.with_placements(target)
         local = redistribute_local(grad._local_tensor, grad._spec, out_spec)
         return DTensor(local, out_spec, requires_grad=False), None
 
 
 from .dispatch import dispatch as _dispatch  # noqa: E402  (dispatch imports DTensor)
+from . import traceable  # noqa: E402  (collectives torch.compile can trace)
+
+
+def _graph_breaks() -> None:
+    """The entry points that communicate outside dispatch run eagerly under torch.compile:
+    Dynamo stops its graph before them and resumes after (a graph break)."""
+    for name in ("from_local", "redistribute", "full_tensor"):
+        attr = DTensor.__dict__[name]
+        if isinstance(attr, staticmethod):
+            setattr(DTensor, name, staticmethod(torch.compiler.disable(attr.__func__)))
+        else:
+            setattr(DTensor, name, torch.compiler.disable(attr))
+
+
+traceable.when_dynamo_loads(_graph_breaks)

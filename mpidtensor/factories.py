@@ -110,3 +110,9 @@ def _size(name: str, size) -> torch.Size:
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in size):
         raise ValueError(f"{name}: size must be non-negative ints, got {tuple(size)}")
     return torch.Size(size)
+
+
+# ``DTensor.zeros(...)`` ... ``DTensor.randn(...)``: the same functions as class attributes.
+for _factory in (empty, full, ones, rand, randn, zeros):
+    setattr(DTensor, _factory.__name__, staticmethod(_factory))
+del _factory

@@ -8,8 +8,22 @@ from __future__ import annotations
 REDUCE_OPS = ("sum", "avg", "min", "max", "product")
 
 
-class Placement:
-    """Base of ``Shard``, ``Replicate`` and ``Partial``."""
+class _PlacementType(type):
+    """Makes ``Placement("shard", dim=0)`` build a ``Shard(0)``. A ``__new__`` on the base
+    class could not do it: Python would then call ``Shard.__init__`` with the string too."""
+
+    def __call__(cls, *args, **kwargs):
+        if cls is Placement:
+            return _spelled(*args, **kwargs)
+        return type.__call__(cls, *args, **kwargs)
+
+
+class Placement(metaclass=_PlacementType):
+    """Base of ``Shard``, ``Replicate`` and ``Partial``.
+
+    Called itself, it builds one of them from a name: ``Placement("shard", dim=0)``,
+    ``Placement("replicate")``, ``Placement("partial", reduce_op="sum")``.
+    """
 
     __slots__ = ()
 
@@ -85,6 +99,17 @@ class Partial(Placement):
 
     def __repr__(self) -> str:
         return f"P({self.reduce_op})"
+
+
+def _spelled(kind: str, *args, **kwargs) -> Placement:
+    """``Placement(kind, ...)``: the placement class named ``kind``, built from the rest."""
+    cls = _BY_NAME.get(kind.lower()) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"Placement kind must be one of {sorted(_BY_NAME)}, got {kind!r}")
+    return cls(*args, **kwargs)
+
+
+_BY_NAME = {"shard": Shard, "replicate": Replicate, "partial": Partial}
 
 
 def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int) -> tuple[Placement, ...]:

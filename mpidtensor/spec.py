@@ -42,6 +42,18 @@ class DTensorSpec:
             cls._interned[key] = spec
         return spec
 
+    # Specs are immutable and interned, so a copy is the spec itself; pickling rebuilds it
+    # through the constructor (interning again). Dynamo deep-copies a DTensor's spec to
+    # guard on it and compares the copy with ``==``, which must stay identity.
+    def __copy__(self) -> "DTensorSpec":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "DTensorSpec":
+        return self
+
+    def __reduce__(self):
+        return DTensorSpec, (self.mesh, self.placements, tuple(self.shape), self.stride, self.dtype)
+
     def __repr__(self) -> str:
         return f"Spec({list(self.placements)}, shape={tuple(self.shape)}, {self.dtype})"
 

@@ -1,0 +1,21 @@
+"""``torch.distributed.tensor.experimental`` for mpidtensor: user sharding strategies for
+(custom) ops, functions run on local shards, and ``implicit_replication``."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from .local_map import local_map
+from .sharding import register_sharding
+
+__all__ = ["implicit_replication", "local_map", "register_sharding"]
+
+
+@contextmanager
+def implicit_replication() -> Iterator[None]:
+    """Treat plain ``torch.Tensor`` operands of DTensor ops as ``Replicate()`` DTensors.
+
+    mpidtensor always does this (a plain tensor mixed with DTensors is taken as
+    replicated on every rank), so the context only marks code ported from torch,
+    where it has to be switched on."""
+    yield
