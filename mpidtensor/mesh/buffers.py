@@ -20,6 +20,9 @@ from typing import Any, Callable, Hashable
 import torch
 from mpi4py import MPI
 
+from ..memory import track_buffer
+from .mpi_library import query_cuda_support
+
 _MPI_TYPES: dict[torch.dtype, MPI.Datatype] = {
     torch.float64: MPI.DOUBLE,
     torch.float32: MPI.FLOAT,
@@ -83,8 +86,8 @@ def cuda_aware() -> bool:
 
 @cache
 def _mpi_cuda_support() -> bool:
-    query = getattr(MPI, "Query_cuda_support", None)
-    return bool(query()) if query is not None else False
+    """``MPIX_Query_cuda_support()`` of the loaded libmpi; False where it cannot tell."""
+    return bool(query_cuda_support())
 
 
 def comm_device(tensor: torch.Tensor) -> torch.device:
@@ -106,7 +109,7 @@ def stage(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool 
 
 def empty(shape: torch.Size | tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An uninitialised C-contiguous tensor on ``like``'s communication device."""
-    return torch.empty(shape, dtype=dtype or like.dtype, device=comm_device(like))
+    return track_buffer(torch.empty(shape, dtype=dtype or like.dtype, device=comm_device(like)))
 
 
 def unstage(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

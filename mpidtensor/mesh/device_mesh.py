@@ -15,6 +15,7 @@ import torch
 from mpi4py import MPI
 
 from .cuda import bind_local_gpu
+from .launch import check_launch_once
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -35,6 +36,7 @@ class DeviceMesh:
         mesh_dim_names: Sequence[str] | None = None,
         comm: MPI.Intracomm | None = None,
     ) -> None:
+        check_launch_once()  # N single-rank jobs instead of one N-rank job: stop here
         comm = MPI.COMM_WORLD if comm is None else comm
         ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
         _check_device_type(device_type)
@@ -67,6 +69,8 @@ class DeviceMesh:
         self._parent_comm = parent_comm
         self._cart = cart
         self._coord = tuple(cart.Get_coords(cart.rank)) if cart is not None else None
+        self._parent: DeviceMesh | None = None  # the mesh this one was sliced from (FSDP x TP)
+        self._parent_dims: tuple[int, ...] | None = None  # its dims in that mesh
         self._subcomms: dict[tuple[int, ...], MPI.Cartcomm] = {}
         self._submeshes: dict[tuple[int, ...], DeviceMesh] = {}
         self._key = (device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names)
@@ -171,6 +175,8 @@ class DeviceMesh:
                 ranks = ranks.flatten()
                 comm = _flat_cart(comm)
             sub = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, comm)
+            if not flatten:
+                sub._parent, sub._parent_dims = self, dims
             self._submeshes[key] = sub
         return sub
 
@@ -210,6 +216,7 @@ def init_device_mesh(
     Collective. Raises ``ValueError`` (on every rank) if the shape's product is not the
     communicator's size or the names are not one distinct name per dimension.
     """
+    check_launch_once()
     comm = MPI.COMM_WORLD if comm is None else comm
     mesh_shape = tuple(mesh_shape)
     if not mesh_shape or not all(isinstance(n, int) and n > 0 for n in mesh_shape):

@@ -1,0 +1,126 @@
+"""``python -m mpidtensor``: what a cluster user needs to know before the first run.
+
+The MPI library and mpi4py's build, whether MPI takes GPU buffers (and what
+``MPIDTENSOR_CUDA_AWARE`` makes of it), torch and its devices, and, under
+``mpiexec``/``srun``, one row per rank: host, node-local rank, and the GPU
+``init_device_mesh("cuda", ...)`` would bind. Every rank contributes; rank 0 prints.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from typing import TextIO
+
+import torch
+from mpi4py import MPI
+
+from .mesh import buffers, launch, mpi_library
+
+_RANK_ENV = ("SLURM_PROCID", "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES")
+
+
+def _rank_row(comm: MPI.Intracomm) -> dict[str, str]:
+    """This rank's placement. Collective (the node-local split)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    local, per_node = node.rank, node.size
+    node.Free()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    row = {
+        "rank": str(comm.rank),
+        "host": socket.gethostname(),
+        "local": f"{local}/{per_node}",
+        "gpu": f"cuda:{local % gpus}" if gpus else "-",
+        "cpus": str(cpus),
+    }
+    row.update({name: os.environ.get(name, "-") for name in _RANK_ENV})
+    return row
+
+
+def _cuda_aware_lines() -> list[str]:
+    answer = mpi_library.query_cuda_support()
+    said = {True: "yes", False: "no", None: "unknown (the library exports no MPIX_Query_cuda_support)"}[answer]
+    override = os.environ.get("MPIDTENSOR_CUDA_AWARE")
+    lines = [
+        f"  MPIX_Query_cuda_support: {said}",
+        f"  MPIDTENSOR_CUDA_AWARE:   {override if override is not None else 'unset'}",
+        f"  GPU buffers go to MPI:   {'directly' if buffers.cuda_aware() else 'staged through host memory'}",
+    ]
+    built = _ompi_built_with_cuda()
+    if built is not None:
+        lines.append(f"  ompi_info built with CUDA: {built}")
+    return lines
+
+
+def _ompi_built_with_cuda() -> str | None:
+    """Open MPI's build-time answer from ``ompi_info`` (None for other MPIs or without it)."""
+    if MPI.get_vendor()[0] != "Open MPI" or shutil.which("ompi_info") is None:
+        return None
+    try:
+        out = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        if line.startswith("mca:mpi:base:param:mpi_built_with_cuda_support:value:"):
+            return line.rsplit(":", 1)[-1]
+    return None
+
+
+def _torch_lines() -> list[str]:
+    lines = [f"  version {torch.__version__}, CUDA build {torch.version.cuda or 'none'}"]
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        lines.append(f"  {len(names)} CUDA device(s) on rank 0's node: {', '.join(names)}")
+    else:
+        lines.append("  no CUDA device visible")
+    return lines
+
+
+def _table(rows: list[dict[str, str]]) -> list[str]:
+    head = list(rows[0])
+    widths = [max(len(h), *(len(r[h]) for r in rows)) for h in head]
+    fmt = lambda cells: ("  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths))).rstrip()  # noqa: E731
+    return [fmt(head), *(fmt([r[h] for h in head]) for r in rows)]
+
+
+def report(comm: MPI.Intracomm | None = None, file: TextIO | None = sys.stdout) -> str:
+    """The environment report, printed to ``file`` on rank 0 and returned on every rank. Collective."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rows = comm.gather(_rank_row(comm), root=0)
+    text = None
+    if comm.rank == 0:
+        lib = mpi_library.describe()
+        build = mpi_library.mpi4py_build()
+        hosts = {}
+        for row in rows:
+            hosts[row["host"]] = hosts.get(row["host"], 0) + 1
+        mislaunch = launch.mislaunch_message(MPI.COMM_WORLD.size, os.environ)
+        lines = [
+            "MPI library",
+            f"  {lib.vendor} {lib.vendor_version} (MPI standard {lib.standard}): {lib.version_text}",
+            f"  file {lib.path or 'not found in this process'}",
+            "mpi4py",
+            f"  version {build['version']}, ABI {build['abi']}, build {build['config']}",
+            "CUDA-aware MPI",
+            *_cuda_aware_lines(),
+            "torch",
+            *_torch_lines(),
+            f"ranks: {comm.size} on {len(hosts)} node(s); per node: "
+            + ", ".join(f"{host} {count}" for host, count in hosts.items()),
+            *_table(rows),
+        ]
+        if mislaunch is not None:
+            lines += ["LAUNCH PROBLEM", f"  {mislaunch}"]
+        text = "\n".join(lines)
+        if file is not None:
+            print(text, file=file, flush=True)
+    return comm.bcast(text, root=0)
+
+
+def main() -> int:
+    """Print the report; exit status 1 if the launch made single-rank jobs of a many-rank one."""
+    report()
+    return 0 if launch.mislaunch_message(MPI.COMM_WORLD.size, os.environ) is None else 1
