@@ -24,17 +24,19 @@ def distribute_tensor(
     """Distribute ``tensor`` over ``device_mesh`` with ``placements`` (default: replicated).
 
     Every rank passes a tensor of the same shape and dtype (checked: a mismatch raises
-    ``ValueError`` on every rank). With ``src_data_rank=r`` the data of rank ``r`` is
-    sent out (scatter for shards, broadcast for replicas, one collective per mesh dim)
-    and the others' values are ignored; with ``None`` every rank already holds the data
-    and keeps its own block, moving no data. ``Partial`` placements put the value on
-    coordinate 0 of that mesh dim (the others hold the reduction's identity).
-    The result is a leaf that requires grad if ``tensor`` does.
+    ``ValueError`` on every rank). ``src_data_rank=r`` is a group rank on EACH mesh dim,
+    as in torch: the data of the rank at coordinate ``(r, ..., r)`` is sent out (scatter
+    for shards, broadcast for replicas, one collective per mesh dim) and the others'
+    values are ignored, so every sub-mesh has its own source; with ``None`` every rank
+    already holds the data and keeps its own block, moving no data. ``Partial``
+    placements put the value on coordinate 0 of that mesh dim (the others hold the
+    reduction's identity). The result is a leaf that requires grad if ``tensor`` does.
     """
     if isinstance(tensor, DTensor):
         raise TypeError("distribute_tensor expects a plain torch.Tensor, got a DTensor")
     placements = [Replicate()] * device_mesh.ndim if placements is None else placements
     placements = normalize_placements(placements, device_mesh.ndim, tensor.ndim)
+    check_src_data_rank(src_data_rank, device_mesh)
     validate.check_same_tensor_meta(tensor, device_mesh, "distribute_tensor")
     data = tensor.detach()
     if device_mesh.device_type == "cuda" and not data.is_cuda:
@@ -55,26 +57,36 @@ def distribute_tensor(
     return DTensor(local.requires_grad_(False), spec, requires_grad=tensor.requires_grad)
 
 
-def _send_from(data: torch.Tensor, mesh: DeviceMesh, placements, src_rank: int) -> torch.Tensor:
-    """Each rank's block of ``src_rank``'s ``data``: one scatter or broadcast per mesh dim.
+def check_src_data_rank(src_data_rank: int | None, mesh: DeviceMesh) -> None:
+    """``src_data_rank`` is ``None`` or a group rank valid on every mesh dim. Decided from
+    the mesh shape alone, so a bad value raises on every rank alike."""
+    if src_data_rank is None:
+        return
+    if not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool):
+        raise TypeError(f"src_data_rank must be an int or None, got {src_data_rank!r}")
+    if not 0 <= src_data_rank < min(mesh.shape):
+        raise ValueError(
+            f"src_data_rank {src_data_rank} is a group rank on each mesh dim and must be in "
+            f"[0, {min(mesh.shape)}) for a mesh of shape {mesh.shape}"
+        )
 
-    Mesh dims go outer to inner, the root of each sub-communicator at the source's
-    coordinate; after dim k every rank that agrees with the source on the dims after k
-    holds source data, so after the last dim every rank does.
+
+def _send_from(data: torch.Tensor, mesh: DeviceMesh, placements, src: int) -> torch.Tensor:
+    """Each rank's block of the data at mesh coordinate ``(src, ..., src)``: one scatter
+    or broadcast per mesh dim, rooted at group rank ``src`` of each dim's communicator.
+
+    Mesh dims go outer to inner; after dim k every rank whose coordinates after k are all
+    ``src`` holds source data, so after the last dim every rank does.
     """
-    flat = mesh.mesh.flatten().tolist()
-    if src_rank not in flat:
-        raise ValueError(f"src_data_rank {src_rank} is not a rank of {mesh}")
-    src = [int(c) for c in torch.nonzero(mesh.mesh == src_rank)[0]]
     local = data
     for m, p in enumerate(placements):
         comm = mesh.comm_for((m,))
         if isinstance(p, Shard):
             local = collectives.scatter(
-                local, comm, src[m], dim=p.dim, sizes=chunk_sizes(local.shape[p.dim], mesh.shape[m])
+                local, comm, src, dim=p.dim, sizes=chunk_sizes(local.shape[p.dim], mesh.shape[m])
             )
         else:
-            local = collectives.broadcast(local, comm, src[m])
+            local = collectives.broadcast(local, comm, src)
     return local
 
 
@@ -84,24 +96,28 @@ def distribute_module(
     partition_fn=None,
     input_fn=None,
     output_fn=None,
+    *,
+    src_data_rank: int | None = 0,
 ) -> torch.nn.Module:
     """Turn ``module``'s parameters and buffers into DTensors (as ``torch.distributed.tensor``).
 
     ``partition_fn(name, submodule, device_mesh)`` distributes one submodule's
-    parameters in place; by default every parameter and buffer not yet a DTensor is
-    replicated. ``input_fn(module, inputs, device_mesh)`` and
-    ``output_fn(module, outputs, device_mesh)`` become forward pre/post hooks.
+    parameters in place; every parameter and buffer it leaves a plain tensor is
+    replicated from ``src_data_rank`` (see :func:`distribute_tensor`; a keyword torch's
+    ``distribute_module`` lacks, default as torch). ``input_fn(module, inputs, device_mesh)``
+    and ``output_fn(module, outputs, device_mesh)`` become forward pre/post hooks.
     """
+    check_src_data_rank(src_data_rank, device_mesh)
     replicate = [Replicate()] * device_mesh.ndim
 
     def replicate_rest(submodule: torch.nn.Module) -> None:
         for key, param in list(submodule._parameters.items()):
             if param is not None and not isinstance(param, DTensor):
-                dist = distribute_tensor(param.data, device_mesh, replicate)
+                dist = distribute_tensor(param.data, device_mesh, replicate, src_data_rank=src_data_rank)
                 submodule.register_parameter(key, torch.nn.Parameter(dist, requires_grad=param.requires_grad))
         for key, buf in list(submodule._buffers.items()):
             if buf is not None and not isinstance(buf, DTensor):
-                submodule._buffers[key] = distribute_tensor(buf, device_mesh, replicate)
+                submodule._buffers[key] = distribute_tensor(buf, device_mesh, replicate, src_data_rank=src_data_rank)
 
     for name, submodule in module.named_modules():
         if partition_fn is not None:

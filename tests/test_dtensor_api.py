@@ -32,8 +32,8 @@ def test_distribute_tensor_none_moves_nothing(mesh1d):
 def test_distribute_tensor_2d(mesh2d):
     full = global_tensor((9, 5))
     for placements in ([Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(0)], [Shard(1), Replicate()]):
-        for src in (0, 3, None):
-            mine = full if src in (None, WORLD.rank) else torch.full_like(full, -1.0)
+        for src in (0, 1, None):  # a group rank on each mesh dim: the source is mesh[src, src]
+            mine = full if src is None or int(mesh2d.mesh[src, src]) == WORLD.rank else torch.full_like(full, -1.0)
             d = distribute_tensor(mine, mesh2d, placements, src_data_rank=src)
             assert_close(d.full_tensor(), full)
 

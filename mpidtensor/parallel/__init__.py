@@ -1,5 +1,18 @@
 """Tensor parallelism on modules (the API of ``torch.distributed.tensor.parallel``)."""
 from .api import parallelize_module
+from .loss import loss_parallel
+from .prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
+from .sequence import SequenceParallel
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-__all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel", "parallelize_module"]
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "loss_parallel",
+    "parallelize_module",
+]

@@ -1,103 +1,221 @@
-"""Tensor-parallel styles for ``nn.Linear`` and ``nn.Embedding`` (the names of
+"""``ParallelStyle`` and the matmul styles ``ColwiseParallel`` / ``RowwiseParallel`` for
+``nn.Linear`` and ``nn.Embedding`` (the names and defaults of
 ``torch.distributed.tensor.parallel``).
 
-A style shards a module's parameters and wraps its forward: inputs arriving as
-local tensors are read as ``input_layouts`` and redistributed to what the
-sharded module needs; outputs are redistributed to ``output_layouts`` and, with
-``use_local_output``, handed on as local tensors.
+A style shards a module's parameters and wraps its forward: a plain input is read as
+the local shard of ``input_layouts``, redistributed to what the sharded module needs,
+and the output is redistributed to ``output_layouts`` (handed on as a local tensor with
+``use_local_output``). Every style first checks, without changing anything, that it
+fits the module and the mesh (``_check``), so ``parallelize_module`` can validate a
+whole plan before applying any of it.
 """
 from __future__ import annotations
 
-from typing import Any
+from abc import ABC, abstractmethod
+from typing import Any, Iterable
 
+import torch
 from torch import nn
 
-from ..api import distribute_tensor
+from ..api import distribute_module, distribute_tensor
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import Placement, Replicate, Shard, normalize_placements
+from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
 
 
-class ParallelStyle:
-    """Base of the styles: how to shard one module over a 1-D mesh."""
+class ParallelStyle(ABC):
+    """How to parallelize one module over a 1-D mesh (torch's contract: ``_apply``).
+
+    ``src_data_rank`` (set by ``parallelize_module``) is the group rank whose values
+    are distributed when parameters are sharded or replicated; ``None`` keeps each
+    rank's own values and moves no data.
+    """
+
+    src_data_rank: int | None = 0
+    #: True for styles that turn the module's parameters into DTensors (a module may
+    #: take at most one of them).
+    _owns_parameters: bool = False
+
+    def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        """Raise ``TypeError``/``ValueError`` if this style cannot apply; change nothing.
+        Decided from things every rank shares (module types, mesh shape)."""
+
+    @abstractmethod
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module: ...
+
+
+# --- helpers shared by the styles ---------------------------------------------------------------
+
+
+def require_1d_mesh(style: ParallelStyle, mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{type(style).__name__} needs a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"{type(style).__name__} needs a 1-D mesh, got {mesh}; slice a sub-mesh first, e.g. mesh['tp']"
+        )
+
+
+def require_plain_parameters(style: ParallelStyle, module: nn.Module) -> None:
+    """A module whose parameters are already DTensors was parallelized before."""
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{type(style).__name__}: parameter {name!r} of {type(module).__name__} is already a "
+                f"DTensor (the module was parallelized before)"
+            )
+
+
+def one_placement(value: Any, what: str) -> Placement | None:
+    """A layout argument given as a placement or a 1-tuple of one (or ``None``)."""
+    if isinstance(value, (tuple, list)) and len(value) == 1:
+        value = value[0]
+    if value is not None and not isinstance(value, Placement):
+        raise TypeError(f"{what} must be a Placement (Shard, Replicate, Partial), got {value!r}")
+    return value
+
+
+def output_placement(value: Any, what: str) -> Placement | None:
+    """A layout an output is redistributed to: ``Partial`` is not a redistribution target."""
+    value = one_placement(value, what)
+    if isinstance(value, Partial):
+        raise ValueError(f"{what} cannot be a Partial ({value}): outputs are redistributed to Shard or Replicate")
+    return value
+
+
+def as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, what: str) -> DTensor:
+    """``x`` itself if a DTensor, else the DTensor whose local shard on this rank it is."""
+    if isinstance(x, DTensor):
+        return x
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor or DTensor, got {type(x).__name__}")
+    return DTensor.from_local(x, mesh, (layout,), run_check=False)
+
+
+def to_layout(x: DTensor, layout: Placement) -> DTensor:
+    """``x`` redistributed to ``layout`` on its 1-D mesh (no-op when it already has it)."""
+    target = normalize_placements((layout,), 1, x.ndim)
+    return x if x.placements == target else x.redistribute(x.device_mesh, target)
+
+
+def distribute_parameters(
+    module: nn.Module, mesh: DeviceMesh, layouts: Iterable[tuple[str, Placement]], src_data_rank: int | None
+) -> None:
+    """Replace ``module``'s named parameters by DTensors with the given placements."""
+    for name, layout in layouts:
+        param = module._parameters.get(name)
+        if param is None:
+            continue
+        dist = distribute_tensor(param.data, mesh, [layout], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+# --- the matmul styles -----------------------------------------------------------------------
+
+
+class _MatmulStyle(ParallelStyle):
+    """Shared body of Colwise/Rowwise: parameters sharded per module type, one input
+    prepared, the output redistributed."""
+
+    _owns_parameters = True
+    _supported = (nn.Linear, nn.Embedding)
+
+    def __init__(self, input_layout: Placement, output_layout: Placement, use_local_output: bool) -> None:
+        self.input_layouts = (input_layout,)
+        self.output_layouts = (output_layout,)
+        self.use_local_output = use_local_output
+
+    def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if not isinstance(module, self._supported):
+            raise TypeError(
+                f"{type(self).__name__} supports nn.Linear and nn.Embedding, got {type(module).__name__}"
+            )
+        require_1d_mesh(self, device_mesh)
+        require_plain_parameters(self, module)
+
+    @abstractmethod
+    def _layouts(self, module: nn.Module) -> tuple[dict[str, Placement], Placement]:
+        """(parameter placements, the input layout the sharded module computes on)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._check(module, device_mesh)
+        params, desired = self._layouts(module)
+        given, wanted, local_out = self.input_layouts[0], self.output_layouts[0], self.use_local_output
+        name = type(self).__name__
+
+        def partition(_: str, sub: nn.Module, mesh: DeviceMesh) -> None:
+            if sub is module:
+                distribute_parameters(sub, mesh, params.items(), self.src_data_rank)
+
+        def prepare_input(_: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            if not inputs:
+                raise ValueError(f"{name} expects the module's input as its first positional argument")
+            x = to_layout(as_dtensor(inputs[0], mesh, given, f"{name} input"), desired)
+            return (x, *inputs[1:])
+
+        def prepare_output(_: nn.Module, out: DTensor, mesh: DeviceMesh) -> Any:
+            out = to_layout(out, wanted)
+            return out.to_local() if local_out else out
+
+        return distribute_module(
+            module, device_mesh, partition, prepare_input, prepare_output, src_data_rank=self.src_data_rank
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
+            f"use_local_output={self.use_local_output})"
+        )
+
+
+class ColwiseParallel(_MatmulStyle):
+    """Shard a Linear's output features (weight and bias ``Shard(0)``) or an Embedding's
+    embedding dim (weight ``Shard(1)``). The input is read as ``input_layouts``
+    (default ``Replicate()``) and replicated; the output, sharded on its last dim, is
+    redistributed to ``output_layouts`` (default ``Shard(-1)``)."""
 
     def __init__(
         self,
         *,
-        input_layouts: Placement,
-        output_layouts: Placement,
-        desired_input: Placement,
-        use_local_output: bool,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
     ) -> None:
-        self.input_layouts = input_layouts
-        self.output_layouts = output_layouts
-        self.desired_input = desired_input
-        self.use_local_output = use_local_output
+        super().__init__(
+            one_placement(input_layouts, "input_layouts") or Replicate(),
+            output_placement(output_layouts, "output_layouts") or Shard(-1),
+            use_local_output,
+        )
+        self.desired_input_layouts = (Replicate(),)
 
-    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        if mesh.ndim != 1:
-            raise ValueError(f"{type(self).__name__} needs a 1-D mesh, got {mesh}")
-        for name, placement in self._param_placements(module).items():
-            param = getattr(module, name)
-            if param is None:
-                continue
-            dist = distribute_tensor(param.data, mesh, [placement])
-            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
-        module.register_forward_pre_hook(lambda mod, args: self._prepare_input(args, mesh))
-        module.register_forward_hook(lambda mod, args, out: self._prepare_output(out, mesh))
-        return module
-
-    def _param_placements(self, module: nn.Module) -> dict[str, Placement]:
-        raise NotImplementedError
-
-    def _prepare_input(self, args: tuple, mesh: DeviceMesh) -> tuple:
-        x, *rest = args
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, [self.input_layouts])
-        if x.placements != normalize_placements([self.desired_input], 1, x.ndim):
-            x = x.redistribute(mesh, [self.desired_input])
-        return (x, *rest)
-
-    def _prepare_output(self, out: Any, mesh: DeviceMesh) -> Any:
-        if out.placements != normalize_placements([self.output_layouts], 1, out.ndim):
-            out = out.redistribute(mesh, [self.output_layouts])
-        return out.to_local() if self.use_local_output else out
-
-
-class ColwiseParallel(ParallelStyle):
-    """Shard a Linear's output features (weight ``Shard(0)``) or an Embedding's
-    embedding dim (weight ``Shard(1)``); the input is replicated, the output sharded
-    on its last dim."""
-
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = True) -> None:
-        super().__init__(input_layouts=input_layouts or Replicate(), output_layouts=output_layouts or Shard(-1),
-                         desired_input=Replicate(), use_local_output=use_local_output)
-
-    def _param_placements(self, module: nn.Module) -> dict[str, Placement]:
+    def _layouts(self, module: nn.Module) -> tuple[dict[str, Placement], Placement]:
         if isinstance(module, nn.Linear):
-            return {"weight": Shard(0), "bias": Shard(0)}
-        if isinstance(module, nn.Embedding):
-            return {"weight": Shard(1)}
-        raise TypeError(f"ColwiseParallel supports nn.Linear and nn.Embedding, got {type(module).__name__}")
+            return {"weight": Shard(0), "bias": Shard(0)}, Replicate()
+        return {"weight": Shard(1)}, Replicate()
 
 
-class RowwiseParallel(ParallelStyle):
-    """Shard a Linear's input features (weight ``Shard(1)``, bias replicated) or an
-    Embedding's vocabulary (weight ``Shard(0)``); the partial output is reduced to
-    ``output_layouts`` (``Replicate()`` by default: an all-reduce)."""
+class RowwiseParallel(_MatmulStyle):
+    """Shard a Linear's input features (weight ``Shard(1)``, bias replicated; the input
+    is made ``Shard(-1)``) or an Embedding's vocabulary (weight ``Shard(0)``; the indices
+    are made replicated). The input is read as ``input_layouts`` (default ``Shard(-1)``,
+    as in torch, for Embeddings too: pass ``Replicate()`` for replicated indices); the
+    partial output is reduced to ``output_layouts`` (default ``Replicate()``: an
+    all-reduce; ``Shard(d)``: a reduce-scatter)."""
 
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = True) -> None:
-        super().__init__(input_layouts=input_layouts or Shard(-1), output_layouts=output_layouts or Replicate(),
-                         desired_input=Shard(-1), use_local_output=use_local_output)
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__(
+            one_placement(input_layouts, "input_layouts") or Shard(-1),
+            output_placement(output_layouts, "output_layouts") or Replicate(),
+            use_local_output,
+        )
 
-    def _param_placements(self, module: nn.Module) -> dict[str, Placement]:
+    def _layouts(self, module: nn.Module) -> tuple[dict[str, Placement], Placement]:
         if isinstance(module, nn.Linear):
-            return {"weight": Shard(1), "bias": Replicate()}
-        if isinstance(module, nn.Embedding):
-            self.desired_input = Replicate()
-            if self.input_layouts == Shard(-1):
-                self.input_layouts = Replicate()
-            return {"weight": Shard(0)}
-        raise TypeError(f"RowwiseParallel supports nn.Linear and nn.Embedding, got {type(module).__name__}")
+            return {"weight": Shard(1), "bias": Replicate()}, Shard(-1)
+        return {"weight": Shard(0)}, Replicate()

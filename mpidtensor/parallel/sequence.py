@@ -1,0 +1,70 @@
+"""``SequenceParallel``: run a norm or dropout on activations sharded over the sequence dim
+(Megatron sequence parallelism, as ``torch.distributed.tensor.parallel.SequenceParallel``)."""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..api import distribute_module
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh
+from ..placements import Shard
+from .style import ParallelStyle, as_dtensor, require_1d_mesh, require_plain_parameters, to_layout
+
+
+def _supported(module: nn.Module) -> bool:
+    """Modules that act on each position of the sequence on its own: LayerNorm, RMSNorm
+    (``nn.RMSNorm`` or a Python implementation such as Llama's, named ``*RMSNorm`` /
+    ``*LayerNorm``) and the dropouts."""
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.modules.dropout._DropoutNd)):
+        return True
+    return type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+class SequenceParallel(ParallelStyle):
+    """Replicate the module's parameters (from ``src_data_rank``) and compute on the input
+    sharded on ``sequence_dim`` (default 1).
+
+    A plain input is taken as this rank's sequence shard; a DTensor input is
+    redistributed to ``Shard(sequence_dim)`` if it is not already. The output stays
+    sequence-sharded, a DTensor unless ``use_local_output`` (default False). Dropout
+    masks come from mpidtensor's layout-invariant RNG, so they equal one process's.
+    """
+
+    _owns_parameters = True
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        if not isinstance(sequence_dim, int) or isinstance(sequence_dim, bool):
+            raise TypeError(f"sequence_dim must be an int, got {sequence_dim!r}")
+        self.sequence_sharding = (Shard(sequence_dim),)
+        self.use_local_output = use_local_output
+
+    def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if not _supported(module):
+            raise TypeError(
+                f"SequenceParallel supports nn.LayerNorm, RMSNorm and dropout modules, got {type(module).__name__}"
+            )
+        require_1d_mesh(self, device_mesh)
+        require_plain_parameters(self, module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._check(module, device_mesh)
+        layout, local_out = self.sequence_sharding[0], self.use_local_output
+
+        def prepare_input(_: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            if not inputs:
+                raise ValueError("SequenceParallel expects the module's input as its first positional argument")
+            x = to_layout(as_dtensor(inputs[0], mesh, layout, "SequenceParallel input"), layout)
+            return (x, *inputs[1:])
+
+        def prepare_output(_: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+            return out.to_local() if local_out and isinstance(out, DTensor) else out
+
+        return distribute_module(
+            module, device_mesh, None, prepare_input, prepare_output, src_data_rank=self.src_data_rank
+        )
+
+    def __repr__(self) -> str:
+        dim = self.sequence_sharding[0].dim
+        return f"SequenceParallel(sequence_dim={dim}, use_local_output={self.use_local_output})"
