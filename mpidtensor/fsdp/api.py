@@ -1,0 +1,202 @@
+"""``fully_shard`` and ``FSDPModule``: the public face of FSDP2 on MPI.
+
+``fully_shard(module)`` turns the parameters that ``module`` owns (those not already
+owned by a ``fully_shard``-ed descendant) into ``Shard(0)`` DTensors, gathers them
+as one group around the module's forward and backward, and swaps the module's class
+for ``FSDP<Cls>`` so that it gains the ``FSDPModule`` methods. Every argument check
+happens before anything changes, and depends only on what all ranks share, so bad
+input raises the same error on every rank and leaves the module untouched.
+"""
+from __future__ import annotations
+
+from functools import cache
+from typing import Iterable
+
+from mpi4py import MPI
+from torch import nn
+
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh, init_device_mesh
+from .mixed_precision import MixedPrecisionPolicy
+from .param import FSDPParam, MeshInfo
+from .param_group import ParamGroup
+from .state import FSDPState
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` completes the all-gather and
+    puts the unsharded parameters on the module."""
+
+    def __init__(self, group: ParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.finish_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """Mixed into the class of every ``fully_shard``-ed module (as torch's ``FSDPModule``)."""
+
+    _fsdp_state: FSDPState
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now (the handle's ``wait()`` finishes it if
+        ``async_op``); forward will then find them gathered."""
+        group = self._fsdp_state.group
+        if group is not None:
+            group.start_unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones."""
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.reshard()
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather ``modules``' groups (non-blocking) right after this module's, in forward."""
+        self._fsdp_state.forward_prefetch = [_state_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather ``modules``' groups (non-blocking) when this module's backward starts."""
+        self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With ``False``, backward accumulates unsharded gradients locally (no reduce-scatter)
+        until a backward with ``True`` reduces the sum."""
+        for group in self._groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether backward frees the unsharded parameters (``False`` keeps them for the next forward)."""
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Whether forward frees the unsharded parameters (then backward gathers them again)."""
+        for group in self._groups(recurse):
+            group.reshard_after_forward = reshard_after_forward
+
+    def _groups(self, recurse: bool) -> list[ParamGroup]:
+        modules = self.modules() if recurse else [self]
+        return [m._fsdp_state.group for m in modules if isinstance(m, FSDPModule) and m._fsdp_state.group is not None]
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+) -> nn.Module:
+    """Shard ``module``'s parameters over the data-parallel ``mesh`` (FSDP2 semantics).
+
+    ``mesh``: 1-D (FSDP; default: all ranks) or 2-D ``(replicate, shard)`` (HSDP). A
+    sub-mesh of a 2-D mesh whose other dim holds the parameters' tensor-parallel
+    DTensors gives FSDP x TP. Apply to sub-modules first, then to the root.
+    Returns ``module``, whose class is now an ``FSDPModule`` subclass.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    managed = _managed_params(module)
+    if mesh is None:
+        mesh = _default_mesh(_device_type(managed))
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard needs a 1-D (FSDP) or 2-D (HSDP) DeviceMesh, got {mesh!r}")
+    _check_params(managed, mesh, mp_policy)
+    info = MeshInfo(mesh)
+    params = [FSDPParam(users, param, info, mp_policy) for users, param in managed]
+    group = ParamGroup(params, info, mp_policy, reshard_after_forward) if params else None
+    module._fsdp_state = FSDPState(module, group, mp_policy)
+    module.__class__ = _fsdp_class(type(module))
+    return module
+
+
+@cache
+def _fsdp_class(cls: type) -> type:
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
+@cache
+def _default_mesh(device_type: str) -> DeviceMesh:
+    return init_device_mesh(device_type, (MPI.COMM_WORLD.size,))
+
+
+def _state_of(module: nn.Module) -> FSDPState:
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"expected a fully_shard-ed module, got {type(module).__name__}")
+    return module._fsdp_state
+
+
+def _managed_params(module: nn.Module) -> list[tuple[list[tuple[nn.Module, str]], nn.Parameter]]:
+    """Each parameter ``module`` owns, with every (module, name) that refers to it; the
+    sub-trees of ``fully_shard``-ed descendants are left out."""
+    found: dict[int, tuple[list[tuple[nn.Module, str]], nn.Parameter]] = {}
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        for name, param in m._parameters.items():
+            if param is not None:
+                found.setdefault(id(param), ([], param))[0].append((m, name))
+        stack.extend(c for c in reversed(list(m._modules.values())) if c is not None and not isinstance(c, FSDPModule))
+    return list(found.values())
+
+
+def _device_type(managed: Iterable) -> str:
+    for _, param in managed:
+        if param.device.type == "cuda":
+            return "cuda"
+    return "cpu"
+
+
+def _check_params(managed: list, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> None:
+    """Raise before anything changes if the parameters cannot be sharded together on ``mesh``."""
+    params = [param for _, param in managed]
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"fully_shard needs all parameters on one device, got {sorted(map(str, devices))}")
+    if devices and next(iter(devices)).type not in ("meta", mesh.device_type):
+        raise ValueError(f"parameters on {next(iter(devices))} cannot be sharded on a {mesh.device_type!r} mesh")
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    if len(meshes) > 1:
+        raise ValueError(f"fully_shard needs all DTensor parameters on one mesh, got {sorted(map(repr, meshes))}")
+    for p in params:
+        if p.ndim == 0:
+            raise ValueError("fully_shard cannot shard a 0-dimensional parameter")
+    tp_mesh = next(iter(meshes)) if meshes else None
+    if tp_mesh is not None:
+        _check_tp(params, mesh, tp_mesh)
+    trainable = {p.dtype for p in params if p.requires_grad}
+    if len(trainable) > 1 and mp.reduce_dtype is None and mp.param_dtype is None:
+        raise ValueError(f"trainable parameters of one group must share a dtype, got {sorted(map(str, trainable))}")
+
+
+def _check_tp(params: list, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
+    """FSDP x TP: ``mesh`` and ``tp_mesh`` must be complementary 1-D sub-meshes of one 2-D mesh,
+    and the TP placements must leave dim 0 of the local block to FSDP. Plain parameters
+    beside them are sharded over ``mesh`` alone."""
+    parent = getattr(mesh, "_parent", None)
+    if mesh.ndim != 1 or parent is None or getattr(tp_mesh, "_parent", None) is not parent \
+            or parent.ndim != 2 or tp_mesh.ndim != 1 or set(mesh._parent_dims) & set(tp_mesh._parent_dims):
+        raise ValueError(
+            "parameters that are DTensors need fully_shard's mesh and theirs to be the two dims of one "
+            f"2-D mesh (e.g. mesh['dp'] and mesh['tp']), got {mesh!r} and {tp_mesh!r}"
+        )
+    for p in params:
+        if isinstance(p, DTensor) and any(pl.is_partial() or pl.is_shard(0) for pl in p.placements):
+            raise ValueError(
+                f"fully_shard shards dim 0 of the tensor-parallel block, so the TP placements must leave "
+                f"dim 0 whole (Replicate or Shard(d > 0)); got {list(p.placements)} (a Shard(0) TP weight, as "
+                f"ColwiseParallel makes, would need a strided-shard placement mpidtensor does not have)"
+            )

@@ -1,0 +1,134 @@
+"""One parameter under FSDP: its layout on the data-parallel mesh and its two forms.
+
+The *sharded* form is an ``nn.Parameter`` holding a ``DTensor`` (``Shard(0)`` over the
+shard dim; ``[Replicate(), Shard(0)]`` for HSDP; ``[Shard(0), <tp placement>]`` on the
+parent mesh under FSDP x TP). Its local tensor is this rank's ``torch.chunk`` piece of
+dim 0. The *unsharded* form is a plain ``nn.Parameter`` (or the TP ``DTensor``) that the
+module uses between all-gather and reshard. Everything here is computed from global
+shapes, so all ranks agree on every size and offset.
+"""
+from __future__ import annotations
+
+import inspect
+from math import prod
+
+import torch
+from torch import nn
+
+from .._layout import chunk_span, contiguous_strides
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh
+from ..placements import Placement, Replicate, Shard
+from ..spec import DTensorSpec
+from .mixed_precision import MixedPrecisionPolicy
+
+
+class MeshInfo:
+    """The data-parallel mesh: which communicator shards, which (HSDP) replicates,
+    and the mesh and placement prefix of the sharded DTensors."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.shard_comm = mesh.comm_for((mesh.ndim - 1,))
+        self.replicate_comm = mesh.comm_for((0,)) if mesh.ndim == 2 else None
+        self.shard_size = self.shard_comm.size
+        self.shard_rank = self.shard_comm.rank
+        self.dp_size = mesh.size()
+
+    def spec_for(self, tp_spec: DTensorSpec | None) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """Mesh and placements of a sharded parameter (``tp_spec``: its TP layout, if any)."""
+        dp = (Replicate(), Shard(0)) if self.mesh.ndim == 2 else (Shard(0),)
+        if tp_spec is None:
+            return self.mesh, dp
+        parent, dp_dims = self.mesh._parent, self.mesh._parent_dims
+        placements: list[Placement] = [Replicate()] * parent.ndim
+        for dim, p in zip(dp_dims, dp):
+            placements[dim] = p
+        for dim, p in zip(tp_spec.mesh._parent_dims, tp_spec.placements):
+            placements[dim] = p
+        return parent, tuple(placements)
+
+
+class FSDPParam:
+    """Layout and state of one managed parameter (shared parameters: several ``users``)."""
+
+    def __init__(self, users: list[tuple[nn.Module, str]], param: nn.Parameter, info: MeshInfo,
+                 mp: MixedPrecisionPolicy) -> None:
+        self.users = users
+        self.requires_grad = param.requires_grad
+        self.tp_spec = param._spec if isinstance(param, DTensor) else None
+        data = param._local_tensor if self.tp_spec is not None else param.detach()
+        self.shape = data.shape  # what FSDP shards: the whole tensor, or the local TP block
+        self.rest = tuple(self.shape[1:])
+        self.row_numel = prod(self.rest)
+        self.orig_dtype = data.dtype
+        self.param_dtype = mp.param_dtype or self.orig_dtype
+        self.rows = self.shape[0]
+        self.pad_rows = -(-self.rows // info.shard_size)
+        self.offset_rows, self.local_rows = chunk_span(self.rows, info.shard_size, info.shard_rank)
+        self.extension = hasattr(data, "fsdp_pre_all_gather")
+        mesh, placements = info.spec_for(self.tp_spec)
+        self.spec = DTensorSpec(mesh, placements, param.shape, contiguous_strides(param.shape), param.dtype)
+        self.initial_local = data.detach().narrow(0, self.offset_rows, self.local_rows)
+        self.sharded: nn.Parameter | None = None  # set by the group (it owns the storage)
+        self.unsharded: nn.Parameter | None = None
+        self.inner: tuple[torch.Tensor, ...] = ()  # storages behind an extension's unsharded tensor
+        self.inner_nbytes: list[int] = []
+        self.shard_offset = self.unsharded_offset = 0  # byte offsets, set by the group
+        self.grad_acc: torch.Tensor | None = None  # unsharded grads summed while sync is off
+
+    def make_sharded(self, local: torch.Tensor) -> None:
+        """Register the sharded DTensor parameter around ``local`` on every user module."""
+        dt = DTensor(local, self.spec, requires_grad=False)
+        self.sharded = nn.Parameter(dt, requires_grad=self.requires_grad)
+        self.install(self.sharded)
+
+    def install(self, param: nn.Parameter) -> None:
+        for module, name in self.users:
+            module._parameters[name] = param
+
+    def current(self) -> nn.Parameter:
+        """The parameter the first user module holds now (load_state_dict/to_empty may replace it)."""
+        module, name = self.users[0]
+        return module._parameters[name]
+
+    def adopt(self, param: nn.Parameter) -> None:
+        """Take ``param`` (a replacement of the sharded parameter) as the sharded parameter."""
+        if not isinstance(param, DTensor) or param._spec.placements != self.spec.placements \
+                or param._spec.mesh != self.spec.mesh or tuple(param.shape) != tuple(self.spec.shape):
+            raise ValueError(
+                f"parameter {self.users[0][1]!r} was replaced by a tensor that is not a DTensor "
+                f"with {list(self.spec.placements)} on {self.spec.mesh} and shape {tuple(self.spec.shape)}"
+            )
+        self.sharded = param
+        self.install(param)
+
+    def wrap_unsharded(self, tensor: torch.Tensor) -> nn.Parameter:
+        """The unsharded parameter around ``tensor`` (as a TP DTensor if the parameter was one)."""
+        if self.tp_spec is not None:
+            tp = self.tp_spec
+            spec = DTensorSpec(tp.mesh, tp.placements, tp.shape, tp.stride, tensor.dtype)
+            tensor = DTensor(tensor, spec, requires_grad=False)
+        return nn.Parameter(tensor, requires_grad=self.requires_grad)
+
+    # --- all-gather extension (tensor subclasses with fsdp_pre/post_all_gather) -----------------
+    def pre_all_gather(self, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> tuple[tuple[torch.Tensor, ...], object]:
+        local = self.sharded._local_tensor
+        if len(inspect.signature(local.fsdp_pre_all_gather).parameters) == 1:
+            inputs, meta = local.fsdp_pre_all_gather(mesh)
+        else:
+            module = self.users[0][0]
+            inputs, meta = local.fsdp_pre_all_gather(mesh, self.spec.shape, self.spec.stride, module, mp)
+        for t in inputs:
+            if t.ndim == 0 or t.size(0) != self.local_rows:
+                raise ValueError(f"fsdp_pre_all_gather inputs must have the shard's {self.local_rows} rows "
+                                 f"on dim 0, got {tuple(t.shape)}")
+        return tuple(inputs), meta
+
+    def post_all_gather(self, outputs: tuple[torch.Tensor, ...], meta: object) -> None:
+        local = self.sharded._local_tensor
+        if self.unsharded is None:
+            tensor, self.inner = local.fsdp_post_all_gather(outputs, meta, self.param_dtype)
+            self.unsharded = nn.Parameter(tensor, requires_grad=self.requires_grad)
+        else:
+            local.fsdp_post_all_gather(outputs, meta, self.param_dtype, out=self.unsharded)

@@ -1,0 +1,163 @@
+"""Hooks that drive one ``fully_shard``-ed module through forward and backward.
+
+Forward: the pre-hook all-gathers the module's group (if a prefetch has not already
+started it) and starts the next group's all-gather (explicit prefetch list, else the
+forward order recorded in the first iteration); the post-hook reshards when
+``reshard_after_forward`` (never the root while gradients are on: backward would
+gather it straight back) and registers the pre-backward hook on the outputs.
+Backward: the pre-backward hook gathers the group again and prefetches the one that
+runs next (reverse post-forward order); an identity autograd function on the
+module's inputs starts the group's reduce-scatter when the module's backward is done.
+The root queues a final callback that reduces whatever is left (modules whose inputs
+need no gradient), waits for every reduce-scatter, and reshards.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .mixed_precision import MixedPrecisionPolicy, cast_floats
+from .param_group import ParamGroup
+
+
+class FSDPState:
+    """Per-module FSDP state; the root's also holds the order and pending work of all."""
+
+    def __init__(self, module: nn.Module, group: ParamGroup | None, mp: MixedPrecisionPolicy) -> None:
+        self.module = module
+        self.group = group
+        self.mp = mp
+        self.is_root: bool | None = None
+        self.root: FSDPState = self
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        self._post_forward_index = 0
+        # root only
+        self.states: list[FSDPState] = []
+        self.forward_order: list[FSDPState] = []
+        self.forward_pos: dict[int, int] = {}
+        self.post_forward_order: list[FSDPState] = []
+        self._recording = True
+        self._callback_queued = False
+        self._reducing: list[ParamGroup] = []
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+
+    # --- root -------------------------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        """The first state to run forward becomes the root of every state below it."""
+        from .api import FSDPModule
+
+        self.is_root = True
+        self.states = [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
+        for state in self.states[1:]:
+            state.is_root, state.root = False, self
+
+    def _final_callback(self) -> None:
+        """End of backward: reduce what is left, wait for all reductions, reshard."""
+        for state in self.states:  # groups whose inputs needed no gradient: not reduced yet
+            if state.group is not None and state.group.has_pending_grads:
+                state.post_backward()
+        for group in self._reducing:
+            group.finish_reduce()
+        self._reducing.clear()
+        for state in self.states:
+            if state.group is not None and state.group.reshard_after_backward:
+                state.group.reshard()
+        self._callback_queued = False
+
+    def _reduced(self, group: ParamGroup) -> None:
+        """Record ``group``'s reduce-scatter; complete the ones started before it."""
+        if not group.reducing:
+            return
+        for earlier in self._reducing:
+            earlier.finish_reduce()
+        self._reducing = [group]
+
+    # --- forward ----------------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.is_root is None:
+            self._lazy_init()
+        root = self.root
+        if self.is_root:
+            root.post_forward_order = []
+        if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
+            args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
+        if self.group is not None:
+            self.group.finish_unshard()
+            if torch.is_grad_enabled():
+                args, kwargs = self._hook_post_backward(args, kwargs)
+        if root._recording:
+            root.forward_order.append(self)
+        if self.forward_prefetch is not None or not root._recording:
+            i = root.forward_pos.get(id(self), len(root.forward_order)) + 1
+            for target in self._next(self.forward_prefetch, root.forward_order[i:i + 1]):
+                target.group.start_unshard()
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        root = self.root
+        grad = torch.is_grad_enabled()
+        if self.group is not None and self.group.reshard_after_forward and not (self.is_root and grad):
+            self.group.reshard()
+        self._post_forward_index = len(root.post_forward_order)
+        root.post_forward_order.append(self)
+        if self.is_root and root._recording:
+            root._recording = False
+            root.forward_pos = {id(s): i for i, s in enumerate(root.forward_order)}
+        if grad:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        return cast_floats(output, self.mp.output_dtype)
+
+    @staticmethod
+    def _next(explicit: list[FSDPState] | None, implicit: list[FSDPState]) -> list[FSDPState]:
+        """The states to prefetch: ``explicit`` if set, else ``implicit`` (the next in order)."""
+        return [s for s in (implicit if explicit is None else explicit) if s.group is not None]
+
+    # --- backward ---------------------------------------------------------------------------------
+    def _hook_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Route the inputs that need gradients through ``_PostBackward``, whose backward runs
+        once the module's whole backward (frozen parameters' uses included) is done."""
+        flat, spec = tree_flatten((args, kwargs))
+        index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if index:
+            for i, t in zip(index, _PostBackward.apply(self, *(flat[i] for i in index))):
+                flat[i] = t
+            args, kwargs = tree_unflatten(flat, spec)
+        return args, kwargs
+
+    def post_backward(self) -> None:
+        """The module's backward is done: reduce its gradients, reshard."""
+        self.group.post_backward()
+        self.root._reduced(self.group)
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        root = self.root
+        if not root._callback_queued:
+            Variable._execution_engine.queue_callback(root._final_callback)
+            root._callback_queued = True
+        if self.group is not None:
+            self.group.finish_unshard()
+        i = self._post_forward_index  # of its last forward: the one backward meets first
+        for target in self._next(self.backward_prefetch, root.post_forward_order[i - 1:i] if i > 0 else []):
+            target.group.start_unshard()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward signals the end of the module's backward."""
+
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple:
+        ctx.state.post_backward()
+        return (None, *grads)

@@ -1,0 +1,113 @@
+"""Non-blocking collectives on flat torch tensors: start now, ``wait()`` later.
+
+They exist so that FSDP can issue the next parameter group's all-gather (or the
+last group's reduce-scatter) and keep computing while MPI moves the data. Each
+returns a :class:`Handle`; the result is valid only after ``handle.wait()``, and the
+buffers stay referenced by the handle until then. Every rank must start the same
+collectives on a communicator in the same order (MPI's rule for non-blocking
+collectives). Each start reports itself to ``tracing.record`` like the blocking ones.
+
+Inputs are 1-D C-contiguous tensors whose size is a multiple of the communicator
+size where pieces are involved (FSDP pads every shard to the same length), so the
+regular ``Iallgather`` / ``Ireduce_scatter_block`` apply rather than their ``v`` forms.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from mpi4py import MPI
+
+from . import tracing
+from .buffers import as_buffer, empty, mpi_type, stage
+from .collectives import ReduceOp, _reduction
+
+
+class Handle:
+    """A started collective; ``wait()`` completes it and returns its result tensor."""
+
+    __slots__ = ("_request", "_keep", "_finish", "_result")
+
+    def __init__(self, request: MPI.Request, keep: tuple, finish: Callable[[], torch.Tensor]) -> None:
+        self._request = request
+        self._keep = keep  # buffers MPI reads or writes until completion
+        self._finish = finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        """Block until the collective is done (idempotent); return its result."""
+        if self._request is not None:
+            self._request.Wait()
+            self._request = None
+            self._result = self._finish()
+            self._keep = self._finish = None
+        return self._result
+
+    def done(self) -> bool:
+        """Whether ``wait()`` has completed."""
+        return self._request is None
+
+
+def iall_gather(send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor | None = None) -> Handle:
+    """Start gathering every rank's 1-D ``send`` (same size everywhere) back to back in rank
+    order; the handle's result is ``out`` (``size * send.numel()`` elements) or a new tensor."""
+    _check_flat(send)
+    numel = send.numel() * comm.size
+    if out is None:
+        out = torch.empty(numel, dtype=send.dtype, device=send.device)
+    elif out.numel() != numel or out.dtype != send.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {send.dtype} with {numel} elements")
+    src = stage(send)
+    dst = out if out.device == src.device else empty((numel,), out)
+    datatype = mpi_type(send.dtype)
+    tracing.record("all_gather", src.nbytes)
+    request = comm.Iallgather([as_buffer(src), src.numel(), datatype], [as_buffer(dst), src.numel(), datatype])
+    return Handle(request, (src, dst), lambda: out if dst is out else out.copy_(dst))
+
+
+def ireduce_scatter(
+    send: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum", out: torch.Tensor | None = None
+) -> Handle:
+    """Start reducing 1-D ``send`` over all ranks; rank r's result is piece r of
+    ``comm.size`` equal pieces (into ``out`` if given). bf16/fp16 are reduced in fp32."""
+    _check_flat(send)
+    if send.numel() % comm.size:
+        raise ValueError(f"{send.numel()} elements do not split into {comm.size} equal pieces")
+    dtype, mpi_op = _reduction(send.dtype, op)
+    piece = send.numel() // comm.size
+    if out is None:
+        out = torch.empty(piece, dtype=send.dtype, device=send.device)
+    elif out.numel() != piece or out.dtype != send.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {send.dtype} with {piece} elements")
+    src = stage(send, dtype)
+    dst = out if (out.device == src.device and out.dtype == dtype) else empty((piece,), out, dtype)
+    datatype = mpi_type(dtype)
+    tracing.record("reduce_scatter", src.nbytes)
+    request = comm.Ireduce_scatter_block([as_buffer(src), piece, datatype], [as_buffer(dst), piece, datatype], mpi_op)
+    return Handle(request, (src, dst), lambda: _finish_reduction(dst, out, op, comm.size))
+
+
+def iall_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum", *, inplace: bool = False) -> Handle:
+    """Start reducing 1-D ``tensor`` elementwise over all ranks; the result goes into
+    ``tensor`` itself if ``inplace``, else into a new tensor."""
+    _check_flat(tensor)
+    dtype, mpi_op = _reduction(tensor.dtype, op)
+    out = tensor if inplace else torch.empty_like(tensor)
+    src = stage(tensor, dtype, copy=not inplace)  # in place: ``tensor`` itself unless staged
+    datatype = mpi_type(dtype)
+    tracing.record("all_reduce", src.nbytes)
+    request = comm.Iallreduce(MPI.IN_PLACE, [as_buffer(src), src.numel(), datatype], mpi_op)
+    return Handle(request, (src,), lambda: _finish_reduction(src, out, op, comm.size))
+
+
+def _finish_reduction(result: torch.Tensor, out: torch.Tensor, op: str, size: int) -> torch.Tensor:
+    if op == "avg":
+        result /= size
+    if result.data_ptr() != out.data_ptr() or result.dtype != out.dtype:
+        out.copy_(result)
+    return out
+
+
+def _check_flat(tensor: torch.Tensor) -> None:
+    if tensor.ndim != 1 or not tensor.is_contiguous():
+        raise ValueError(f"non-blocking collectives take 1-D contiguous tensors, got shape {tuple(tensor.shape)}")
