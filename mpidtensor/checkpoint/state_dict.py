@@ -1,0 +1,233 @@
+"""Model and optimizer state dicts keyed by parameter FQN, as
+``torch.distributed.checkpoint.state_dict`` gives them.
+
+Sharded (default): the values are the DTensors themselves (model) or the optimizer's
+state tensors, so ``checkpoint.load`` into them restores in place. Full: DTensors
+become whole plain tensors (a collective per tensor). Setting accepts either: a
+DTensor target takes its own block of a full tensor (no communication), or the
+value redistributed to its placements; with ``broadcast_from_rank0`` only rank 0
+needs the (full) state dict and the others get it by ``Bcast``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from mpi4py import MPI
+
+from ..dtensor import DTensor
+from . import format as fmt
+from . import io
+
+WORLD = MPI.COMM_WORLD
+
+
+@dataclass
+class StateDictOptions:
+    """``full_state_dict``: whole plain tensors instead of DTensors; ``cpu_offload``: values
+    on the CPU (with ``full_state_dict`` only rank 0 keeps them, the others get ``{}``);
+    ``broadcast_from_rank0``: set from rank 0's full state dict; ``strict``: missing or
+    unexpected keys raise."""
+
+    full_state_dict: bool = False
+    cpu_offload: bool = False
+    broadcast_from_rank0: bool = False
+    strict: bool = True
+
+
+def _export(value: Any, options: StateDictOptions) -> Any:
+    if isinstance(value, DTensor) and options.full_state_dict:
+        value = value.full_tensor()
+    if isinstance(value, torch.Tensor) and options.cpu_offload:
+        value = value.cpu()
+    return value
+
+
+def _rank0_only(state: dict, options: StateDictOptions) -> dict:
+    return {} if options.full_state_dict and options.cpu_offload and WORLD.rank != 0 else state
+
+
+def get_model_state_dict(model: torch.nn.Module, *, options: StateDictOptions | None = None) -> dict:
+    """``model.state_dict()``, DTensors kept (sharded) or gathered (``full_state_dict``)."""
+    options = options or StateDictOptions()
+    state = {k: _export(v, options) for k, v in model.state_dict().items()}
+    return _rank0_only(state, options)
+
+
+def _optimizers(optimizers) -> list[torch.optim.Optimizer]:
+    return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+
+
+def _param_fqns(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _init_state(optim: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (in the parameters' layouts) by one step with
+    zero gradients and a learning rate of 0 when some parameter has none yet."""
+    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    if all(p in optim.state for p in params):
+        return
+    lrs = [g["lr"] for g in optim.param_groups]
+    zeroed = [p for p in params if p.grad is None]
+    for p in zeroed:
+        p.grad = torch.zeros_like(p)
+    for g in optim.param_groups:
+        g["lr"] = 0.0
+    try:
+        optim.step()
+    finally:
+        for g, lr in zip(optim.param_groups, lrs):
+            g["lr"] = lr
+        for p in zeroed:
+            p.grad = None
+
+
+def get_optimizer_state_dict(
+    model: torch.nn.Module, optimizers, *, options: StateDictOptions | None = None
+) -> dict:
+    """The optimizers' state with parameters named by FQN: ``{"state": {fqn: {...}},
+    "param_groups": [{..., "params": [fqn, ...]}]}``. Creates missing state first."""
+    options = options or StateDictOptions()
+    names = _param_fqns(model)
+    state, groups = {}, []
+    for optim in _optimizers(optimizers):
+        _init_state(optim)
+        raw = optim.state_dict()
+        ids = {}
+        for group, raw_group in zip(optim.param_groups, raw["param_groups"]):
+            ids.update({i: names[id(p)] for i, p in zip(raw_group["params"], group["params"])})
+            groups.append({**raw_group, "params": [ids[i] for i in raw_group["params"]]})
+        for i, values in raw["state"].items():
+            state[ids[i]] = {k: _export(v, options) for k, v in values.items()}
+    return _rank0_only({"state": state, "param_groups": groups}, options)
+
+
+def get_state_dict(model: torch.nn.Module, optimizers, *, options: StateDictOptions | None = None):
+    """``(get_model_state_dict(...), get_optimizer_state_dict(...))``."""
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizers, options=options)
+
+
+# --- setting ---------------------------------------------------------------------------------------------
+def broadcast_state(state: Any) -> Any:
+    """Rank 0's nested ``state`` (plain tensors and values) on every rank; tensors go by
+    ``Bcast`` in pieces of at most ``io.MAX_CHUNK_BYTES``."""
+    leaves, skeleton, error = [], None, None
+    if WORLD.rank == 0:
+        leaves = list(fmt.flatten(state))
+        skeleton = [(p, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None,
+                     None if isinstance(v, torch.Tensor) else v) for p, v in leaves]
+        dtensors = [fmt.fqn(p) for p, v in leaves if isinstance(v, DTensor)]
+        if dtensors:
+            error = f"broadcast_from_rank0 needs a full state dict (plain tensors); got DTensors {dtensors}"
+    skeleton, error = WORLD.bcast((skeleton, error), root=0)
+    if error:
+        raise ValueError(error)
+    out = []
+    for i, (path, meta, value) in enumerate(skeleton):
+        if meta is None:
+            out.append((path, value))
+            continue
+        t = leaves[i][1].detach().cpu().contiguous() if WORLD.rank == 0 else torch.empty(meta[0], dtype=meta[1])
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        step = io.MAX_CHUNK_BYTES
+        for lo in range(0, raw.size, step):
+            WORLD.Bcast([raw[lo: lo + step], MPI.BYTE], root=0)
+        out.append((path, t))
+    return fmt.unflatten(out) if out else {}
+
+
+def _assign(target: torch.Tensor, value: torch.Tensor, key: str) -> None:
+    """Copy ``value`` (a DTensor or the full tensor) into ``target`` (a DTensor or a tensor)."""
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"shape mismatch for {key!r}: got {tuple(value.shape)}, expected {tuple(target.shape)}")
+    with torch.no_grad():
+        if not isinstance(target, DTensor):
+            target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+            return
+        if isinstance(value, DTensor):
+            if value.placements != target.placements:
+                value = value.redistribute(target.device_mesh, target.placements)
+            target._local_tensor.copy_(value._local_tensor)
+            return
+        shape, start = target._spec.local_shape_and_offset()
+        block = value
+        for d, (o, n) in enumerate(zip(start, shape)):
+            block = block.narrow(d, o, n)
+        target._local_tensor.copy_(block)
+
+
+def _keys_or_raise(expected: Iterable[str], given: Iterable[str], strict: bool, what: str):
+    missing = [k for k in expected if k not in given]
+    unexpected = [k for k in given if k not in expected]
+    if strict and (missing or unexpected):
+        raise KeyError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
+    return missing, unexpected
+
+
+def set_model_state_dict(
+    model: torch.nn.Module, model_state_dict: dict, *, options: StateDictOptions | None = None
+):
+    """Copy ``model_state_dict`` (sharded or full) into the model's parameters and buffers.
+    Returns ``(missing_keys, unexpected_keys)`` like ``load_state_dict``."""
+    options = options or StateDictOptions()
+    if options.broadcast_from_rank0:
+        model_state_dict = broadcast_state(model_state_dict)
+    targets = model.state_dict()
+    missing, unexpected = _keys_or_raise(targets, model_state_dict, options.strict, "set_model_state_dict")
+    for key, target in targets.items():
+        if key in model_state_dict:
+            _assign(target, model_state_dict[key], key)
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def set_optimizer_state_dict(
+    model: torch.nn.Module, optimizers, optim_state_dict: dict, *, options: StateDictOptions | None = None
+) -> None:
+    """Load an FQN-keyed optimizer state dict (sharded or full) into the optimizers."""
+    options = options or StateDictOptions()
+    if options.broadcast_from_rank0:
+        optim_state_dict = broadcast_state(optim_state_dict)
+    names = _param_fqns(model)
+    given_groups = {tuple(g["params"]): g for g in optim_state_dict["param_groups"]}
+    state = optim_state_dict["state"]
+    for optim in _optimizers(optimizers):
+        _init_state(optim)
+        raw_state, raw_groups = {}, []
+        for index_base, group in _numbered_groups(optim):
+            fqns = tuple(names[id(p)] for p in group["params"])
+            if fqns not in given_groups:
+                raise KeyError(f"set_optimizer_state_dict: no param group for parameters {list(fqns)}")
+            raw_groups.append({**given_groups[fqns], "params": list(range(index_base, index_base + len(fqns)))})
+            for i, (p, name) in enumerate(zip(group["params"], fqns)):
+                if name not in state:
+                    if options.strict and p in optim.state:
+                        raise KeyError(f"set_optimizer_state_dict: missing state for {name!r}")
+                    continue
+                current = optim.state.get(p, {})
+                values = {}
+                for k, v in state[name].items():
+                    if isinstance(v, torch.Tensor) and isinstance(current.get(k), torch.Tensor):
+                        _assign(current[k], v, f"{name}.{k}")
+                        v = current[k]
+                    values[k] = v
+                raw_state[index_base + i] = values
+        optim.load_state_dict({"state": raw_state, "param_groups": raw_groups})
+
+
+def _numbered_groups(optim: torch.optim.Optimizer):
+    base = 0
+    for group in optim.param_groups:
+        yield base, group
+        base += len(group["params"])
+
+
+def set_state_dict(
+    model: torch.nn.Module, optimizers, *, model_state_dict: dict, optim_state_dict: dict,
+    options: StateDictOptions | None = None,
+):
+    """``set_model_state_dict`` then ``set_optimizer_state_dict``."""
+    keys = set_model_state_dict(model, model_state_dict, options=options)
+    set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
+    return keys

@@ -1,0 +1,252 @@
+"""checkpoint.save / load: round trips over layouts and dtypes, resharded loads across
+world sizes, chunked transfers, the one-process reader and conversion, errors."""
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from helpers import assert_all_ranks, assert_close, global_tensor
+import mpidtensor.checkpoint as dcp
+from mpidtensor import DTensor, DeviceMesh, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from mpidtensor.checkpoint import format as fmt
+from mpidtensor.checkpoint import io as ckpt_io
+
+WORLD = MPI.COMM_WORLD
+R = Replicate()
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int8,
+          torch.bool, torch.complex64]
+
+
+@pytest.fixture
+def ckpt_dir():
+    """A fresh directory shared by all ranks."""
+    path = tempfile.mkdtemp(prefix="mpidtensor-ckpt-") if WORLD.rank == 0 else None
+    path = WORLD.bcast(path)
+    yield os.path.join(path, "ckpt")
+    WORLD.Barrier()
+    if WORLD.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def zeros_like_layout(t: torch.Tensor, mesh, placements):
+    z = torch.zeros(t.shape, dtype=t.dtype)
+    return z if mesh is None else distribute_tensor(z, mesh, placements)
+
+
+def check_equal(actual, expected, what=""):
+    full = actual.full_tensor() if isinstance(actual, DTensor) else actual
+    assert_all_ranks(full.dtype == expected.dtype and torch.equal(full, expected), f"{what}: {full} != {expected}")
+
+
+LAYOUTS_1D = [[Shard(0)], [Shard(1)], [R], None]  # None: a plain tensor
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_dtypes(mesh1d, ckpt_dir, dtype):
+    shapes = [(7, 5), (3, 10), (2, 3)]
+    tensors = [global_tensor(s, dtype, seed=i) for i, s in enumerate(shapes)]
+    state = {f"t{i}": t if p is None else distribute_tensor(t, mesh1d, p)
+             for i, (t, p) in enumerate(zip(tensors, LAYOUTS_1D))}
+    dcp.save(state, ckpt_dir)
+    for i, target_layout in enumerate(LAYOUTS_1D):
+        target = {f"t{j}": zeros_like_layout(t, mesh1d, LAYOUTS_1D[(j + i + 1) % 4]) for j, t in enumerate(tensors)}
+        dcp.load(target, ckpt_dir)
+        for j, t in enumerate(tensors):
+            check_equal(target[f"t{j}"], t, f"t{j} layout {i}")
+
+
+@pytest.mark.parametrize("src", [[Shard(0), Shard(1)], [Shard(1), Shard(1)], [R, Shard(0)], [Shard(0), R], [R, R]])
+@pytest.mark.parametrize("dst", [[Shard(1), Shard(0)], [Shard(0), Shard(0)], [R, R], [Shard(1), R]])
+def test_round_trip_2d_mesh(mesh2d, ckpt_dir, src, dst):
+    t = global_tensor((5, 7), seed=3)
+    dcp.save({"w": distribute_tensor(t, mesh2d, src)}, ckpt_dir)
+    target = {"w": zeros_like_layout(t, mesh2d, dst)}
+    dcp.load(target, ckpt_dir)
+    check_equal(target["w"], t)
+
+
+def test_uneven_and_empty_shards(mesh1d, ckpt_dir):
+    """More ranks than rows: trailing ranks hold empty shards and must still take part."""
+    tensors = {"a": global_tensor((2, 3), seed=1), "b": global_tensor((1,), seed=2),
+               "c": global_tensor((0, 4), seed=3), "s": torch.tensor(2.5)}
+    dcp.save({k: distribute_tensor(v, mesh1d, [Shard(0)]) if v.ndim else v for k, v in tensors.items()}, ckpt_dir)
+    target = {k: zeros_like_layout(v, mesh1d if v.ndim else None, [Shard(v.ndim - 1)]) for k, v in tensors.items()}
+    dcp.load(target, ckpt_dir)
+    for k, v in tensors.items():
+        check_equal(target[k], v, k)
+
+
+def test_partial_is_reduced(mesh1d, ckpt_dir):
+    local = global_tensor((4, 3), seed=WORLD.rank)
+    dt = DTensor.from_local(local, mesh1d, [Partial()])
+    expected = sum(global_tensor((4, 3), seed=r) for r in range(WORLD.size))
+    dcp.save({"p": dt}, ckpt_dir)
+    target = {"p": torch.zeros(4, 3)}
+    dcp.load(target, ckpt_dir)
+    assert_close(target["p"], expected)
+    with pytest.raises(dcp.CheckpointError, match="Partial"):
+        dcp.load({"p": DTensor.from_local(torch.zeros(4, 3), mesh1d, [Partial()])}, ckpt_dir)
+
+
+def test_nested_values_round_trip(mesh1d, ckpt_dir):
+    state = {"model": {"w": distribute_tensor(global_tensor((6, 2)), mesh1d, [Shard(0)])},
+             "meta": {"epoch": 3, "lr": 0.5, "name": "run", "none": None, "flag": True,
+                      "betas": (0.9, 0.99), "groups": [{"params": ["w"], "wd": 0.1}], "empty": {},
+                      "dtype": torch.float16, 7: "int key"}}
+    dcp.save(state, ckpt_dir)
+    target = {"model": {"w": zeros_like_layout(global_tensor((6, 2)), mesh1d, [R])},
+              "meta": {"epoch": 0, "lr": 0.0, "name": "", "none": 1, "flag": False, "betas": (0, 0),
+                       "groups": [{"params": [""], "wd": 0}], "empty": {}, "dtype": None, 7: ""}}
+    dcp.load(target, ckpt_dir)
+    check_equal(target["model"]["w"], global_tensor((6, 2)))
+    assert_all_ranks(target["meta"] == state["meta"], f"{target['meta']}")
+    plain = dcp.load_plain(ckpt_dir)
+    assert_all_ranks(plain["meta"] == state["meta"] and torch.equal(plain["model"]["w"], global_tensor((6, 2))))
+
+
+def _submesh_comm(size: int):
+    """A mesh over ranks 0..size-1 as a 1-D mesh and the communicator of its members."""
+    mesh = DeviceMesh("cpu", list(range(size)))
+    comm = WORLD.Split(0 if WORLD.rank < size else MPI.UNDEFINED, WORLD.rank)
+    return mesh, comm
+
+
+def test_reshard_across_world_sizes(ckpt_dir):
+    """Saved on all ranks as a 2-D layout (2x2 at 4 ranks), loaded on fewer ranks as
+    ``[Shard(1)]`` and on one rank as a plain tensor and as a 1-rank DTensor."""
+    t = global_tensor((9, 6), torch.bfloat16, seed=11)
+    if WORLD.size == 4:
+        mesh = init_device_mesh("cpu", (2, 2))
+        placements = [Shard(0), Shard(1)]
+    else:
+        mesh = init_device_mesh("cpu", (WORLD.size,))
+        placements = [Shard(0)]
+    dcp.save({"w": distribute_tensor(t, mesh, placements), "step": 5}, ckpt_dir)
+    for size in range(1, WORLD.size):
+        sub, comm = _submesh_comm(size)
+        if comm != MPI.COMM_NULL:
+            target = {"w": distribute_tensor(torch.zeros(9, 6, dtype=torch.bfloat16), sub, [Shard(1)]), "step": 0}
+            dcp.load(target, ckpt_dir, comm=comm)
+            ok = torch.equal(target["w"].full_tensor(), t) and target["step"] == 5
+            comm.Free()
+        else:
+            ok = True
+        assert_all_ranks(ok, f"load on {size} ranks")
+    ok = True
+    if WORLD.rank == 0:
+        plain = {"w": torch.zeros(9, 6, dtype=torch.bfloat16), "step": 0}
+        dcp.load(plain, ckpt_dir, comm=MPI.COMM_SELF)
+        single = init_device_mesh("cpu", (1,), comm=MPI.COMM_SELF)
+        one = {"w": distribute_tensor(torch.zeros(9, 6, dtype=torch.bfloat16), single, [Shard(0)]), "step": 0}
+        dcp.load(one, ckpt_dir, comm=MPI.COMM_SELF)
+        ok = torch.equal(plain["w"], t) and torch.equal(one["w"].to_local(), t)
+    assert_all_ranks(ok, "load on one rank")
+
+
+@pytest.mark.parametrize("limit", [8, 24, 100])
+def test_chunked_transfers(mesh1d, ckpt_dir, monkeypatch, limit):
+    """A small MAX_CHUNK_BYTES cuts every box into many pieces (and, at 8 and 24 bytes,
+    below one global row, so the view spans only inner dims)."""
+    monkeypatch.setattr(ckpt_io, "MAX_CHUNK_BYTES", limit)
+    tensors = {"a": global_tensor((5, 4, 3), seed=1), "b": global_tensor((3, 17), torch.complex64, seed=2),
+               "c": global_tensor((37,), torch.int16, seed=3)}
+    dcp.save({"a": distribute_tensor(tensors["a"], mesh1d, [Shard(1)]),
+              "b": distribute_tensor(tensors["b"], mesh1d, [Shard(1)]), "c": tensors["c"]}, ckpt_dir)
+    assert_all_ranks(len(ckpt_io.pieces(0, (5, 4, 3), (0, 0, 0), (5, 4, 3), 4, None)) >= 60 // limit)
+    target = {"a": zeros_like_layout(tensors["a"], mesh1d, [Shard(2)]),
+              "b": zeros_like_layout(tensors["b"], mesh1d, [Shard(0)]),
+              "c": zeros_like_layout(tensors["c"], mesh1d, [Shard(0)])}
+    dcp.load(target, ckpt_dir)
+    for k, v in tensors.items():
+        check_equal(target[k], v, k)
+
+
+def test_pieces_stay_below_int_limits():
+    """A box of a tensor with more than 2**31 elements maps to pieces whose counts and
+    subarray sizes all fit a C int (computed only, no data)."""
+    gshape, itemsize = (3, 2**31 + 5), 2
+    box_start, box_shape = (1, 7), (2, 2**31 - 2)
+    ps = ckpt_io.pieces(4096, gshape, box_start, box_shape, itemsize, None, limit=2**30)
+    assert_all_ranks(all(p.nbytes <= 2**30 and max(p.sizes) < 2**31 for p in ps))
+    assert_all_ranks(sum(p.nbytes for p in ps) == 2 * (2**31 - 2) * itemsize)
+    first = ps[0]
+    assert_all_ranks(first.disp == 4096 + (1 * gshape[1] + 7) * itemsize and first.lo == 0)
+
+
+def test_plain_reader_and_torch_save(mesh1d, ckpt_dir):
+    state = {"w": distribute_tensor(global_tensor((6, 4), torch.bfloat16), mesh1d, [Shard(1)]),
+             "b": global_tensor((3,), torch.complex64), "step": 2}
+    dcp.save(state, ckpt_dir)
+    ok = True
+    if WORLD.rank == 0:
+        base = os.path.dirname(ckpt_dir)
+        dcp.to_torch_save(ckpt_dir, os.path.join(base, "full.pt"))
+        full = torch.load(os.path.join(base, "full.pt"))
+        ok = torch.equal(full["w"], global_tensor((6, 4), torch.bfloat16)) and full["step"] == 2
+        dcp.from_torch_save(os.path.join(base, "full.pt"), os.path.join(base, "back"))
+        again = dcp.load_plain(os.path.join(base, "back"))
+        ok = ok and torch.equal(again["w"], full["w"]) and torch.equal(again["b"], full["b"])
+    assert_all_ranks(ok)
+    base = WORLD.bcast(os.path.dirname(ckpt_dir))
+    target = {"w": zeros_like_layout(global_tensor((6, 4), torch.bfloat16), mesh1d, [Shard(0)]),
+              "b": torch.zeros(3, dtype=torch.complex64), "step": 0}
+    dcp.load(target, os.path.join(base, "back"))  # written by one process, loaded sharded
+    check_equal(target["w"], global_tensor((6, 4), torch.bfloat16))
+    check_equal(target["b"], global_tensor((3,), torch.complex64))
+
+
+def test_load_errors_name_the_key(mesh1d, ckpt_dir):
+    dcp.save({"w": distribute_tensor(global_tensor((4, 4)), mesh1d, [Shard(0)]), "n": 1}, ckpt_dir)
+    cases = [({"missing": torch.zeros(2)}, "missing key 'missing'"),
+             ({"w": torch.zeros(4, 5)}, r"shape mismatch for 'w'.*\(4, 4\)"),
+             ({"w": torch.zeros(4, 4, dtype=torch.float64)}, "dtype mismatch for 'w'.*float32"),
+             ({"n": torch.zeros(1)}, "'n' is a tensor in the state dict but a value")]
+    for target, message in cases:
+        with pytest.raises(dcp.CheckpointError, match=message):
+            dcp.load(target, ckpt_dir)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        dcp.load({"w": torch.zeros(4, 4)}, ckpt_dir + "-absent")
+
+
+def test_save_refuses_differing_state_dicts(mesh1d, ckpt_dir):
+    if WORLD.size == 1:
+        pytest.skip("needs two ranks")
+    state = {"w": torch.zeros(3)} if WORLD.rank == 0 else {"v": torch.zeros(3)}
+    with pytest.raises(ValueError, match="differs from rank 0"):
+        dcp.save(state, ckpt_dir)
+
+
+def test_flipped_byte_is_detected(mesh1d, ckpt_dir):
+    tensors = {"a": global_tensor((8, 3), seed=1), "b": global_tensor((5,), seed=2)}
+    dcp.save({"a": distribute_tensor(tensors["a"], mesh1d, [Shard(0)]), "b": tensors["b"]}, ckpt_dir)
+    if WORLD.rank == 0:
+        index = fmt.read_index(ckpt_dir)
+        offset = index["entries"][1]["tensor"]["offset"] + 6  # inside "b"
+        with open(os.path.join(ckpt_dir, index["data_file"]), "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x10]))
+    WORLD.Barrier()
+    for layout in ([Shard(0)], [R]):
+        target = {"a": zeros_like_layout(tensors["a"], mesh1d, layout), "b": torch.zeros(5)}
+        with pytest.raises(dcp.CheckpointError, match="checksum mismatch in tensor 'b'"):
+            dcp.load(target, ckpt_dir)
+    target = {"a": zeros_like_layout(tensors["a"], mesh1d, [Shard(1)])}
+    dcp.load(target, ckpt_dir)  # the intact tensor still loads
+    check_equal(target["a"], tensors["a"])
+    message = ""
+    if WORLD.rank == 0:
+        try:
+            dcp.load_plain(ckpt_dir)
+        except dcp.CheckpointError as err:
+            message = str(err)
+    assert_all_ranks(WORLD.rank != 0 or "checksum mismatch in tensor 'b'" in message, message)
+
+
+def test_unsupported_dtype_is_refused(ckpt_dir):
+    with pytest.raises(TypeError, match="'q' has dtype torch.float8_e4m3fnuz"):
+        dcp.save({"q": torch.zeros(2, dtype=torch.float8_e4m3fnuz)}, ckpt_dir)
