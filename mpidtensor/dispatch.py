@@ -21,7 +21,7 @@ from torch.utils._mode_utils import no_dispatch
 from .dtensor import DTensor
 from .ops import registry
 from .ops.pointwise import is_pointwise, pointwise_rule
-from .redistribute import clear_plans as clear_redistribution_plans, plan as plan_redistribution
+from .redistribute import clear_plans as clear_redistribution_plans, plan as plan_redistribution, redistribute_local
 from .spec import DTensorSpec
 
 _PLANS: dict[tuple, "Plan"] = {}
@@ -87,17 +87,40 @@ def _make_plan(func, args, kwargs) -> Plan:
     tensors = _tensors(args) + _tensors(kwargs)
     mesh = _common_mesh(func, tensors)
     specs = [_spec_of(t, mesh, func) for t in tensors]
+    if _returns_numbers(func):  # item, _local_scalar_dense...: a number needs the whole tensor
+        return _replicated_plan(func, args, kwargs, tensors, specs, mesh, lambda out, a, k: out)
     out_meta = _meta_outputs(func, args, kwargs, specs)
     rule = _rule(func)
     if rule is None or out_meta is _NO_META:
         decomposed = _decomposition(func)
         if decomposed is not None:
-            return Plan(lambda a, k: (a, k), lambda a, k: decomposed(*a, **k), lambda out, a, k: out)
+            return _decomposed_plan(func, decomposed, specs, mesh)
         return _fallback_plan(func, args, kwargs, tensors, specs, mesh)
     call = registry.OpCall(func, _replace_tensors(args, specs), _replace_tensors(kwargs, specs[len(_tensors(args)):]),
                            mesh, out_meta, specs)
     sharding = rule(call)
+    if not _placeable(sharding, specs, call.out_metas()):
+        return _fallback_plan(func, args, kwargs, tensors, specs, mesh)
     return _build_plan(func, args, kwargs, tensors, specs, mesh, out_meta, sharding)
+
+
+def _returns_numbers(func) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and all(str(r.type) in _NUMBER_TYPES for r in returns)
+
+
+_NUMBER_TYPES = {"number", "Scalar", "int", "float", "bool", "complex", "SymInt", "SymFloat", "SymBool"}
+
+
+def _placeable(sharding: registry.Sharding | None, specs, out_metas) -> bool:
+    """Whether a rule's decision can run: every ``Shard`` names a dim its tensor has
+    (a rule that shards a 0-d tensor could not place the op)."""
+    if sharding is None:
+        return False
+    pairs = [(t, s.ndim) for t, s in zip(sharding.inputs, specs)] + [
+        (t, m.ndim) for t, m in zip(sharding.outputs, out_metas)
+    ]
+    return all(t is None or registry.valid_placements(t, ndim) for t, ndim in pairs)
 
 
 def _rule(func):
@@ -112,6 +135,23 @@ def _rule(func):
     return rule
 
 
+def _decomposed_plan(func, decomposed, specs, mesh) -> Plan:
+    """Run torch's decomposition on the DTensors. A decomposition may decline a call
+    (return ``NotImplemented``, e.g. adaptive max pooling of uneven windows); that
+    depends only on global shapes, so every rank then takes the replicated fallback."""
+    fallback: list[Plan] = []
+
+    def run(a, k):
+        out = decomposed(*a, **k)
+        if out is not NotImplemented:
+            return out
+        if not fallback:
+            fallback.append(_fallback_plan(func, a, k, _tensors(a) + _tensors(k), specs, mesh))
+        return fallback[0](a, k)
+
+    return Plan(lambda a, k: (a, k), run, lambda out, a, k: out)
+
+
 def _build_plan(func, args, kwargs, tensors, specs, mesh, out_meta, sharding) -> Plan:
     if len(sharding.inputs) != len(specs):
         raise AssertionError(f"rule for {func} gave {len(sharding.inputs)} input placements for {len(specs)} tensors")
@@ -119,6 +159,7 @@ def _build_plan(func, args, kwargs, tensors, specs, mesh, out_meta, sharding) ->
         _converter(t, spec, spec if target is None else spec.with_placements(target))
         for t, spec, target in zip(tensors, specs, sharding.inputs)
     ]
+    rebased = _rebase_viewed(func, tensors, specs, sharding.inputs, converters)
     unwrap = _make_unwrap(args, kwargs, converters)
     metas = [t for t in registry._flatten(out_meta) if isinstance(t, torch.Tensor)]
     if len(sharding.outputs) != len(metas):
@@ -127,13 +168,48 @@ def _build_plan(func, args, kwargs, tensors, specs, mesh, out_meta, sharding) ->
         DTensorSpec(mesh, placements, m.shape, m.stride(), m.dtype) for m, placements in zip(metas, sharding.outputs)
     ]
     local = sharding.local or (lambda a, k, f=func._op: f(*a, **k))
-    return Plan(unwrap, local, _mark_broken_views(func, converters, _make_wrap(func, out_meta, out_specs, args)))
+    return Plan(unwrap, local, _mark_broken_views(func, converters, _make_wrap(func, out_meta, out_specs, args), rebased))
+
+
+def _is_view_op(func) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def _rebase_viewed(func, tensors, specs, targets, converters) -> list[bool] | None:
+    """A view op whose ``self`` must be redistributed first (``diagonal`` of a tensor
+    sharded on a diagonal dim...) redistributes that DTensor *in place*: it takes the new
+    placements and local block, and the view is taken on that block, so the view aliases
+    the caller's tensor and writes through it reach it, as in torch. A ``self`` that is
+    itself a view keeps its layout (moving it would cut it off from its own base); its
+    view is then computed on a copy and tagged. Returns the per-call flag "rebased"
+    that ``_mark_broken_views`` reads, or None when nothing is rebased."""
+    if not (_is_view_op(func) and tensors and isinstance(tensors[0], DTensor)):
+        return None
+    move = converters[0]
+    if move in (None, _local_of):
+        return None
+    target = specs[0].with_placements(targets[0])
+    flag = [False]
+
+    def rebase(x: DTensor) -> torch.Tensor:
+        flag[0] = not (x._is_view() or getattr(x, "_not_a_view_of", None) is not None)
+        if not flag[0]:
+            return move(x)
+        x._local_tensor = move(x)
+        x._spec = target
+        return x._local_tensor
+
+    converters[0] = rebase
+    return flag
 
 
 def _fallback_plan(func, args, kwargs, tensors, specs, mesh) -> Plan:
     """No rule: replicate every input, run the op on whole tensors, replicate the outputs."""
     if os.environ.get("MPIDTENSOR_STRICT", "0") not in ("", "0"):
-        raise NotImplementedError(f"mpidtensor has no sharding rule for {func} (MPIDTENSOR_STRICT is set)")
+        raise NotImplementedError(
+            f"mpidtensor has no sharding rule for {func} on inputs placed "
+            f"{[tuple(s.placements) for s in specs]} (MPIDTENSOR_STRICT is set)"
+        )
     if func not in _WARNED:
         _WARNED.add(func)
         warnings.warn(
@@ -141,9 +217,17 @@ def _fallback_plan(func, args, kwargs, tensors, specs, mesh) -> Plan:
             f"(correct, but gathers every input)",
             stacklevel=3,
         )
+    return _replicated_plan(func, args, kwargs, tensors, specs, mesh)
+
+
+def _replicated_plan(func, args, kwargs, tensors, specs, mesh, wrap: Callable | None = None) -> Plan:
+    """Every input replicated, the op run on whole tensors, the outputs replicated
+    (or passed through ``wrap``)."""
     rep = registry.replicated(mesh.ndim)
     converters = [_converter(t, s, s.with_placements(rep)) for t, s in zip(tensors, specs)]
     unwrap = _make_unwrap(args, kwargs, converters)
+    if wrap is not None:
+        return Plan(unwrap, lambda a, k: func(*a, **k), wrap)
     written = _mutated_inputs(func, args)
     if written:
         def replicated_specs(out):
@@ -155,17 +239,19 @@ def _fallback_plan(func, args, kwargs, tensors, specs, mesh) -> Plan:
     return Plan(unwrap, lambda a, k: func(*a, **k), wrap)
 
 
-def _mark_broken_views(func, converters, wrap: Callable) -> Callable:
+def _mark_broken_views(func, converters, wrap: Callable, rebased: list[bool] | None = None) -> Callable:
     """For a view op: tag the outputs that do not alias the caller's tensor, because an
-    input was redistributed (a copy) or was itself such an output. An in-place op on a
-    tagged tensor is refused (``_make_inplace_wrap``): its write would be lost."""
-    if not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+    input was redistributed (a copy, unless ``rebased[0]`` says self was moved in place)
+    or was itself such an output. An in-place op on a tagged tensor is refused
+    (``_make_inplace_wrap``): its write would be lost."""
+    if not _is_view_op(func):
         return wrap
-    copied = any(c not in (None, _local_of) for c in converters)
+    others = converters[1:] if rebased is not None else converters
+    copied = any(c not in (None, _local_of) for c in others)
 
     def marking_wrap(out, a, k):
         out = wrap(out, a, k)
-        source = func if copied else next(
+        source = func if copied or (rebased is not None and not rebased[0]) else next(
             (t._not_a_view_of for t in a if getattr(t, "_not_a_view_of", None) is not None), None
         )
         if source is not None:
@@ -186,9 +272,14 @@ def _wrap_replicated(out, mesh):
 
 
 def _decomposition(func):
+    """torch's Python decomposition of ``func``, else its composite C++ kernel (``reshape``
+    called from inside another decomposition reaches the dispatcher undecomposed)."""
     from torch._decomp import decomposition_table
 
-    return decomposition_table.get(func)
+    found = decomposition_table.get(func)
+    if found is None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        found = func.decompose
+    return found
 
 
 # --- argument handling -------------------------------------------------------------------------
@@ -247,8 +338,9 @@ def _meta_outputs(func, args, kwargs, specs):
     except NotImplementedError:
         return _NO_META
     except RuntimeError as err:
-        if "meta" in str(err).lower() or "data-dependent" in str(err).lower():
-            return _NO_META
+        text = str(err).lower()
+        if "meta" in text or "data-dependent" in text or "data is not allocated" in text:
+            return _NO_META  # the op reads tensor values on the host (tensor_split's indices...)
         raise
 
 
@@ -350,8 +442,11 @@ def _make_wrap(func, out_meta, out_specs, args) -> Callable:
 
 def _make_inplace_wrap(func, written, specs_of: Callable) -> Callable:
     """In-place and out= ops return the tensor they wrote into. A DTensor written
-    through a redistributed copy takes the new local tensor and placements; an
-    in-place view op (``squeeze_``…) also changes the wrapper's own shape and strides."""
+    through a redistributed copy takes the new local tensor and placements, unless it
+    is a view of another DTensor: then the values are moved back into its own block,
+    which its base shares. A plain tensor written through a moved copy gets the whole
+    result copied in. An in-place view op (``squeeze_``…) also changes the wrapper's
+    own shape and strides."""
     inplace_view = torch.Tag.inplace_view in func.tags
 
     def wrap(out, a, k):
@@ -371,8 +466,15 @@ def _make_inplace_wrap(func, written, specs_of: Callable) -> Callable:
                     dst._spec = spec
                     dst._local_tensor = local
                 elif dst._local_tensor is not local:
-                    dst._local_tensor = local
-                    dst._spec = dst._spec.with_placements(spec.placements)
+                    if dst._is_view():  # its block aliases a base: write the values back into it
+                        src = dst._spec.with_placements(spec.placements)
+                        dst._local_tensor.copy_(redistribute_local(local, src, dst._spec))
+                    else:
+                        dst._local_tensor = local
+                        dst._spec = dst._spec.with_placements(spec.placements)
+            elif isinstance(dst, torch.Tensor) and local is not dst:
+                # A plain tensor written through a moved copy (a DTensor operand chose the layout).
+                dst.copy_(redistribute_local(local, spec, spec.with_placements(registry.replicated(spec.mesh.ndim))))
             results.append(dst)
         return type(out)(results) if isinstance(out, (tuple, list)) else results[0]
 

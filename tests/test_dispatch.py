@@ -145,16 +145,20 @@ def test_untagged_elementwise_ops(mesh1d, monkeypatch):
     assert_close(torch.where(x > 0, x, 0.0).full_tensor(), torch.where(full.real > 0, full.real, 0.0))
 
 
-def test_write_through_a_redistributed_view_is_refused(mesh1d):
+def test_write_through_a_redistributed_view(mesh1d):
     if WORLD.size == 1:
         pytest.skip("with one rank no view needs a redistribution")
     full = global_tensor((5, 6))
     h = distribute_tensor(full.clone(), mesh1d, [Shard(0)])
-    v = h.view(-1)  # 5 rows over the ranks do not line up with chunks of 30: computed on a copy
-    part = v[3:9]
+    v = h.view(-1)  # 5 rows over the ranks do not line up with chunks of 30: h itself is moved
+    v[3:9].mul_(-1)
+    expected = full.clone()
+    expected.view(-1)[3:9].mul_(-1)
+    assert_close(h.full_tensor(), expected)
+    assert_all_ranks(h.placements != (Shard(0),), "the viewed tensor kept its placements")
+    t = distribute_tensor(full.clone(), mesh1d, [Shard(0)]).t()  # a view: it cannot be moved alone
     with pytest.raises(RuntimeError, match="would not reach the original tensor"):
-        part.mul_(-1)
-    assert_close(h.full_tensor(), full)
+        t.diagonal().mul_(-1)
     ok = distribute_tensor(full.clone(), mesh1d, [Shard(0)])
     ok[:, 1:3].mul_(-1)  # a slice of unsharded columns is a true view: the write lands
     expected = full.clone()

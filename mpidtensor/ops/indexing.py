@@ -32,7 +32,7 @@ from .._layout import contiguous_strides
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
 from .pointwise import pointwise_rule
-from .registry import COST, OpCall, Sharding, register, replicate_all
+from .registry import COST, OpCall, Sharding, register, replicate_all, valid_placements
 
 aten = torch.ops.aten
 
@@ -55,8 +55,9 @@ def _choose(call: OpCall, options: Callable[[int], list[_Option]], inplace: bool
     out_bytes = [max(m.numel(), 1) * m.dtype.itemsize for m in call.out_metas()]
     ins: list[list[Placement]] = [[] for _ in specs]
     outs: list[list[Placement]] = [[] for _ in out_bytes]
+    out_ndims = [m.ndim for m in call.out_metas()]
     for m in range(call.ndim):
-        opts = options(m)
+        opts = [o for o in options(m) if _valid(o, specs, out_ndims)]
         if inplace:
             opts = [o for o in opts if o.inputs[0] == specs[0].placements[m]] or opts
         best = min(opts, key=lambda o: _cost(specs, m, o, out_bytes))
@@ -65,6 +66,13 @@ def _choose(call: OpCall, options: Callable[[int], list[_Option]], inplace: bool
         for acc, p in zip(outs, best.outputs):
             acc.append(p)
     return [tuple(p) for p in ins], [tuple(p) for p in outs]
+
+
+def _valid(opt: _Option, specs: Sequence[DTensorSpec], out_ndims: list[int]) -> bool:
+    """No Shard of a dim its tensor lacks (a 0-d operand can only be replicated or partial)."""
+    return all(valid_placements((p,), s.ndim) for p, s in zip(opt.inputs, specs)) and all(
+        valid_placements((p,), n) for p, n in zip(opt.outputs, out_ndims)
+    )
 
 
 def _cost(specs: Sequence[DTensorSpec], m: int, opt: _Option, out_bytes: list[int]) -> float:
@@ -162,10 +170,24 @@ def _finish(self_local: torch.Tensor, result: torch.Tensor, inplace: bool) -> to
     return self_local.copy_(result) if inplace else result
 
 
+def _register_on_dim(*ops):
+    """``register`` for a rule of an op along a ``dim`` of ``self``: a 0-d ``self`` (which
+    torch treats as one element) has no dim to shard or map, so all is replicated."""
+
+    def decorate(rule):
+        def guarded(call: OpCall) -> Sharding:
+            return replicate_all(call) if call.tensor_specs[0].ndim == 0 else rule(call)
+
+        register(*ops)(guarded)
+        return rule
+
+    return decorate
+
+
 # --- index_select -------------------------------------------------------------------------------
 
 
-@register(aten.index_select.default)
+@_register_on_dim(aten.index_select.default)
 def index_select(call: OpCall) -> Sharding:
     self, index = call.tensor_specs
     dim = _norm(call.args[1], self.ndim)
@@ -202,7 +224,7 @@ def index_select(call: OpCall) -> Sharding:
 # --- gather -------------------------------------------------------------------------------------
 
 
-@register(aten.gather.default)
+@_register_on_dim(aten.gather.default)
 def gather(call: OpCall) -> Sharding:
     self, index = call.tensor_specs
     dim = _norm(call.args[1], self.ndim)
@@ -260,7 +282,7 @@ def _scatter_partials(call: OpCall, src_given: bool) -> tuple[set[str], str | No
     return set(), None
 
 
-@register(
+@_register_on_dim(
     aten.scatter.src, aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce,
     aten.scatter_.src, aten.scatter_.value, aten.scatter_.reduce, aten.scatter_.value_reduce,
     aten.scatter_add.default, aten.scatter_add_.default,
@@ -306,7 +328,7 @@ def scatter(call: OpCall) -> Sharding:
     return Sharding(inputs, outputs, local)
 
 
-@register(aten.index_add.default, aten.index_add_.default)
+@_register_on_dim(aten.index_add.default, aten.index_add_.default)
 def index_add(call: OpCall) -> Sharding:
     """``self.index_add(dim, index, source, alpha=)``: source slices added at self's ``index`` positions."""
     self, index, source = call.tensor_specs
@@ -521,7 +543,7 @@ def _dim_arg(call: OpCall, position: int, default: int = -1) -> int:
     return _norm(dim, call.tensor_specs[0].ndim)
 
 
-@register(aten.sort.default, aten.sort.stable, aten.topk.default)
+@_register_on_dim(aten.sort.default, aten.sort.stable, aten.topk.default)
 def sort_topk(call: OpCall) -> Sharding:
     """Values and (exact, global) indices along ``dim``."""
     if call.func is aten.sort.stable:
@@ -531,7 +553,7 @@ def sort_topk(call: OpCall) -> Sharding:
     return _along_dim(call, dim, lambda d: d)
 
 
-@register(aten.kthvalue.default)
+@_register_on_dim(aten.kthvalue.default)
 def kthvalue(call: OpCall) -> Sharding:
     dim = _dim_arg(call, 2)
     keepdim = call.args[3] if len(call.args) > 3 else call.kwargs.get("keepdim", False)

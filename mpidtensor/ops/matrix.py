@@ -92,7 +92,16 @@ def product_rule(call: OpCall) -> Sharding:
         if inplace:  # ``self`` is the output: keep its placement when some option can
             options = [o for o in options if o[0] == specs[0].placements[m]] or options
         per_dim.append(options)
-    return cheapest(call, (_sharding(prod, choice) for choice in product(*per_dim)))
+    best = cheapest(call, (_sharding(prod, choice) for choice in product(*per_dim)))
+    if call.func is aten.addmv.default:
+        best.local = _addmv_local
+    return best
+
+
+def _addmv_local(a, k):
+    """torch's addmv returns a (1,)-shaped ``self`` as is when ``mat`` has no rows (an empty
+    block): broadcast it to the local output first."""
+    return aten.addmv.default(a[0].expand(a[1].shape[0]), *a[1:], **k)
 
 
 def _sharding(prod: Product, choice: tuple[Option, ...]) -> Sharding:

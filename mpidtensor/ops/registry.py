@@ -140,6 +140,11 @@ def cheapest(call: OpCall, candidates: Iterable[Sharding]) -> Sharding:
     return best
 
 
+def valid_placements(placements: Placements, ndim: int) -> bool:
+    """Whether every ``Shard`` in ``placements`` names one of a tensor's ``ndim`` dims."""
+    return all(not isinstance(p, Shard) or 0 <= p.dim < ndim for p in placements)
+
+
 def replicated(ndim: int) -> Placements:
     return (Replicate(),) * ndim
 
@@ -154,3 +159,19 @@ def same_as_input(call: OpCall, index: int = 0) -> Sharding:
     """Outputs keep the placements of input ``index``; the other inputs match them."""
     placements = call.tensor_specs[index].placements
     return Sharding([placements] * len(call.tensor_specs), [placements] * len(call.out_metas()))
+
+
+def broadcast_placements(placements: Placements, out_shape: Sequence[int], spec: DTensorSpec) -> Placements:
+    """The placements an input ``spec`` needs to feed an output laid out as ``placements``
+    when the op broadcasts it to ``out_shape``: a shard of an output dim that the input
+    has at full size shards the input's matching dim; a shard of a dim the input lacks
+    or broadcasts (size 1) replicates it, so no rank gets an empty or mismatched block."""
+    lead = len(out_shape) - spec.ndim
+    result = []
+    for p in placements:
+        if isinstance(p, Shard):
+            d = p.dim - lead
+            p = Shard(d) if d >= 0 and spec.shape[d] == out_shape[p.dim] else Replicate()
+        result.append(p)
+    return tuple(result)
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..placements import Partial, Replicate, Shard
-from .registry import OpCall, Sharding, register, same_as_input
+from .registry import OpCall, Sharding, broadcast_placements, register, same_as_input
 
 aten = torch.ops.aten
 
@@ -28,9 +28,9 @@ def fill_like(call: OpCall) -> Sharding:
 
 @register(aten.copy_)
 def copy_(call: OpCall) -> Sharding:
-    """``dst.copy_(src)``: src takes dst's placements."""
-    dst = call.tensor_specs[0].placements
-    return Sharding([dst, dst], [dst])
+    """``dst.copy_(src)``: src takes dst's placements, mapped through the broadcast of src to dst."""
+    dst, src = call.tensor_specs[:2]
+    return Sharding([dst.placements, broadcast_placements(dst.placements, dst.shape, src)], [dst.placements])
 
 
 @register(aten.view_as_real, aten.view_as_complex)
@@ -42,3 +42,12 @@ def complex_view(call: OpCall) -> Sharding:
     placements = tuple(Replicate() if p == last and call.func is aten.view_as_complex.default else p
                        for p in spec.placements)
     return Sharding([placements], [placements])
+
+
+@register(aten._conj, aten._neg_view)
+def lazy_view(call: OpCall) -> Sharding:
+    """``conj()`` / the negative view: torch only flips a bit on the tensor, but a DTensor
+    cannot carry that bit (its local block would be moved and viewed as plain memory,
+    losing it), so the local block is conjugated or negated for real. Linear: Partial stays."""
+    materialize = torch.conj_physical if call.func is aten._conj.default else torch.neg
+    return Sharding([None], [call.tensor_specs[0].placements], lambda a, k: materialize(a[0]))

@@ -1,0 +1,269 @@
+"""Running torch's OpInfo samples (``op_db``) on DTensors and comparing with plain torch.
+
+A *case* is one sample input of one op under one *layout*: a rule that gives each
+tensor argument its placements (``S0``: ``Shard(0)``; ``S-1``: ``Shard(-1)``;
+``R``: ``Replicate()``; ``P``: the first floating tensor ``Partial`` (rank 0 holds
+it, the others zeros), the rest ``Shard(0)``; ``2d``: ``[Shard(0), Shard(1)]`` on a
+2x2 mesh). A 0-d tensor, or one too small for the dim, stays ``Replicate()`` there.
+``run_case`` returns an error message or ``None``; the verdict is agreed by every
+rank (one small allgather), so one rank's failure cannot leave the others waiting.
+References (outputs and gradients of plain torch) are computed once per process.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import traceback
+import warnings
+
+import torch
+from mpi4py import MPI
+
+from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+WORLD = MPI.COMM_WORLD
+DTYPE = torch.float32
+DEBUG = bool(os.environ.get("OPINFO_DEBUG"))
+
+# Ops whose values are random by nature: checked for shape, dtype, layout invariance
+# (same seed, same global tensor whatever the placements) and rough statistics.
+RANDOM = {
+    "bernoulli", "cauchy", "exponential", "geometric", "log_normal", "multinomial", "normal",
+    "normal.in_place", "normal.number_mean", "rand_like", "randint", "randint_like", "randn",
+    "randn_like", "uniform", "nn.functional.dropout", "nn.functional.dropout2d",
+    "nn.functional.dropout3d", "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout.with_train",
+    "nn.functional.rrelu", "nn.functional.multi_head_attention_forward", "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d",
+}
+# Ops returning uninitialised memory: checked for shape and dtype only.
+UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
+# Distributed reductions sum in another order: float32 rounding differs slightly.
+TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+
+
+def op_key(op) -> str:
+    return op.name + ("." + op.variant_test_name if op.variant_test_name else "")
+
+
+@functools.lru_cache(maxsize=None)
+def sweep_ops() -> tuple:
+    """Every op of ``op_db`` that supports float32 on CPU, in ``op_db`` order."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torch.testing._internal.common_methods_invocations import op_db
+    return tuple(op for op in op_db if DTYPE in op.supported_dtypes("cpu"))
+
+
+@functools.lru_cache(maxsize=None)
+def samples(key: str, n: int) -> tuple:
+    """The first ``n`` sample inputs of op ``key`` (with ``requires_grad`` where the op
+    supports autograd), plus the reference for each: ``(sample, outputs, grads)``."""
+    op = next(o for o in sweep_ops() if op_key(o) == key)
+    grad = op.supports_autograd and key not in RANDOM
+    out = []
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, s in enumerate(op.sample_inputs("cpu", DTYPE, requires_grad=grad)):
+            if i == n:
+                break
+            out.append((s, *_reference(op, s, grad)))
+    return tuple(out)
+
+
+# --- structure helpers -------------------------------------------------------------------------
+
+
+def _map(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        items = [_map(x, fn) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # namedtuples too
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _flat(obj) -> list:
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        return [x for item in obj for x in _flat(item)]
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _flat(v)]
+    return [obj]
+
+
+def _call(op, sample, convert):
+    """Run ``op`` on the sample with every tensor passed through ``convert``."""
+    inp = _map(sample.input, convert)
+    args = _map(sample.args, convert)
+    kwargs = _map(sample.kwargs, convert)
+    return op(inp, *args, **kwargs)
+
+
+def _loss_terms(outputs) -> list[torch.Tensor]:
+    """A fixed real weighting of every differentiable output (same on every rank)."""
+    terms = []
+    for i, o in enumerate(outputs):
+        if isinstance(o, torch.Tensor) and o.requires_grad and (o.is_floating_point() or o.is_complex()):
+            gen = torch.Generator().manual_seed(7 + i)
+            w = torch.randn(o.shape, generator=gen)
+            if o.is_complex():
+                terms.append((torch.real(o) * w).sum() + (torch.imag(o) * w.flip(0) if o.ndim else torch.imag(o) * w).sum())
+            else:
+                terms.append((o * w.to(o.dtype)).sum())
+    return terms
+
+
+def _reference(op, sample, grad: bool):
+    leaves = []
+
+    def fresh(t):
+        c = t.detach().clone()
+        if t.requires_grad:
+            c.requires_grad_(True)
+            leaves.append(c)
+        return c
+
+    outputs = _flat(_call(op, sample, fresh))
+    grads = None
+    if grad and leaves:
+        terms = _loss_terms(outputs)
+        if terms:
+            grads = torch.autograd.grad(sum(terms), leaves, allow_unused=True)
+    outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
+    return outputs, grads
+
+
+# --- layouts ------------------------------------------------------------------------------------
+
+
+def placements_for(layout: str, t: torch.Tensor, mesh_ndim: int) -> list:
+    if layout == "2d":
+        return [Shard(0) if t.ndim >= 1 else Replicate(), Shard(1) if t.ndim >= 2 else Replicate()]
+    if layout == "R" or t.ndim == 0:
+        return [Replicate()] * mesh_ndim
+    if layout == "S-1":
+        return [Shard(t.ndim - 1)]
+    return [Shard(0)]
+
+
+def _distribute(layout: str, mesh, leaves: list):
+    """A converter from sample tensors to DTensors (recording the gradient leaves)."""
+    state = {"first": True}
+
+    def convert(t: torch.Tensor):
+        if t.layout != torch.strided:
+            raise _Unsupported(f"{t.layout} argument")
+        wants_grad = t.requires_grad
+        data = t.detach().clone()
+        if layout == "P" and state["first"] and t.is_floating_point():
+            state["first"] = False
+            local = data if WORLD.rank == 0 else torch.zeros_like(data)
+            d = DTensor.from_local(local, mesh, [Partial()], shape=data.shape, stride=data.stride())
+        else:
+            d = distribute_tensor(data, mesh, placements_for(layout, t, mesh.ndim))
+        if wants_grad:
+            d.requires_grad_(True)
+            leaves.append(d)
+        return d
+
+    return convert
+
+
+class _Unsupported(Exception):
+    pass
+
+
+# --- one case -----------------------------------------------------------------------------------
+
+
+def _full(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _compare(key: str, ref, got, what: str) -> str | None:
+    if isinstance(ref, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"{what}: got {type(got).__name__}, expected a tensor"
+        got = _full(got).detach()
+        if got.shape != ref.shape or got.dtype != ref.dtype:
+            return f"{what}: shape/dtype {tuple(got.shape)}/{got.dtype}, expected {tuple(ref.shape)}/{ref.dtype}"
+        if key in UNINITIALISED:
+            return None
+        try:
+            torch.testing.assert_close(got, ref, equal_nan=True, **TOLERANCE)
+        except AssertionError as err:
+            return f"{what}: {str(err)[:300]}"
+        return None
+    if isinstance(got, DTensor) or got != ref:
+        return f"{what}: {got!r} != {ref!r}"
+    return None
+
+
+def _random_check(op, sample, ref_out, mesh, layout) -> str | None:
+    """Shape, dtype, the same global values under two layouts, and rough statistics."""
+    results = []
+    for lay in (layout, "R"):
+        torch.manual_seed(5)
+        out = _flat(_call(op, sample, _distribute(lay, mesh, [])))
+        results.append([_full(o).detach() if isinstance(o, torch.Tensor) else o for o in out])
+    for i, (r, a, b) in enumerate(zip(ref_out, *results)):
+        if not isinstance(r, torch.Tensor):
+            continue
+        if a.shape != r.shape or a.dtype != r.dtype:
+            return f"output {i}: shape/dtype {tuple(a.shape)}/{a.dtype}, expected {tuple(r.shape)}/{r.dtype}"
+        if not torch.equal(a, b) and not (a.isnan() == b.isnan()).all():
+            return f"output {i}: differs between layouts {layout} and R"
+        if a.is_floating_point() and a.numel() >= 200:
+            rm, am = r.float().mean().item(), a.float().mean().item()
+            spread = r.float().std().item() + 1e-3
+            if math.isfinite(rm) and abs(rm - am) > 0.5 * spread:
+                return f"output {i}: mean {am:.3g} far from the reference's {rm:.3g}"
+    return None
+
+
+def run_case(op, key: str, sample, ref_out, ref_grads, mesh, layout: str) -> str | None:
+    """This rank's verdict on one case: None when it matches plain torch."""
+    try:
+        if key in RANDOM:
+            return _random_check(op, sample, ref_out, mesh, layout)
+        leaves: list = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = _flat(_call(op, sample, _distribute(layout, mesh, leaves)))
+        if len(out) != len(ref_out):
+            return f"{len(out)} outputs, expected {len(ref_out)}"
+        for i, (r, g) in enumerate(zip(ref_out, out)):
+            msg = _compare(key, r, g, f"output {i}")
+            if msg:
+                return msg
+        if ref_grads is None:
+            return None
+        terms = _loss_terms([_full(o) for o in out])
+        if not terms:
+            return "no differentiable output"
+        grads = torch.autograd.grad(sum(terms), leaves, allow_unused=True)
+        for i, (r, g) in enumerate(zip(ref_grads, grads)):
+            if r is None and g is None:
+                continue
+            if r is None or g is None:
+                return f"grad {i}: {'missing' if g is None else 'unexpected'}"
+            msg = _compare(key, r, g, f"grad {i}")
+            if msg:
+                return msg
+        return None
+    except _Unsupported as err:
+        return f"unsupported: {err}"
+    except Exception as err:  # noqa: BLE001 - any error is a verdict
+        if DEBUG:
+            traceback.print_exc()
+        return f"{type(err).__name__}: {str(err)[:300]}"
+
+
+def agreed(message: str | None) -> str | None:
+    """The verdict of every rank together: None only if all ranks passed."""
+    msgs = WORLD.allgather(message)
+    bad = sorted({m for m in msgs if m is not None})
+    return "; ".join(bad) if bad else None
+
