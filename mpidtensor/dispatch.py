@@ -472,6 +472,8 @@ def _make_inplace_wrap(func, written, specs_of: Callable) -> Callable:
                     else:
                         dst._local_tensor = local
                         dst._spec = dst._spec.with_placements(spec.placements)
+                elif dst._spec.placements != spec.placements:  # moved with no data step (a one-rank mesh dim)
+                    dst._spec = dst._spec.with_placements(spec.placements)
             elif isinstance(dst, torch.Tensor) and local is not dst:
                 # A plain tensor written through a moved copy (a DTensor operand chose the layout).
                 dst.copy_(redistribute_local(local, spec, spec.with_placements(registry.replicated(spec.mesh.ndim))))

@@ -157,8 +157,9 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
 def _plan(src: DTensorSpec, dst: DTensorSpec) -> list[Step]:
     mesh, shape = src.mesh, src.shape
     sizes, coord = mesh.shape, mesh._coord
-    cur: list[Placement] = list(src.placements)
     target = dst.placements
+    # A mesh dim of one rank: every placement holds the same local data, no step needed.
+    cur: list[Placement] = [t if n == 1 else c for c, t, n in zip(src.placements, target, sizes)]
     steps: list[Step] = []
 
     def sharders(placements, dim, below):
