@@ -9,9 +9,11 @@ where torch keeps no statistics, they count what mpidtensor holds:
   A storage is counted once however many tensors view it, from the moment it is
   registered until it is freed (a weak reference to the storage tells when), so a
   shard stays counted while anything (``to_local()``, autograd) still holds it.
-  Library buffers are registered when allocated. DTensors are found at query
-  time by a scan of the garbage collector's objects (10-20 ms per 100k objects
-  here), so that making a DTensor costs the dispatch hot path nothing.
+  Library buffers are registered when allocated (``track_buffer``) and re-measured
+  after an in-place ``resize_`` (``track_resize``: FSDP's unsharded buffers).
+  DTensors are found at query time by a scan of the garbage collector's objects
+  (10-20 ms per 100k objects here), so that making a DTensor costs the dispatch
+  hot path nothing.
 * **peak allocated**: the highest *allocated* figure at any library allocation
   or query. The peak over communication is exact for library buffers and for
   the DTensors found by the last query that are still alive; a DTensor made
@@ -56,6 +58,24 @@ def track_buffer(tensor: torch.Tensor) -> torch.Tensor:
         _register(tensor.untyped_storage(), "library")
         _update_peaks()
     return tensor
+
+
+def track_resize(tensor: torch.Tensor) -> None:
+    """Re-read the size of ``tensor``'s storage after an in-place ``resize_`` (FSDP frees and
+    refills its unsharded buffers so), registering it if new, and update the peaks."""
+    if not _is_host_tensor(tensor):
+        return
+    storage = tensor.untyped_storage()
+    entry = _storages.get(id(storage))
+    if entry is None:
+        _register(storage, "library")
+    else:
+        ref, old, kind = entry
+        new = storage.nbytes()
+        _storages[id(storage)] = (ref, new, kind)
+        _current[kind] += new - old
+        _counts["allocated_bytes" if new > old else "freed_bytes"] += abs(new - old)
+    _update_peaks()
 
 
 def _scan_dtensors() -> None:

@@ -184,7 +184,7 @@ def test_hsdp_2d(mesh2d):
     assert_same_model(net, ref, **TOL)
 
 
-@pytest.mark.parametrize("foreach", [False])  # foreach needs a rule for aten._foreach_norm
+@pytest.mark.parametrize("foreach", [False, True])
 def test_clip_grad_norm(mesh1d, foreach):
     ref, ref_losses, ref_norms = reference(clip=0.5, foreach=foreach)
     net = shard_net(make_net(), mesh=mesh1d)

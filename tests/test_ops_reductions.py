@@ -405,3 +405,44 @@ def test_partial_reduced_by_reduce_scatter(mesh1d):
     x = as_partial(distribute_tensor(global_tensor((5, 7)), mesh1d, [Replicate()]))
     calls, placements = _run(lambda t: t.amax(0), x)
     assert_all_ranks(calls == ["reduce_scatter"] and placements == [(Shard(0),)], f"{calls} {placements}")
+
+
+@pytest.mark.parametrize("ord", [2.0, 1.0, 3.0, math.inf, -math.inf, 0.0])
+def test_foreach_norm(mesh1d, ord):
+    """``_foreach_norm`` (clip_grad_norm_(foreach=True)) on a list mixing S(0), S(1), R and
+    Partial, with uneven and empty shards: each norm replicated and equal to torch's, and
+    one all-reduce for all tensors sharded over the mesh (the Partial one is reduced first)."""
+    from mpidtensor.debug import CommDebugMode
+
+    shapes = [(7, 5), (3,), (2, 9), (1, 4), (6, 2)]
+    places = [[Shard(0)], [Shard(0)], [Shard(1)], [Shard(0)], [Replicate()]]
+    full = [global_tensor(s, seed=i) for i, s in enumerate(shapes)]
+    full[1][1] = 0.0  # a zero for ord=0
+    dts = [distribute_tensor(t, mesh1d, p) for t, p in zip(full, places)]
+    dts.append(as_partial(distribute_tensor(global_tensor((4, 3), seed=9), mesh1d, [Replicate()])))
+    full.append(global_tensor((4, 3), seed=9))
+    with CommDebugMode() as comm:
+        norms = torch._foreach_norm(dts, ord)
+    want = torch._foreach_norm(full, ord)
+    for n, w in zip(norms, want):
+        assert_all_ranks(isinstance(n, DTensor) and n.placements == (Replicate(),), f"{n}")
+        assert_close(n.to_local(), w, atol=1e-5, rtol=1e-5)
+    counts = comm.get_comm_counts()
+    expected = {"all_reduce": 2} if mesh1d.size() > 1 else {}  # the sharded group, the Partial
+    assert_all_ranks(counts == expected, f"{counts}")
+
+
+def test_foreach_norm_2d(mesh2d):
+    """2x2 mesh: tensors sharded over both dims, one dim, or none, each group one all-reduce."""
+    from mpidtensor.debug import CommDebugMode
+
+    shapes = [(7, 5), (3, 6), (5,), (2, 3)]
+    places = [[Shard(0), Shard(1)], [Replicate(), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Replicate()]]
+    full = [global_tensor(s, seed=i) for i, s in enumerate(shapes)]
+    dts = [distribute_tensor(t, mesh2d, p) for t, p in zip(full, places)]
+    for ord in (2.0, math.inf):
+        with CommDebugMode() as comm:
+            norms = torch._foreach_norm(dts, ord)
+        for n, w in zip(norms, torch._foreach_norm(full, ord)):
+            assert_close(n.full_tensor(), w, atol=1e-5, rtol=1e-5)
+        assert_all_ranks(comm.get_comm_counts() == {"all_reduce": 2}, f"{comm.get_comm_counts()}")

@@ -1,7 +1,8 @@
 """``fully_shard`` and ``FSDPModule``: the public face of FSDP2 on MPI.
 
 ``fully_shard(module)`` turns the parameters that ``module`` owns (those not already
-owned by a ``fully_shard``-ed descendant) into ``Shard(0)`` DTensors, gathers them
+owned by a ``fully_shard``-ed descendant) into ``Shard(d)`` DTensors (``d`` from
+``shard_placement_fn``, else 0, else under TP the first dim TP leaves whole), gathers them
 as one group around the module's forward and backward, and swaps the module's class
 for ``FSDP<Cls>`` so that it gains the ``FSDPModule`` methods. Every argument check
 happens before anything changes, and depends only on what all ranks share, so bad
@@ -10,13 +11,14 @@ input raises the same error on every rank and leaves the module untouched.
 from __future__ import annotations
 
 from functools import cache
-from typing import Iterable
+from typing import Callable, Iterable
 
 from mpi4py import MPI
 from torch import nn
 
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
+from ..placements import Shard
 from .mixed_precision import MixedPrecisionPolicy
 from .param import FSDPParam, MeshInfo
 from .param_group import ParamGroup
@@ -92,6 +94,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
 ) -> nn.Module:
     """Shard ``module``'s parameters over the data-parallel ``mesh`` (FSDP2 semantics).
@@ -99,6 +102,11 @@ def fully_shard(
     ``mesh``: 1-D (FSDP; default: all ranks) or 2-D ``(replicate, shard)`` (HSDP). A
     sub-mesh of a 2-D mesh whose other dim holds the parameters' tensor-parallel
     DTensors gives FSDP x TP. Apply to sub-modules first, then to the root.
+    ``shard_placement_fn(param)``: the ``Shard(dim)`` FSDP shards ``param`` on (of its TP
+    block under FSDP x TP, a dim TP does not shard), or ``None`` for the default:
+    ``Shard(0)``, or for a TP parameter the first dim TP leaves whole; a TP parameter
+    with no such dim (a ColwiseParallel bias) stays replicated over ``mesh``: used as
+    is, without an all-gather, its gradient all-reduced instead of reduce-scattered.
     Returns ``module``, whose class is now an ``FSDPModule`` subclass.
     """
     if not isinstance(module, nn.Module):
@@ -114,9 +122,12 @@ def fully_shard(
         mesh = _default_mesh(_device_type(managed))
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard needs a 1-D (FSDP) or 2-D (HSDP) DeviceMesh, got {mesh!r}")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be callable, got {shard_placement_fn!r}")
     _check_params(managed, mesh, mp_policy)
+    dims = [_shard_dim(param, shard_placement_fn) for _, param in managed]
     info = MeshInfo(mesh)
-    params = [FSDPParam(users, param, info, mp_policy) for users, param in managed]
+    params = [FSDPParam(users, param, info, mp_policy, dim) for (users, param), dim in zip(managed, dims)]
     group = ParamGroup(params, info, mp_policy, reshard_after_forward) if params else None
     module._fsdp_state = FSDPState(module, group, mp_policy)
     module.__class__ = _fsdp_class(type(module))
@@ -182,10 +193,34 @@ def _check_params(managed: list, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> 
         raise ValueError(f"trainable parameters of one group must share a dtype, got {sorted(map(str, trainable))}")
 
 
+def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] | None) -> int | None:
+    """The dim FSDP shards ``param`` on (``None``: replicated), from global metadata only."""
+    tp_dims = {pl.dim for pl in param.placements if pl.is_shard()} if isinstance(param, DTensor) else set()
+    choice = fn(param) if fn is not None else None
+    if choice is None:
+        dim = next((d for d in range(param.ndim) if d not in tp_dims), None)
+    elif type(choice) is not Shard:
+        raise TypeError(f"shard_placement_fn must return a Shard or None, got {choice!r}")
+    else:
+        dim = choice.dim + param.ndim if choice.dim < 0 else choice.dim
+        if not 0 <= dim < param.ndim:
+            raise ValueError(f"shard_placement_fn returned {choice} for a {param.ndim}-D parameter")
+        if dim in tp_dims:
+            raise ValueError(
+                f"shard_placement_fn returned {choice} for a parameter tensor parallelism already shards on "
+                f"dim {dim} ({list(param.placements)}): that would need a strided-shard placement mpidtensor "
+                f"does not have; pick a dim TP leaves whole (or None for the default)"
+            )
+    extension = hasattr(param._local_tensor if isinstance(param, DTensor) else param, "fsdp_pre_all_gather")
+    if extension and dim != 0:
+        raise ValueError(f"a parameter with fsdp_pre_all_gather can only be sharded on dim 0, not {dim}")
+    return dim
+
+
 def _check_tp(params: list, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
     """FSDP x TP: ``mesh`` and ``tp_mesh`` must be complementary 1-D sub-meshes of one 2-D mesh,
-    and the TP placements must leave dim 0 of the local block to FSDP. Plain parameters
-    beside them are sharded over ``mesh`` alone."""
+    and the TP placements must not be Partial. Plain parameters beside them are sharded
+    over ``mesh`` alone."""
     parent = getattr(mesh, "_parent", None)
     if mesh.ndim != 1 or parent is None or getattr(tp_mesh, "_parent", None) is not parent \
             or parent.ndim != 2 or tp_mesh.ndim != 1 or set(mesh._parent_dims) & set(tp_mesh._parent_dims):
@@ -194,9 +229,5 @@ def _check_tp(params: list, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
             f"2-D mesh (e.g. mesh['dp'] and mesh['tp']), got {mesh!r} and {tp_mesh!r}"
         )
     for p in params:
-        if isinstance(p, DTensor) and any(pl.is_partial() or pl.is_shard(0) for pl in p.placements):
-            raise ValueError(
-                f"fully_shard shards dim 0 of the tensor-parallel block, so the TP placements must leave "
-                f"dim 0 whole (Replicate or Shard(d > 0)); got {list(p.placements)} (a Shard(0) TP weight, as "
-                f"ColwiseParallel makes, would need a strided-shard placement mpidtensor does not have)"
-            )
+        if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):
+            raise ValueError(f"fully_shard cannot shard a parameter with a Partial TP placement: {list(p.placements)}")

@@ -1,11 +1,15 @@
 """One parameter under FSDP: its layout on the data-parallel mesh and its two forms.
 
-The *sharded* form is an ``nn.Parameter`` holding a ``DTensor`` (``Shard(0)`` over the
-shard dim; ``[Replicate(), Shard(0)]`` for HSDP; ``[Shard(0), <tp placement>]`` on the
-parent mesh under FSDP x TP). Its local tensor is this rank's ``torch.chunk`` piece of
-dim 0. The *unsharded* form is a plain ``nn.Parameter`` (or the TP ``DTensor``) that the
-module uses between all-gather and reshard. Everything here is computed from global
-shapes, so all ranks agree on every size and offset.
+The *sharded* form is an ``nn.Parameter`` holding a ``DTensor`` (``Shard(d)`` over the
+shard dim, ``d = 0`` unless ``shard_placement_fn`` says otherwise; ``[Replicate(), Shard(d)]``
+for HSDP; ``[Shard(d), <tp placement>]`` on the parent mesh under FSDP x TP, where ``d``
+defaults to the first dim TP leaves whole). Its local tensor is this rank's
+``torch.chunk`` piece of dim ``d``. A TP parameter whose every dim TP already shards
+(a ColwiseParallel bias) is not sharded by FSDP: ``[Replicate(), <tp placement>]``, its
+unsharded form aliases the local block (no all-gather) and its gradient is all-reduced.
+The *unsharded* form is a plain ``nn.Parameter`` (or the TP ``DTensor``) that the module
+uses between all-gather and reshard. Everything here is computed from global shapes, so
+all ranks agree on every size and offset.
 """
 from __future__ import annotations
 
@@ -35,9 +39,11 @@ class MeshInfo:
         self.shard_rank = self.shard_comm.rank
         self.dp_size = mesh.size()
 
-    def spec_for(self, tp_spec: DTensorSpec | None) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-        """Mesh and placements of a sharded parameter (``tp_spec``: its TP layout, if any)."""
-        dp = (Replicate(), Shard(0)) if self.mesh.ndim == 2 else (Shard(0),)
+    def spec_for(self, tp_spec: DTensorSpec | None, dim: int | None) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """Mesh and placements of a sharded parameter (``tp_spec``: its TP layout, if any;
+        ``dim``: the dim FSDP shards, ``None``: replicated over the data-parallel mesh)."""
+        own = Replicate() if dim is None else Shard(dim)
+        dp = (Replicate(), own) if self.mesh.ndim == 2 else (own,)
         if tp_spec is None:
             return self.mesh, dp
         parent, dp_dims = self.mesh._parent, self.mesh._parent_dims
@@ -53,23 +59,34 @@ class FSDPParam:
     """Layout and state of one managed parameter (shared parameters: several ``users``)."""
 
     def __init__(self, users: list[tuple[nn.Module, str]], param: nn.Parameter, info: MeshInfo,
-                 mp: MixedPrecisionPolicy) -> None:
+                 mp: MixedPrecisionPolicy, dim: int | None) -> None:
         self.users = users
         self.requires_grad = param.requires_grad
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
         data = param._local_tensor if self.tp_spec is not None else param.detach()
         self.shape = data.shape  # what FSDP shards: the whole tensor, or the local TP block
-        self.rest = tuple(self.shape[1:])
-        self.row_numel = prod(self.rest)
+        self.dim = dim
+        self.replicated = dim is None
+        self.rest = tuple(self.shape[1:])  # trailing shape of an extension's dim-0 pieces
         self.orig_dtype = data.dtype
         self.param_dtype = mp.param_dtype or self.orig_dtype
-        self.rows = self.shape[0]
-        self.pad_rows = -(-self.rows // info.shard_size)
-        self.offset_rows, self.local_rows = chunk_span(self.rows, info.shard_size, info.shard_rank)
+        d = 0 if dim is None else dim
+        # the tensor seen as (pre, rows, post) around the shard dim
+        self.pre, self.rows, self.post = prod(self.shape[:d]), self.shape[d], prod(self.shape[d + 1:])
+        self.numel = self.pre * self.rows * self.post
+        if self.replicated:
+            self.pad_rows, self.offset_rows, self.local_rows = self.rows, 0, self.rows
+        else:
+            self.pad_rows = -(-self.rows // info.shard_size)
+            self.offset_rows, self.local_rows = chunk_span(self.rows, info.shard_size, info.shard_rank)
+        self.shard_numel = self.pre * self.pad_rows * self.post  # one rank's padded piece
+        self.local_numel = self.pre * self.local_rows * self.post
+        self.local_shape = self.shape[:d] + (self.local_rows,) + self.shape[d + 1:]
         self.extension = hasattr(data, "fsdp_pre_all_gather")
-        mesh, placements = info.spec_for(self.tp_spec)
+        mesh, placements = info.spec_for(self.tp_spec, dim)
         self.spec = DTensorSpec(mesh, placements, param.shape, contiguous_strides(param.shape), param.dtype)
-        self.initial_local = data.detach().narrow(0, self.offset_rows, self.local_rows)
+        self.initial_local = data.detach().narrow(d, self.offset_rows, self.local_rows)
+        self.replica_src: torch.Tensor | None = None  # the local block a replicated unsharded form aliases
         self.sharded: nn.Parameter | None = None  # set by the group (it owns the storage)
         self.unsharded: nn.Parameter | None = None
         self.inner: tuple[torch.Tensor, ...] = ()  # storages behind an extension's unsharded tensor

@@ -29,7 +29,7 @@ from .._layout import local_shape_and_offset
 from ..mesh import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import COST, OpCall, Sharding, redistribute_cost, register
+from .registry import COST, OpCall, Sharding, redistribute_cost, register, replicate_all
 
 aten = torch.ops.aten
 
@@ -356,6 +356,8 @@ def moments_rule(call: OpCall) -> Sharding:
     dims = _reduced_dims(b["dim"], spec.ndim)
     count = math.prod(spec.shape[d] for d in dims)
     correction = 1 if b["correction"] is None else b["correction"]
+    if count == 0:  # nothing to reduce: torch's NaNs, from the (empty) whole tensor
+        return replicate_all(call)
     divisor = max(0, count - correction)
     lazy = name.startswith("var") and divisor > 0
     acc = _accumulator(spec.dtype)
@@ -516,3 +518,50 @@ def flip_rule(call: OpCall) -> Sharding:
         if isinstance(p, Shard) and p.dim in dims:
             targets[m] = _relocate(spec, targets, dims, m)
     return Sharding([tuple(targets)], [tuple(targets)])
+
+
+@register(aten._foreach_norm.Scalar)
+def foreach_norm_rule(call: OpCall) -> Sharding:
+    """``_foreach_norm(tensors, ord, dtype)``: each tensor's vector norm, replicated.
+
+    Partial inputs are reduced first (a norm is not linear); shards stay where they are.
+    Each rank takes the norm statistic of its blocks (sum of |x|^ord; max/min of |x| for
+    ord=inf/-inf, an empty block giving 0/inf; the nonzero count for ord=0), and the
+    tensors sharded over the same mesh dims share one all-reduce of the stacked
+    statistics, so a list costs one all-reduce per distinct set of sharded mesh dims."""
+    b = call.bound()
+    order = float(b["ord"])
+    combine = {math.inf: "max", -math.inf: "min"}.get(order, "sum")
+    inputs, groups = [], {}
+    for j, spec in enumerate(call.tensor_specs):
+        targets = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+        inputs.append(targets)
+        across = tuple(m for m, p in enumerate(targets) if p.is_shard() and call.mesh.shape[m] > 1)
+        groups.setdefault(across, []).append(j)
+    comms = {across: call.mesh.comm_for(across) for across in groups if across}
+    out_dtypes = [m.dtype for m in call.out_metas()]
+    outputs = [(Replicate(),) * call.ndim] * len(out_dtypes)
+
+    def statistic(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        x = x.abs().to(dtype)  # abs first: a complex tensor's norm is real
+        if combine == "max":
+            return x.amax() if x.numel() else x.new_zeros(())
+        if combine == "min":
+            return x.amin() if x.numel() else x.new_full((), math.inf)
+        return (x != 0).sum().to(dtype) if order == 0 else x.pow(order).sum()
+
+    def local(a, k):
+        tensors = a[0]
+        results: list[torch.Tensor | None] = [None] * len(tensors)
+        for across, members in groups.items():
+            acc = max((_accumulator(out_dtypes[j]) for j in members), key=lambda d: d.itemsize)
+            stats = torch.stack([statistic(tensors[j], acc) for j in members])
+            if across:
+                stats = collectives.all_reduce(stats, comms[across], combine)
+            if combine == "sum" and order not in (0.0, 1.0):
+                stats = stats.pow(1.0 / order)
+            for j, value in zip(members, stats.unbind()):
+                results[j] = value.to(out_dtypes[j])
+        return results
+
+    return Sharding(inputs, outputs, local)
