@@ -1,7 +1,9 @@
 # mpidtensor: development environment, tests, demo and benchmark.
 #
 #   make test            create .venv if needed, run pytest at 1, 2, 3 and 4 ranks
-#   make demo / bench    examples/demo.py / benchmarks/bench_redistribute.py at 4 ranks
+#   make demo            examples/train_fsdp_tp.py (FSDP x TP training), then the
+#                        redistribution tour examples/demo.py, at 4 ranks
+#   make bench           benchmarks/bench_record.py at 4 ranks (table, JSON, plot)
 #   make venv MPI=system build mpi4py against the site MPI (the mpicc/mpiexec on
 #                        PATH, e.g. after `module load`) instead of the mpich wheel;
 #                        `make clean` first to switch an existing .venv back
@@ -55,10 +57,18 @@ test: $(STAMP)
 	done
 
 demo: $(STAMP)
+	$(MPIEXEC) -n 4 $(PY) examples/train_fsdp_tp.py
 	$(MPIEXEC) -n 4 $(PY) examples/demo.py
 
-bench: $(STAMP)
-	$(MPIEXEC) -n 4 $(PY) benchmarks/bench_redistribute.py
+# The benchmark of record (benchmarks/bench_record.py); the `bench` extra brings matplotlib for its plot.
+BENCH_STAMP := $(VENV)/.installed-bench-$(MPI)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[$(EXTRAS),bench]'
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(MPIEXEC) -n 4 $(PY) benchmarks/bench_record.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

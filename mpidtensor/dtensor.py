@@ -122,6 +122,15 @@ class DTensor(torch.Tensor):
         ``run_check=True`` also checks that dtypes and unsharded sizes agree across
         ranks and that replicas hold equal values. Differentiable.
         """
+        key = None
+        if not run_check and isinstance(placements, (list, tuple)) and isinstance(shape, (list, tuple)):
+            key = (id(device_mesh), tuple(placements), tuple(shape), None if stride is None else tuple(stride),
+                   local_tensor.dtype)
+            known = _FROM_LOCAL.get(key)
+            if known is not None and local_tensor.shape == known[1]:  # a cache hit: checked before
+                if torch.is_grad_enabled() and local_tensor.requires_grad:
+                    return _FromLocal.apply(local_tensor, known[0])
+                return DTensor(local_tensor, known[0])
         if device_mesh is None:
             raise ValueError("from_local needs a device_mesh")
         placements = [Replicate()] * device_mesh.ndim if placements is None else placements
@@ -134,12 +143,14 @@ class DTensor(torch.Tensor):
         stride = contiguous_strides(shape) if stride is None else tuple(stride)
         spec = DTensorSpec(device_mesh, placements, shape, stride, local_tensor.dtype)
         validate.check_local_shape(local_tensor, spec)
+        if key is not None:
+            _FROM_LOCAL[key] = (spec, local_tensor.shape)
         return _FromLocal.apply(local_tensor, spec)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's local tensor. In backward, the gradient is taken to have
         ``grad_placements`` (default: this DTensor's placements)."""
-        if not torch.is_grad_enabled():
+        if not (self.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate
             return self._local_tensor
         if grad_placements is not None:
             grad_placements = normalize_placements(grad_placements, self._spec.mesh.ndim, self.ndim)
@@ -155,6 +166,19 @@ class DTensor(torch.Tensor):
         """This DTensor with ``placements`` on the same mesh, moving the least data needed.
 
         Redistributing *into* ``Partial`` is refused: it is internal (gradients)."""
+        spec = self._spec
+        cacheable = isinstance(placements, (list, tuple)) and (device_mesh is None or device_mesh is spec.mesh)
+        if cacheable:
+            target = _TARGETS.get((spec, tuple(placements)))
+            if target is not None:  # a cache hit: validated before
+                return redistribute_dtensor(self, target, same_ok=True)
+        target = self._target_spec(device_mesh, placements)
+        if cacheable:
+            _TARGETS[(spec, tuple(placements))] = target
+        return redistribute_dtensor(self, target, same_ok=True)
+
+    def _target_spec(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> DTensorSpec:
+        """The spec :meth:`redistribute` moves to; a ValueError for a bad target."""
         mesh = self._spec.mesh if device_mesh is None else device_mesh
         if mesh != self._spec.mesh:
             raise ValueError(
@@ -166,12 +190,15 @@ class DTensor(torch.Tensor):
         for current, target in zip(self._spec.placements, placements):
             if isinstance(target, Partial) and target != current:
                 raise ValueError(f"cannot redistribute {current} into {target}: Partial is for internal use")
-        return _Redistribute.apply(self, self._spec.with_placements(placements))
+        return self._spec.with_placements(placements)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (an all-gather/all-reduce)."""
-        replicated = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
-        return replicated.to_local(grad_placements=grad_placements)
+        spec = self._spec
+        target = _REPLICATED.get(spec)
+        if target is None:
+            target = _REPLICATED[spec] = spec.with_placements([Replicate()] * spec.mesh.ndim)
+        return redistribute_dtensor(self, target, same_ok=True).to_local(grad_placements=grad_placements)
 
 
 def to_dtensor(
@@ -195,11 +222,22 @@ def _settled(placements) -> list[Placement]:
     return [Replicate() if p.is_partial() else p for p in placements]
 
 
-def redistribute_dtensor(x: DTensor, spec: DTensorSpec) -> DTensor:
-    """``x`` moved to ``spec``'s placements (any, Partial included); differentiable."""
-    if x._spec == spec:
+# Cache-hit paths of the public entry points: every key is checked once, on its first use.
+_TARGETS: dict[tuple, DTensorSpec] = {}  # (spec, placements as given) -> redistribute's target
+_REPLICATED: dict[DTensorSpec, DTensorSpec] = {}  # spec -> its all-Replicate spec (full_tensor)
+_FROM_LOCAL: dict[tuple, tuple[DTensorSpec, torch.Size]] = {}  # from_local(shape=...) -> (spec, local shape)
+
+
+def redistribute_dtensor(x: DTensor, spec: DTensorSpec, *, same_ok: bool = False) -> DTensor:
+    """``x`` moved to ``spec``'s placements (any, Partial included); differentiable.
+
+    ``x`` itself when already there, unless ``same_ok`` (the public API returns a new
+    DTensor). Without autograd to record, the step plan runs without an autograd Function."""
+    if x._spec is spec and not same_ok:
         return x
-    return _Redistribute.apply(x, spec)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Redistribute.apply(x, spec)
+    return DTensor(redistribute_local(x._local_tensor, x._spec, spec), spec)
 
 
 class _FromLocal(torch.autograd.Function):

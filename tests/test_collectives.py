@@ -9,7 +9,7 @@ import torch
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
-from mpidtensor.mesh import buffers, tracing
+from mpidtensor.mesh import buffers, collectives, tracing
 from mpidtensor.mesh.collectives import (
     all_gather,
     all_reduce,
@@ -89,10 +89,17 @@ def rank_tensors(shape, dtype) -> list[torch.Tensor]:
 # ---------------------------------------------------------------- all_gather
 
 
+@pytest.fixture(params=["padded", "allgatherv"])
+def gather_method(request, monkeypatch):
+    """Both uneven all-gathers (padded Allgather, Allgatherv), whatever the threshold picks."""
+    monkeypatch.setattr(collectives, "ALLGATHER_PADDED_MIN", (1, 0) if request.param == "padded" else (1, 1 << 62))
+    return request.param
+
+
 @pytest.mark.parametrize("lay", LAYOUTS)
 @pytest.mark.parametrize("kind", SIZE_KINDS)
 @pytest.mark.parametrize("dim", [0, 1, -1])
-def test_all_gather(dim, kind, lay):
+def test_all_gather(dim, kind, lay, gather_method):
     sizes = sizes_of(kind)
     shape = [2, 3, 4]
     shape[dim] = sum(sizes)
@@ -103,7 +110,7 @@ def test_all_gather(dim, kind, lay):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_all_gather_dtypes(dtype):
+def test_all_gather_dtypes(dtype, gather_method):
     sizes = sizes_of("uneven")
     full = make((3, sum(sizes), 2), dtype)
     assert_equal(all_gather(piece(full, 1, sizes), WORLD, dim=1, sizes=sizes), full)
@@ -112,10 +119,18 @@ def test_all_gather_dtypes(dtype):
 # ---------------------------------------------------------------- all_to_all
 
 
+@pytest.fixture(params=["packed", "alltoallw"])
+def a2a_method(request, monkeypatch):
+    """Both all-to-all implementations, whatever size threshold chooses between them."""
+    monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", (1, 0) if request.param == "packed" else (1, 1 << 62))
+    return request.param
+
+
 @pytest.mark.parametrize("lay", ["contiguous", "fortran"])
+@pytest.mark.parametrize("kinds", [("uneven", "even"), ("even", "even"), ("even", "one_rank")])
 @pytest.mark.parametrize("split_dim,concat_dim", [(0, 1), (1, 0), (2, 0), (0, 2), (1, -1)])
-def test_all_to_all(split_dim, concat_dim, lay):
-    split_sizes, concat_sizes = sizes_of("uneven"), sizes_of("even")
+def test_all_to_all(split_dim, concat_dim, lay, kinds, a2a_method):
+    split_sizes, concat_sizes = sizes_of(kinds[0]), sizes_of(kinds[1])
     shape = [2, 3, 4]
     shape[split_dim], shape[concat_dim] = sum(split_sizes), sum(concat_sizes)
     full = make(shape)  # sharded along concat_dim before, along split_dim after
@@ -126,7 +141,7 @@ def test_all_to_all(split_dim, concat_dim, lay):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_all_to_all_dtypes(dtype):
+def test_all_to_all_dtypes(dtype, a2a_method):
     split_sizes, concat_sizes = sizes_of("even"), sizes_of("one_rank")
     full = make((sum(concat_sizes), 3, sum(split_sizes)), dtype)
     out = all_to_all(piece(full, 0, concat_sizes), WORLD, split_dim=2, concat_dim=0,

@@ -6,8 +6,8 @@
   *communication device* - the tensor's own device, except that CUDA tensors are
   staged through host memory when MPI is not CUDA-aware. This is the only place
   that decision is made.
-* ``as_buffer``: a zero-copy byte view of a C-contiguous tensor (NumPy on the
-  host, CuPy on a GPU), always paired with an explicit MPI datatype.
+* ``as_buffer``: a zero-copy byte view of a C-contiguous tensor (its raw address on
+  the host, CuPy on a GPU), always paired with an explicit MPI datatype.
 * ``derived``: a cache of committed derived datatypes, freed on eviction.
 """
 from __future__ import annotations
@@ -102,6 +102,9 @@ def stage(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool 
 
     A view of ``tensor`` when nothing needs to change, unless ``copy``.
     """
+    if (not copy and tensor.device.type == "cpu" and (dtype is None or dtype == tensor.dtype)
+            and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()):
+        return tensor.detach()  # the common case, in 4 cheap calls instead of 7
     data = tensor.detach().resolve_conj().resolve_neg()
     data = data.to(comm_device(tensor), dtype, memory_format=torch.contiguous_format, copy=copy)
     return data.contiguous()  # ``to`` honours memory_format only when it copies
@@ -114,18 +117,23 @@ def empty(shape: torch.Size | tuple[int, ...], like: torch.Tensor, dtype: torch.
 
 def unstage(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``result`` C-contiguous on ``like``'s device as ``like``'s dtype (no copy if already so)."""
+    if result.dtype == like.dtype and result.device == like.device and result.is_contiguous():
+        return result
     return result.to(like.device, like.dtype, memory_format=torch.contiguous_format).contiguous()
 
 
 def as_buffer(tensor: torch.Tensor) -> Any:
-    """A zero-copy byte view of a C-contiguous tensor that mpi4py accepts as a buffer."""
+    """A zero-copy byte view of a C-contiguous tensor that mpi4py accepts as a buffer.
+
+    On the host it is a raw address and length (``MPI.buffer.fromaddress``, ~20x cheaper
+    than a NumPy view): the caller keeps ``tensor`` alive until MPI is done with it."""
     if not tensor.is_contiguous():
         raise ValueError("only C-contiguous tensors may be handed to MPI")
+    if tensor.device.type == "cpu":
+        return MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)
     # bytes (NumPy/CuPy lack some torch dtypes); as_strided, since a contiguous tensor of
     # 0 or 1 element may carry any stride, which reshape would keep and view refuse
     data = tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8)
-    if data.device.type == "cpu":
-        return data.numpy()
     import cupy  # lazily: only CUDA tensors need it
 
     torch.cuda.current_stream(data.device).synchronize()
