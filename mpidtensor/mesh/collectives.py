@@ -125,7 +125,11 @@ def all_to_all(
     tracing.record("all_to_all", send.nbytes)
     # Same on every rank: the global tensor's size, not this rank's shard.
     total = prod(_resized(send.shape, concat_dim, sum(concat_sizes))) * send.element_size()
-    fits = MAX_COUNT is None or send.numel() + prod(shape) <= MAX_COUNT
+    # Packing puts every piece in one count: it must fit on every rank, so take the largest.
+    other = prod(s for d, s in enumerate(send.shape) if d not in (split_dim, concat_dim))
+    fits = MAX_COUNT is None or max(
+        other * (sum(split_sizes) * c + s * sum(concat_sizes)) for s, c in zip(split_sizes, concat_sizes)
+    ) <= MAX_COUNT
     packed = fits and _beyond(ALLTOALL_PACKED_MIN, comm.size, total)
     _enter("all_to_all", comm, tensor.dtype, list(split_sizes))
     try:
