@@ -7,7 +7,8 @@ over a 1-D TP mesh with the Megatron-style sequence-parallel plan that torchtita
 on mpidtensor or, with ``backend="torch"``, on ``torch.distributed.tensor`` (the same
 plan object by object, for comparison):
 
-* the residual stream between blocks is sharded over the sequence (``Shard(1)``);
+* the residual stream between blocks is sharded over the sequence (``Shard(1)``) and
+  stays a DTensor (the residual adds communicate nothing);
 * each attention / feed-forward region all-gathers its input to ``Replicate`` once, runs
   column-parallel (wq, wk, wv, w1, w3: heads / hidden units sharded) then row-parallel
   (wo, w2) matmuls, and reduce-scatters the partial output back to ``Shard(1)``;
@@ -174,7 +175,10 @@ def tp_plan(model: Transformer, loss_parallel: bool = True, backend: str = "mpid
     """The TP + SP plan of ``model``: submodule name -> parallel style."""
     pl, par = _api(backend)
     plan = {
-        "tok_embeddings": par.RowwiseParallel(input_layouts=pl.Replicate(), output_layouts=pl.Shard(1)),
+        # the residual stream's producers (the embedding, wo, w2) hand on DTensors, so
+        # the residual adds are local DTensor adds and the norms need no from_local
+        "tok_embeddings": par.RowwiseParallel(input_layouts=pl.Replicate(), output_layouts=pl.Shard(1),
+                                              use_local_output=False),
         "norm": par.SequenceParallel(),
         "output": par.ColwiseParallel(input_layouts=pl.Shard(1),
                                       output_layouts=pl.Shard(-1) if loss_parallel else pl.Replicate(),
@@ -188,12 +192,13 @@ def tp_plan(model: Transformer, loss_parallel: bool = True, backend: str = "mpid
             f"layers.{i}.attention.wq": par.ColwiseParallel(),
             f"layers.{i}.attention.wk": par.ColwiseParallel(),
             f"layers.{i}.attention.wv": par.ColwiseParallel(),
-            f"layers.{i}.attention.wo": par.RowwiseParallel(output_layouts=pl.Shard(1)),
+            f"layers.{i}.attention.wo": par.RowwiseParallel(output_layouts=pl.Shard(1), use_local_output=False),
             f"layers.{i}.ffn_norm": par.SequenceParallel(),
             f"layers.{i}.feed_forward": par.PrepareModuleInput(input_layouts=(pl.Shard(1),),
                                                               desired_input_layouts=(pl.Replicate(),)),
             f"layers.{i}.feed_forward.w1": par.ColwiseParallel(),
-            f"layers.{i}.feed_forward.w2": par.RowwiseParallel(output_layouts=pl.Shard(1)),
+            f"layers.{i}.feed_forward.w2": par.RowwiseParallel(output_layouts=pl.Shard(1),
+                                                               use_local_output=False),
             f"layers.{i}.feed_forward.w3": par.ColwiseParallel(),
         })
     return plan

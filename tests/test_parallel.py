@@ -302,3 +302,21 @@ def test_bad_src_data_rank_2d(mesh2d):
         raises_everywhere(exc, lambda: distribute_tensor(x, mesh2d, [Shard(0), Shard(1)], src_data_rank=bad))
         raises_everywhere(exc, lambda: parallelize_module(nn.Linear(2, 2), mesh2d["tp"], ColwiseParallel(),
                                                           src_data_rank=bad))
+
+
+def test_rowwise_linear_input_needs_no_shape_exchange(tp_mesh, monkeypatch):
+    """A plain Shard(-1) input of a row-parallel Linear takes its global shape from
+    ``in_features``: from_local's all-gather of the local shapes never runs."""
+    from mpidtensor import validate
+
+    gather_shapes = validate.global_shape_from_locals
+
+    def no_exchange(local, mesh, placements):
+        if any(isinstance(p, Shard) for p in placements):  # the only case that communicates
+            raise AssertionError("from_local gathered the local shapes")
+        return gather_shapes(local, mesh, placements)
+
+    ref = MLP(bias=True)
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, MLP_PLAN)
+    monkeypatch.setattr(validate, "global_shape_from_locals", no_exchange)
+    check_against(ref, model, ref(IDS), model(IDS))

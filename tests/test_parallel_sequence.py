@@ -124,3 +124,27 @@ def test_megatron_block(tp_mesh):
     out = model(distribute_tensor(x, tp_mesh, [Shard(1)]))  # the residual stream stays Shard(1)
     assert_all_ranks(out.placements == (Shard(1),), repr(out.placements))
     check_against(ref, model, ref(x), out.full_tensor())
+
+
+def test_partial_gradients_settled_once(tp_mesh):
+    """The norm's replicated weight and bias get Partial gradients from the sequence
+    shards: the gradient hook all-reduces each once in the backward, so .grad is
+    Replicate and an optimizer step communicates nothing."""
+    from mpidtensor.debug import CommDebugMode
+
+    ref = _norm("layer")
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, SequenceParallel())
+    x = global_tensor((2, 7, 6))
+    ref(x).pow(2).sum().backward()
+    out = model(distribute_tensor(x, tp_mesh, [Shard(1)]))
+    with CommDebugMode() as comm:
+        out.pow(2).sum().backward()
+    reduces = 2 if tp_mesh.size() > 1 else 0  # weight and bias
+    assert_all_ranks(comm.get_comm_counts().get("all_reduce", 0) == reduces, str(comm.get_comm_counts()))
+    for name, p in model.named_parameters():
+        assert_all_ranks(p.grad.placements == (Replicate(),), f"{name}: {p.grad.placements}")
+        assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CommDebugMode() as comm:
+        opt.step()
+    assert_all_ranks(not comm.get_comm_counts(), f"optimizer step: {comm.get_comm_counts()}")

@@ -490,24 +490,33 @@ def nll_loss(call: OpCall) -> Sharding:
     relabel = None
     if _split_by(call.mesh, x_target, class_dim):
         relabel = _class_local_target(*_span(x, x_target, class_dim), ignore_index)
+    # unweighted, the mean's divisor counts the non-ignored targets, which every rank of a
+    # class-sharding mesh dim holds whole: counted locally, all-reduced over the batch only
+    count = reduction == _MEAN and _arg(call, 2) is None and any(modes[m][0] == "class" for m in split)
+    mean_split = [m for m in split if not (count and modes[m][0] == "class")] if reduction == _MEAN else []
     local = None
-    if relabel is not None or (reduction == _MEAN and split):
-        local = _nll_local(call.func, relabel, _comm(call.mesh, split) if reduction == _MEAN and split else None)
+    if relabel is not None or mean_split:
+        local = _nll_local(call.func, relabel, _comm(call.mesh, mean_split) if mean_split else None, count)
     return Sharding(_inputs(call, targets), [tuple(out), tuple(total)], local)
 
 
-def _nll_local(func, relabel: Callable | None, mean_comm) -> Callable:
-    """The local nll_loss: class-sharded targets relabelled; with ``mean_comm``, the local
-    sum divided by the total weight all-reduced over the ranks splitting the batch/classes."""
+def _nll_local(func, relabel: Callable | None, mean_comm, count: bool = False) -> Callable:
+    """The local nll_loss: class-sharded targets relabelled; with ``count``, the mean's
+    divisor is the local count of non-ignored (whole) targets; with ``mean_comm``, the
+    local sum divided by the total weight all-reduced over the ranks splitting the batch/classes."""
 
     def local(args, kwargs):
         x, t, w, reduction, ignore_index = args
+        counted = (t != ignore_index).sum() if count else None
         if relabel is not None:
             t, ignore_index = relabel(t), -1
-        if mean_comm is None:
+        if mean_comm is None and counted is None:
             return func(x, t, w, reduction, ignore_index)
         loss, total = func(x, t, w, _SUM, ignore_index)
-        total = collectives.all_reduce(total, mean_comm, "sum")
+        if counted is not None:
+            total = counted.to(total.dtype)
+        if mean_comm is not None:
+            total = collectives.all_reduce(total, mean_comm, "sum")
         return loss / total, total
 
     return local

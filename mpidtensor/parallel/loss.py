@@ -1,24 +1,26 @@
 """``loss_parallel``: cross entropy on logits sharded over the class dim, without gathering
 them (as ``torch.distributed.tensor.parallel.loss_parallel``).
 
-The arithmetic needs no special op handlers here: mpidtensor's sharding rules already
-keep a split class dim split through ``log_softmax`` (row max and row sum combined by
-two all-reduces of row-sized statistics) and ``nll_loss`` (each rank picks the targets
-that fall in its classes; a partial sum), forward and backward. The context manager
-checks the logits' layout, so logits that are not class-sharded raise instead of being
-gathered quietly, and hands the loss back replicated over the class-sharding mesh dim.
+Inside the context ``F.cross_entropy`` on class-sharded DTensor logits runs a fused
+vocab-parallel cross entropy (Megatron's): the forward all-reduces the row max, then one
+stacked sum of the row statistics (sum of exp, the target logit and, with label
+smoothing, the weighted row sum of the logits): two all-reduces of row-sized tensors
+over the class-sharding mesh dim. The backward is local: the gradient w.r.t. the logits
+is ``softmax - one_hot`` (smoothed and weighted), computed on each class shard. The
+per-row losses are a DTensor replicated over the class mesh dim, reduced by DTensor ops
+(local unless another mesh dim shards the batch). Outside the context nothing changes.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..dtensor import DTensor
-from ..placements import Partial, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard
 
 
 @contextlib.contextmanager
@@ -61,6 +63,78 @@ def _class_mesh_dim(logits: DTensor) -> int:
     return dims[0]
 
 
+def _row_placements(placements: Sequence[Placement], class_dim: int, mesh_dim: int) -> list[Placement]:
+    """The per-row losses' layout: replicated over the class mesh dim, the logits' batch
+    shards renumbered without the class dim."""
+    rows = []
+    for m, p in enumerate(placements):
+        if m == mesh_dim or not isinstance(p, Shard):
+            rows.append(Replicate())
+        else:
+            rows.append(Shard(p.dim - (p.dim > class_dim)))
+    return rows
+
+
+def _all_reduce(local: torch.Tensor, comm: tuple, op: str, lead: int = 0) -> torch.Tensor:
+    """``local`` (``lead`` stacked dims, then a row statistic) reduced by ``op`` over the
+    class-sharding mesh dim: one all-reduce; the global shape is known, nothing else moves."""
+    mesh, rows, mesh_dim, row_shape = comm
+    settled = [Shard(p.dim + lead) if isinstance(p, Shard) else p for p in rows]
+    partial = list(settled)
+    partial[mesh_dim] = Partial(op)
+    shape = (*local.shape[:lead], *row_shape)
+    dt = DTensor.from_local(local, mesh, partial, run_check=False, shape=shape)
+    return dt.redistribute(mesh, settled).to_local()
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-row cross entropy of local class-sharded logits ``x`` (class dim last, classes
+    ``[offset, offset + width)`` of ``n_classes``) with the matching local ``target``
+    rows: the statistics all-reduced in forward (``comm``), the gradient local."""
+
+    @staticmethod
+    def forward(ctx, x, target, offset, n_classes, weight, ignore_index, smoothing, comm):
+        width = x.shape[-1]
+        row_max = x.amax(-1) if width else x.new_full(x.shape[:-1], float("-inf"))
+        shifted = x - _all_reduce(row_max, comm, "max").unsqueeze(-1)
+        rel = target - offset
+        mine = (rel >= 0) & (rel < width)
+        idx = rel.clamp(0, max(width - 1, 0)).unsqueeze(-1)
+        picked = shifted.gather(-1, idx).squeeze(-1) if width else shifted.new_zeros(target.shape)
+        w_local = None if weight is None else weight[offset:offset + width]
+        stats = [shifted.exp().sum(-1), torch.where(mine, picked, 0.0)]
+        if smoothing:
+            stats.append((shifted if w_local is None else shifted * w_local).sum(-1))
+        stats = _all_reduce(torch.stack(stats), comm, "sum", lead=1)
+        lse = stats[0].log()  # log-sum-exp of the shifted logits, per row
+        valid = target != ignore_index
+        w_target = torch.ones_like(lse) if weight is None else weight[target.clamp(0, n_classes - 1)]
+        w_target = torch.where(valid, w_target, 0.0)
+        loss = (1 - smoothing) * w_target * (lse - stats[1])
+        w_sum = float(n_classes) if weight is None else weight.sum().item()
+        if smoothing:  # torch's smoothing term: sum_c w_c * (lse - x_c) / n_classes
+            loss = loss + torch.where(valid, w_sum * lse - stats[2], 0.0) * (smoothing / n_classes)
+        ctx.save_for_backward(shifted, lse, rel, mine, valid, w_target)
+        ctx.w_local, ctx.w_sum, ctx.smoothing, ctx.n_classes = w_local, w_sum, smoothing, n_classes
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        shifted, lse, rel, mine, valid, w_target = ctx.saved_tensors
+        smoothing, n_classes, width = ctx.smoothing, ctx.n_classes, shifted.shape[-1]
+        probs = (shifted - lse.unsqueeze(-1)).exp()
+        g = grad * w_target * (1 - smoothing)  # d loss / d x = g * (softmax - one_hot) + smoothing
+        out = probs * g.unsqueeze(-1)
+        if width:
+            idx = rel.clamp(0, width - 1).unsqueeze(-1)
+            out.scatter_add_(-1, idx, -torch.where(mine, g, 0.0).unsqueeze(-1))
+        if smoothing:
+            gs = (torch.where(valid, grad, 0.0) * (smoothing / n_classes)).unsqueeze(-1)
+            w_local = 1.0 if ctx.w_local is None else ctx.w_local
+            out += gs * (ctx.w_sum * probs - w_local)
+        return out, None, None, None, None, None, None, None
+
+
 def _cross_entropy(
     input: torch.Tensor,
     target: torch.Tensor,
@@ -79,9 +153,53 @@ def _cross_entropy(
     mesh_dim = _class_mesh_dim(input)
     if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
         raise ValueError("loss_parallel supports class-index targets only (an integer tensor), not probabilities")
-    loss = F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-    placements = list(loss.placements)
-    if isinstance(placements[mesh_dim], Partial):
-        placements[mesh_dim] = Replicate()
-        loss = loss.redistribute(loss.device_mesh, placements)
-    return loss
+    if size_average is not None or reduce is not None:
+        raise ValueError("loss_parallel does not support the deprecated size_average / reduce arguments")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    class_dim = 1 if input.ndim >= 2 else 0
+    mesh, spec = input.device_mesh, input._spec
+    rows = _row_placements(input.placements, class_dim, mesh_dim)
+    row_shape = input.shape[:class_dim] + input.shape[class_dim + 1:]
+    if tuple(target.shape) != tuple(row_shape):
+        raise ValueError(f"loss_parallel: target shape {tuple(target.shape)} does not match the logits' "
+                         f"{tuple(input.shape)} without the class dim")
+    plain_target = not isinstance(target, DTensor)
+    if plain_target:
+        target_dt = DTensor.from_local(target, mesh, [Replicate()] * mesh.ndim, run_check=False,
+                                       shape=target.shape)
+    else:
+        target_dt = target
+    local_target = target_dt.redistribute(mesh, rows).to_local() if target_dt.placements != tuple(rows) \
+        else target_dt.to_local()
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+    n_classes = input.shape[class_dim]
+    offset = spec.local_shape_and_offset()[1][class_dim]
+    x = input.to_local().movedim(class_dim, -1)
+    comm = (mesh, rows, mesh_dim, tuple(row_shape))
+    local = _VocabParallelCrossEntropy.apply(x, local_target, offset, n_classes, weight, ignore_index,
+                                             float(label_smoothing), comm)
+    per_row = DTensor.from_local(local, mesh, rows, run_check=False, shape=row_shape)
+    if reduction == "none":
+        return per_row
+    total = per_row.sum()
+    if reduction == "sum":
+        return total
+    return total / _mean_divisor(target if plain_target else local_target, weight, ignore_index, n_classes,
+                                 None if plain_target else comm)
+
+
+def _mean_divisor(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int, n_classes: int,
+                  comm: tuple | None) -> float:
+    """The mean's divisor, the total weight of the non-ignored targets: local from a whole
+    (plain) target; from a DTensor target's local rows, summed over the batch shards."""
+    valid = target != ignore_index
+    w = valid.to(torch.float64) if weight is None else torch.where(
+        valid, weight[target.clamp(0, n_classes - 1)].to(torch.float64), 0.0)
+    total = w.sum()
+    if comm is not None and any(isinstance(p, Shard) for p in comm[1]):
+        mesh, rows = comm[0], comm[1]
+        partial = [Partial() if isinstance(p, Shard) else Replicate() for p in rows]
+        total = DTensor.from_local(total, mesh, partial, run_check=False, shape=()).full_tensor()
+    return total.item()

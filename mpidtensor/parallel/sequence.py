@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..api import distribute_module
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import Shard
+from ..placements import Replicate, Shard
 from .style import ParallelStyle, as_dtensor, require_1d_mesh, require_plain_parameters, to_layout
 
 
@@ -22,14 +23,27 @@ def _supported(module: nn.Module) -> bool:
     return type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
+def _settle_partial_grad(grad: torch.Tensor) -> torch.Tensor:
+    """A ``Partial`` gradient reduced to ``Replicate`` (one all-reduce per Partial mesh dim)."""
+    if not isinstance(grad, DTensor) or not any(p.is_partial() for p in grad.placements):
+        return grad
+    return grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+
+
 class SequenceParallel(ParallelStyle):
     """Replicate the module's parameters (from ``src_data_rank``) and compute on the input
     sharded on ``sequence_dim`` (default 1).
 
-    A plain input is taken as this rank's sequence shard; a DTensor input is
-    redistributed to ``Shard(sequence_dim)`` if it is not already. The output stays
-    sequence-sharded, a DTensor unless ``use_local_output`` (default False). Dropout
-    masks come from mpidtensor's layout-invariant RNG, so they equal one process's.
+    A plain input is taken as this rank's sequence shard (its global shape found by
+    ``from_local``'s all-gather of the local shapes: keep the residual stream a DTensor
+    to avoid it); a DTensor input is redistributed to ``Shard(sequence_dim)`` if it is
+    not already. The output stays sequence-sharded, a DTensor unless
+    ``use_local_output`` (default False). Dropout masks come from mpidtensor's
+    layout-invariant RNG, so they equal one process's.
+
+    The replicated parameters get ``Partial`` gradients (a sum over the sequence
+    shards); a gradient hook all-reduces each once as it is produced, as Megatron does,
+    so ``.grad`` is ``Replicate`` and the optimizer step communicates nothing.
     """
 
     _owns_parameters = True
@@ -61,9 +75,13 @@ class SequenceParallel(ParallelStyle):
         def prepare_output(_: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
             return out.to_local() if local_out and isinstance(out, DTensor) else out
 
-        return distribute_module(
+        module = distribute_module(
             module, device_mesh, None, prepare_input, prepare_output, src_data_rank=self.src_data_rank
         )
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_hook(_settle_partial_grad)
+        return module
 
     def __repr__(self) -> str:
         dim = self.sequence_sharding[0].dim

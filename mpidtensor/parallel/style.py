@@ -12,7 +12,7 @@ whole plan before applying any of it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -83,13 +83,18 @@ def output_placement(value: Any, what: str) -> Placement | None:
     return value
 
 
-def as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, what: str) -> DTensor:
-    """``x`` itself if a DTensor, else the DTensor whose local shard on this rank it is."""
+def as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, what: str,
+               shape: Sequence[int] | None = None) -> DTensor:
+    """``x`` itself if a DTensor, else the DTensor whose local shard on this rank it is.
+
+    A plain ``x`` read as a ``Shard`` without its global ``shape`` costs one small
+    all-gather of the local shapes (``from_local``'s exchange, which makes uneven
+    local inputs correct); a caller that knows the global shape passes it."""
     if isinstance(x, DTensor):
         return x
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor or DTensor, got {type(x).__name__}")
-    return DTensor.from_local(x, mesh, (layout,), run_check=False)
+    return DTensor.from_local(x, mesh, (layout,), run_check=False, shape=shape)
 
 
 def to_layout(x: DTensor, layout: Placement) -> DTensor:
@@ -137,6 +142,11 @@ class _MatmulStyle(ParallelStyle):
     def _layouts(self, module: nn.Module) -> tuple[dict[str, Placement], Placement]:
         """(parameter placements, the input layout the sharded module computes on)."""
 
+    def _input_shape(self, module: nn.Module, local: torch.Tensor) -> tuple[int, ...] | None:
+        """The global shape of a plain input when the module determines it, else ``None``
+        (then ``from_local`` gathers the local shapes)."""
+        return None
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._check(module, device_mesh)
         params, desired = self._layouts(module)
@@ -150,7 +160,9 @@ class _MatmulStyle(ParallelStyle):
         def prepare_input(_: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
             if not inputs:
                 raise ValueError(f"{name} expects the module's input as its first positional argument")
-            x = to_layout(as_dtensor(inputs[0], mesh, given, f"{name} input"), desired)
+            x = inputs[0]
+            shape = self._input_shape(module, x) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else None
+            x = to_layout(as_dtensor(x, mesh, given, f"{name} input", shape), desired)
             return (x, *inputs[1:])
 
         def prepare_output(_: nn.Module, out: DTensor, mesh: DeviceMesh) -> Any:
@@ -200,7 +212,11 @@ class RowwiseParallel(_MatmulStyle):
     are made replicated). The input is read as ``input_layouts`` (default ``Shard(-1)``,
     as in torch, for Embeddings too: pass ``Replicate()`` for replicated indices); the
     partial output is reduced to ``output_layouts`` (default ``Replicate()``: an
-    all-reduce; ``Shard(d)``: a reduce-scatter)."""
+    all-reduce; ``Shard(d)``: a reduce-scatter).
+
+    A plain input of a Linear read as ``Shard(-1)`` takes its global shape from the
+    module (last dim ``in_features``), so no shapes are exchanged; other plain sharded
+    inputs cost ``from_local``'s all-gather of the local shapes."""
 
     def __init__(
         self,
@@ -219,3 +235,9 @@ class RowwiseParallel(_MatmulStyle):
         if isinstance(module, nn.Linear):
             return {"weight": Shard(1), "bias": Replicate()}, Shard(-1)
         return {"weight": Shard(0)}, Replicate()
+
+    def _input_shape(self, module: nn.Module, local: torch.Tensor) -> tuple[int, ...] | None:
+        given = self.input_layouts[0]
+        if isinstance(module, nn.Linear) and local.ndim and given in (Shard(-1), Shard(local.ndim - 1)):
+            return (*local.shape[:-1], module.in_features)
+        return None
