@@ -75,6 +75,7 @@ def _watch() -> None:
         if current is not None and time.monotonic() - current[3] > TIMEOUT:
             sys.stderr.write(report(current))
             sys.stderr.flush()
+            time.sleep(0.5)  # let the launcher forward the report before Abort tears the job down
             MPI.COMM_WORLD.Abort(1)
 
 
