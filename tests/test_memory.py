@@ -69,6 +69,8 @@ def test_peak_follows_and_resets(mesh1d):
 
 def test_peak_of_library_buffers_is_real_without_queries(mesh1d):
     """An all-gather's output, made and freed between two queries, is in the peak."""
+    if mesh1d.size() == 1:
+        pytest.skip("on one rank the redistribution moves nothing and allocates nothing")
     full = global_tensor((48, 16))
     d = distribute_tensor(full, mesh1d, [Shard(0)])
     base = _settled_allocated()
