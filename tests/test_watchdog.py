@@ -46,7 +46,7 @@ def test_no_false_alarm(tmp_path):
             comm.Barrier()  # unwatched: the ranks enter the all-reduce together
             collectives.all_reduce(torch.ones(2), comm)
             time.sleep(1.5)
-        print("done", comm.rank, flush=True)
+        print(f"done {comm.rank}", flush=True)  # one write: ranks share the output pipe
     """
     result = run_job(script, tmp_path, env={"MPIDTENSOR_TIMEOUT": "1"}, timeout=100)
     ok = result.returncode == 0 and "done 0" in result.output and "done 1" in result.output
