@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from types import TracebackType
 
 from mpi4py import MPI
@@ -44,4 +45,5 @@ def install() -> bool:
 
 
 def _abort() -> None:
+    time.sleep(0.5)  # let the launcher forward the traceback before Abort tears the job down
     MPI.COMM_WORLD.Abort(1)
