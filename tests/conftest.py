@@ -12,7 +12,10 @@ Only rank 0 prints pytest's terminal report.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -75,3 +78,14 @@ def mesh2d():
     from mpidtensor import init_device_mesh
 
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+@pytest.fixture
+def ckpt_dir():
+    """A fresh directory shared by all ranks."""
+    path = tempfile.mkdtemp(prefix="mpidtensor-ckpt-") if WORLD.rank == 0 else None
+    path = WORLD.bcast(path)
+    yield os.path.join(path, "ckpt")
+    WORLD.Barrier()
+    if WORLD.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)

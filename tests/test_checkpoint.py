@@ -1,8 +1,6 @@
 """checkpoint.save / load: round trips over layouts and dtypes, resharded loads across
 world sizes, chunked transfers, the one-process reader and conversion, errors."""
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -18,17 +16,6 @@ WORLD = MPI.COMM_WORLD
 R = Replicate()
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int8,
           torch.bool, torch.complex64]
-
-
-@pytest.fixture
-def ckpt_dir():
-    """A fresh directory shared by all ranks."""
-    path = tempfile.mkdtemp(prefix="mpidtensor-ckpt-") if WORLD.rank == 0 else None
-    path = WORLD.bcast(path)
-    yield os.path.join(path, "ckpt")
-    WORLD.Barrier()
-    if WORLD.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def zeros_like_layout(t: torch.Tensor, mesh, placements):

@@ -9,10 +9,8 @@ then exits with ``os._exit`` in the middle of its second save's writes. This job
 loads the directory.
 """
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
@@ -26,16 +24,6 @@ from mpidtensor.checkpoint import format as fmt
 from mpidtensor.checkpoint import io as ckpt_io
 
 WORLD = MPI.COMM_WORLD
-
-
-@pytest.fixture
-def ckpt_dir():
-    path = tempfile.mkdtemp(prefix="mpidtensor-ckpt-") if WORLD.rank == 0 else None
-    path = WORLD.bcast(path)
-    yield os.path.join(path, "ckpt")
-    WORLD.Barrier()
-    if WORLD.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def state(mesh, seed):

@@ -1,8 +1,5 @@
 """Model + optimizer state saved mid-training and resumed (same or other layout): the
 training goes on with the losses of an uninterrupted run. The get_/set_ helpers."""
-import os
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -18,16 +15,6 @@ from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_mo
 
 WORLD = MPI.COMM_WORLD
 R = Replicate()
-
-
-@pytest.fixture
-def ckpt_dir():
-    path = tempfile.mkdtemp(prefix="mpidtensor-ckpt-") if WORLD.rank == 0 else None
-    path = WORLD.bcast(path)
-    yield os.path.join(path, "ckpt")
-    WORLD.Barrier()
-    if WORLD.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 class MLP(nn.Module):
