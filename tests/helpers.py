@@ -54,3 +54,15 @@ class CollectiveLog:
 
     def __exit__(self, *exc) -> None:
         tracing.pop(self)
+
+
+def raises_everywhere(exc: type, fn, match: str = "", comm=WORLD) -> None:
+    """``fn()`` raises ``exc`` (with ``match`` in its message) on every rank."""
+    try:
+        fn()
+        verdict = "raised nothing"
+    except exc as err:
+        verdict = None if match in str(err) else f"message {err!s} lacks {match!r}"
+    except Exception as err:  # noqa: BLE001 (the wrong kind is a failure to report)
+        verdict = f"raised {type(err).__name__}: {err}"
+    assert_all_ranks(verdict is None, verdict or "", comm)

@@ -7,7 +7,7 @@ import torch
 from mpi4py import MPI
 
 import mpidtensor as md
-from helpers import assert_all_ranks, assert_close, global_tensor
+from helpers import assert_all_ranks, assert_close, global_tensor, raises_everywhere
 from mpidtensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 WORLD = MPI.COMM_WORLD
@@ -17,17 +17,6 @@ PLACEMENTS_1D = [[Shard(0)], [Shard(1)], [Replicate()], [Partial()]]
 def local_of(full: torch.Tensor, mesh, placements) -> torch.Tensor:
     """This rank's local tensor of ``full`` laid out as ``placements``."""
     return distribute_tensor(full, mesh, placements).to_local().clone()
-
-
-def raises_everywhere(exc: type, fn, match: str = "") -> None:
-    try:
-        fn()
-        verdict = "raised nothing"
-    except exc as err:
-        verdict = None if match in str(err) else f"message {err!s} lacks {match!r}"
-    except Exception as err:  # noqa: BLE001 (the wrong kind is a failure to report)
-        verdict = f"raised {type(err).__name__}: {err}"
-    assert_all_ranks(verdict is None, verdict or "")
 
 
 # --- DTensor(local_tensor, device_mesh=..., placements=...) ------------------------------------

@@ -5,7 +5,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor
+from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor, raises_everywhere
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from mpidtensor.experimental import implicit_replication, local_map, register_sharding
 
@@ -158,17 +158,6 @@ def test_register_sharding_2d_mesh(mesh2d):
     y.full_tensor().sum().backward()
     rownorm(ref).sum().backward()
     assert_close(x.grad.full_tensor(), ref.grad, **TOL)
-
-
-def raises_everywhere(exc: type, fn, match: str) -> None:
-    try:
-        fn()
-        verdict = "raised nothing"
-    except exc as err:
-        verdict = None if match in str(err) else f"message {err!s} lacks {match!r}"
-    except Exception as err:  # noqa: BLE001 (the wrong kind is a failure to report)
-        verdict = f"raised {type(err).__name__}: {err}"
-    assert_all_ranks(verdict is None, verdict or "")
 
 
 BAD_STRATEGIES = {

@@ -10,7 +10,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from helpers import assert_all_ranks, assert_close, global_tensor
+from helpers import assert_all_ranks, assert_close, global_tensor, raises_everywhere
 from mpidtensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from mpidtensor.debug import CommDebugMode
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -55,18 +55,6 @@ def check_against(ref: nn.Module, model: nn.Module, out_ref: torch.Tensor, out: 
         grad = params[name].grad
         grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
         assert_close(grad, p_ref.grad, comm, **TOL)
-
-
-def raises_everywhere(exc: type, fn, match: str = "", comm=WORLD) -> None:
-    """``fn()`` raises ``exc`` (with ``match`` in its message) on every rank."""
-    try:
-        fn()
-        verdict = "raised nothing"
-    except exc as err:
-        verdict = None if match in str(err) else f"message {err!s} lacks {match!r}"
-    except Exception as err:  # noqa: BLE001 (the wrong kind is a failure to report)
-        verdict = f"raised {type(err).__name__}: {err}"
-    assert_all_ranks(verdict is None, verdict or "", comm)
 
 
 def untouched(model: nn.Module, ref: nn.Module) -> bool:

@@ -19,7 +19,8 @@ from mpidtensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from test_parallel import raises_everywhere, untouched
+from helpers import raises_everywhere
+from test_parallel import untouched
 
 WORLD = MPI.COMM_WORLD
 
