@@ -230,3 +230,16 @@ def loss_parallel_context(backend: str = "mpidtensor"):
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy over all positions."""
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+
+
+def batches(cfg: LlamaConfig, batch: int, seq: int, seed: int):
+    """Endless global batches (batch, seq + 1): random starts following a fixed random
+    successor table, so the loss falls as the model learns it. The same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(cfg.vocab_size, generator=gen)
+    while True:
+        tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, cfg.vocab_size, (batch,), generator=gen)
+        for t in range(seq):
+            tokens[:, t + 1] = table[tokens[:, t]]
+        yield tokens

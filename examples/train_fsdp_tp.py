@@ -30,7 +30,7 @@ import torch
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama import LlamaConfig, build_model, cross_entropy, parallelize_llama  # noqa: E402
+from llama import LlamaConfig, batches, build_model, cross_entropy, parallelize_llama  # noqa: E402
 
 from mpidtensor import DTensor, init_device_mesh  # noqa: E402
 from mpidtensor.debug import CommDebugMode  # noqa: E402
@@ -90,19 +90,6 @@ def shard_model(model, mesh):
     for layer in model.layers:
         fully_shard(layer, mesh=dp)
     return fully_shard(model, mesh=dp)
-
-
-def batches(cfg: LlamaConfig, batch: int, seq: int, seed: int):
-    """Endless global batches (batch, seq + 1): random starts following a fixed random
-    successor table, so the loss falls as the model learns it. The same on every rank."""
-    gen = torch.Generator().manual_seed(seed)
-    table = torch.randperm(cfg.vocab_size, generator=gen)
-    while True:
-        tokens = torch.empty(batch, seq + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, cfg.vocab_size, (batch,), generator=gen)
-        for t in range(seq):
-            tokens[:, t + 1] = table[tokens[:, t]]
-        yield tokens
 
 
 def train_step(model, opt, tokens: torch.Tensor, tp: bool) -> torch.Tensor:

@@ -21,25 +21,13 @@ import torch
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama import LlamaConfig, build_model, cross_entropy, parallelize_llama  # noqa: E402
+from llama import LlamaConfig, batches, build_model, cross_entropy, parallelize_llama  # noqa: E402
 
 from mpidtensor import init_device_mesh  # noqa: E402
 from mpidtensor.debug import CommDebugMode  # noqa: E402
 from mpidtensor.parallel import loss_parallel  # noqa: E402
 
 world = MPI.COMM_WORLD
-
-
-def batches(cfg: LlamaConfig, batch: int, seq: int, seed: int):
-    """Endless batches (batch, seq + 1) of successor-table sequences, the same on every rank."""
-    gen = torch.Generator().manual_seed(seed)
-    table = torch.randperm(cfg.vocab_size, generator=gen)
-    while True:
-        tokens = torch.empty(batch, seq + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, cfg.vocab_size, (batch,), generator=gen)
-        for t in range(seq):
-            tokens[:, t + 1] = table[tokens[:, t]]
-        yield tokens
 
 
 def main() -> int:
