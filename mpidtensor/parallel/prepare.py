@@ -45,7 +45,14 @@ def _prepare(x: Any, mesh: DeviceMesh, given: Placement | None, desired: Placeme
     return dt.to_local() if local else dt
 
 
-class PrepareModuleInput(ParallelStyle):
+class _OnAnyModule(ParallelStyle):
+    """A style that only wraps a module's inputs or outputs: any module type, a 1-D mesh."""
+
+    def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        require_1d_mesh(self, device_mesh)
+
+
+class PrepareModuleInput(_OnAnyModule):
     """Read positional inputs as ``input_layouts`` and redistribute them to
     ``desired_input_layouts`` (one entry per input, ``None`` for inputs left alone);
     likewise keyword inputs by name with ``input_kwarg_layouts`` /
@@ -81,9 +88,6 @@ class PrepareModuleInput(ParallelStyle):
                 f"{sorted(self.input_kwarg_layouts)} and {sorted(self.desired_input_kwarg_layouts)}"
             )
         self.use_local_output = use_local_output
-
-    def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        require_1d_mesh(self, device_mesh)
 
     def _prepare_args(self, inputs: tuple, mesh: DeviceMesh) -> tuple:
         if self.input_layouts is None:
@@ -126,7 +130,7 @@ class PrepareModuleInput(ParallelStyle):
         )
 
 
-class PrepareModuleOutput(ParallelStyle):
+class PrepareModuleOutput(_OnAnyModule):
     """Read the module's outputs (one tensor or a tuple) as ``output_layouts`` and
     redistribute them to ``desired_output_layouts`` (``None`` entries: left alone).
     ``use_local_output`` (default True) hands on local tensors."""
@@ -151,9 +155,6 @@ class PrepareModuleOutput(ParallelStyle):
                 f"need one entry each per output (a desired layout for every output read as a DTensor)"
             )
         self.use_local_output = use_local_output
-
-    def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        require_1d_mesh(self, device_mesh)
 
     def _prepare_outputs(self, outputs: Any, mesh: DeviceMesh) -> Any:
         items = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -180,7 +181,7 @@ class PrepareModuleOutput(ParallelStyle):
         )
 
 
-class PrepareModuleInputOutput(ParallelStyle):
+class PrepareModuleInputOutput(_OnAnyModule):
     """``PrepareModuleInput`` and ``PrepareModuleOutput`` on one module (``use_local_input``
     is the former's ``use_local_output``)."""
 
@@ -208,9 +209,6 @@ class PrepareModuleInputOutput(ParallelStyle):
             desired_output_layouts=desired_output_layouts,
             use_local_output=use_local_output,
         )
-
-    def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        require_1d_mesh(self, device_mesh)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._check(module, device_mesh)
