@@ -3,21 +3,23 @@
 On a CUDA device every function reads torch's caching allocator. On the CPU,
 where torch keeps no statistics, they count what mpidtensor holds:
 
-* **allocated**: the bytes of distinct CPU storages that are either buffers the
-  library allocated for communication (``mesh.buffers.empty``: collective
-  outputs and staging buffers) or the storage of a live DTensor's local tensor.
-  A storage is counted once however many tensors view it, from the moment it is
-  registered until it is freed (a weak reference to the storage tells when), so a
+* **allocated**: the bytes of distinct CPU storages that are live DTensors' local
+  tensors or buffers the library allocated (:mod:`mpidtensor.mesh.accounting`
+  keeps the figures, by kind): ``library`` buffers registered when allocated
+  (FSDP's, re-measured after an in-place ``resize_``), ``pool`` buffers
+  (collective outputs and staging, :mod:`mpidtensor.mesh.pool`) while handed
+  out, and ``dtensor`` local storages that are neither. A storage is counted
+  once however many tensors view it, until it is freed or back in the pool, so a
   shard stays counted while anything (``to_local()``, autograd) still holds it.
-  Library buffers are registered when allocated (``track_buffer``) and re-measured
-  after an in-place ``resize_`` (``track_resize``: FSDP's unsharded buffers).
-  DTensors are found at query time by a scan of the garbage collector's objects
-  (10-20 ms per 100k objects here), so that making a DTensor costs the dispatch
-  hot path nothing.
+  DTensors are found, and pooled buffers seen back, at query time (a scan of the
+  garbage collector's objects: 10-20 ms per 100k objects here), so that the
+  dispatch hot path pays nothing for the statistics. Idle pooled buffers are
+  cached, not allocated (as in torch's caching allocator).
 * **peak allocated**: the highest *allocated* figure at any library allocation
-  or query. The peak over communication is exact for library buffers and for
-  the DTensors found by the last query that are still alive; a DTensor made
-  after the last query is in the peak from the next query on.
+  or query. Between queries a pooled buffer counts from its hand-out until the
+  next query or request of its size sees it back, so the peak may overstate by
+  buffers freed in between; a DTensor made after the last query is in the peak
+  from the next query on.
 * **reserved**: the process's resident set size (``VmRSS``); **peak reserved**:
   its high-water mark (``VmHWM``), reset through ``/proc/self/clear_refs``.
 
@@ -32,90 +34,34 @@ import ctypes.util
 import gc
 import socket
 import sys
-import weakref
 from collections import OrderedDict
 from functools import cache
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
+from .mesh import accounting
+from .mesh.accounting import track_buffer, track_resize  # noqa: F401  (FSDP registers its buffers)
+from .mesh.pool import pool
+
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
 
 Device = Union[torch.device, str, int, None]
 
-_storages: dict[int, tuple[weakref.ref, int, str]] = {}  # id(storage) -> (ref, nbytes, kind)
-_KINDS = ("library", "dtensor")
-_current = {kind: 0 for kind in _KINDS}
-_peak = {kind: 0 for kind in (*_KINDS, "all")}
-_counts = {"allocated": 0, "freed": 0, "allocated_bytes": 0, "freed_bytes": 0}
 
-
-# --- registration -------------------------------------------------------------------------
-def track_buffer(tensor: torch.Tensor) -> torch.Tensor:
-    """Register a buffer the library allocated (returned unchanged) and update the peaks."""
-    if _is_host_tensor(tensor):
-        _register(tensor.untyped_storage(), "library")
-        _update_peaks()
-    return tensor
-
-
-def track_resize(tensor: torch.Tensor) -> None:
-    """Re-read the size of ``tensor``'s storage after an in-place ``resize_`` (FSDP frees and
-    refills its unsharded buffers so), registering it if new, and update the peaks."""
-    if not _is_host_tensor(tensor):
-        return
-    storage = tensor.untyped_storage()
-    entry = _storages.get(id(storage))
-    if entry is None:
-        _register(storage, "library")
-    else:
-        ref, old, kind = entry
-        new = storage.nbytes()
-        _storages[id(storage)] = (ref, new, kind)
-        _current[kind] += new - old
-        _counts["allocated_bytes" if new > old else "freed_bytes"] += abs(new - old)
-    _update_peaks()
-
-
-def _scan_dtensors() -> None:
-    """Register the local storages of all live DTensors (found through the gc)."""
+def _scan() -> None:
+    """Bring the figures up to date: the pool's handed-out bytes, and the local storages
+    of all live DTensors (found through the gc) that are not pooled buffers."""
     from .dtensor import DTensor
 
+    pool.scan()
     for obj in gc.get_objects():
         if type(obj) is DTensor:  # not isinstance: it would wake lazy objects
             local = obj._local_tensor
-            if _is_host_tensor(local):
-                _register(local.untyped_storage(), "dtensor")
-
-
-def _is_host_tensor(tensor: torch.Tensor) -> bool:
-    """A real CPU tensor (not a fake, meta or functional one made while tracing)."""
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu"
-
-
-def _register(storage: torch.UntypedStorage, kind: str) -> None:
-    key = id(storage)
-    if key in _storages:
-        return
-    nbytes = storage.nbytes()
-    _storages[key] = (weakref.ref(storage, lambda _, key=key: _release(key)), nbytes, kind)
-    _current[kind] += nbytes
-    _counts["allocated"] += 1
-    _counts["allocated_bytes"] += nbytes
-
-
-def _release(key: int) -> None:
-    _, nbytes, kind = _storages.pop(key)
-    _current[kind] -= nbytes
-    _counts["freed"] += 1
-    _counts["freed_bytes"] += nbytes
-
-
-def _update_peaks() -> None:
-    for kind in _KINDS:
-        _peak[kind] = max(_peak[kind], _current[kind])
-    _peak["all"] = max(_peak["all"], sum(_current.values()))
+            if accounting.is_host_tensor(local) and not pool.owns(local):
+                accounting.register_dtensor(local)
+    accounting.update_peaks()
 
 
 # --- the process: resident set size -------------------------------------------------------
@@ -170,23 +116,23 @@ def memory_stats(device_index: Device = None, /) -> OrderedDict[str, Any]:
     cuda = _cuda_index(device_index)
     if cuda is not None:
         return torch.cuda.memory_stats(cuda)
-    _scan_dtensors()
-    _update_peaks()
+    _scan()
     rss = _proc_status()
+    current, peak, counts = accounting.current, accounting.peak, accounting.counts
     stats = {
-        "allocated_bytes.all.current": sum(_current.values()),
-        "allocated_bytes.all.peak": _peak["all"],
-        "allocated_bytes.all.allocated": _counts["allocated_bytes"],
-        "allocated_bytes.all.freed": _counts["freed_bytes"],
-        "allocation.all.current": len(_storages),
-        "allocation.all.allocated": _counts["allocated"],
-        "allocation.all.freed": _counts["freed"],
+        "allocated_bytes.all.current": sum(current.values()),
+        "allocated_bytes.all.peak": peak["all"],
+        "allocated_bytes.all.allocated": counts["allocated_bytes"],
+        "allocated_bytes.all.freed": counts["freed_bytes"],
+        "allocation.all.current": accounting.live_storages(),
+        "allocation.all.allocated": counts["allocated"],
+        "allocation.all.freed": counts["freed"],
         "reserved_bytes.all.current": rss.get("VmRSS", 0),
         "reserved_bytes.all.peak": rss.get("VmHWM", 0),
     }
-    for kind in _KINDS:
-        stats[f"allocated_bytes.{kind}.current"] = _current[kind]
-        stats[f"allocated_bytes.{kind}.peak"] = _peak[kind]
+    for kind in accounting.KINDS:
+        stats[f"allocated_bytes.{kind}.current"] = current[kind]
+        stats[f"allocated_bytes.{kind}.peak"] = peak[kind]
     return OrderedDict(sorted(stats.items()))
 
 
@@ -217,10 +163,8 @@ def reset_peak_memory_stats(device_index: Device = None, /) -> None:
     if cuda is not None:
         torch.cuda.reset_peak_memory_stats(cuda)
         return
-    _scan_dtensors()
-    for kind in _KINDS:
-        _peak[kind] = _current[kind]
-    _peak["all"] = sum(_current.values())
+    _scan()
+    accounting.reset_peaks()
     _reset_peak_rss()
 
 
@@ -230,8 +174,9 @@ def reset_accumulated_memory_stats(device_index: Device = None, /) -> None:
     if cuda is not None:
         torch.cuda.reset_accumulated_memory_stats(cuda)
         return
-    for name in _counts:
-        _counts[name] = 0
+    _scan()  # frees that happened before the reset belong to the old counts
+    for name in accounting.counts:
+        accounting.counts[name] = 0
 
 
 def empty_cache() -> None:

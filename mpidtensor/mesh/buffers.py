@@ -15,13 +15,15 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from functools import cache
+from math import prod
 from typing import Any, Callable, Hashable
 
 import torch
 from mpi4py import MPI
 
-from ..memory import track_buffer
+from .accounting import track_buffer
 from .mpi_library import query_cuda_support
+from .pool import pool
 
 _MPI_TYPES: dict[torch.dtype, MPI.Datatype] = {
     torch.float64: MPI.DOUBLE,
@@ -111,13 +113,18 @@ def stage(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool 
 
 
 def empty(shape: torch.Size | tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An uninitialised C-contiguous tensor on ``like``'s communication device."""
-    return track_buffer(torch.empty(shape, dtype=dtype or like.dtype, device=comm_device(like)))
+    """An uninitialised C-contiguous tensor on ``like``'s communication device; on the
+    host from the buffer pool (``mesh.pool``), elsewhere from torch's allocator."""
+    dtype = dtype or like.dtype
+    if not like.is_cuda and pool.limit_bytes:
+        return pool.take(shape, dtype, prod(shape))
+    return track_buffer(torch.empty(shape, dtype=dtype, device=comm_device(like)))
 
 
 def unstage(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``result`` C-contiguous on ``like``'s device as ``like``'s dtype (no copy if already so)."""
-    if result.dtype == like.dtype and result.device == like.device and result.is_contiguous():
+    """``result`` (a C-contiguous tensor on ``like``'s communication device) on ``like``'s
+    device as ``like``'s dtype; itself when it is already so."""
+    if result.dtype == like.dtype and (not like.is_cuda or result.device == like.device):
         return result
     return result.to(like.device, like.dtype, memory_format=torch.contiguous_format).contiguous()
 

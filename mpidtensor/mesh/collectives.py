@@ -219,7 +219,7 @@ def reduce_scatter(
         _leave()
     if op == "avg":
         out /= comm.size
-    return unstage(out.movedim(0, dim), tensor)
+    return unstage(out.movedim(0, dim).contiguous(), tensor)  # a copy unless ``dim`` leads
 
 
 def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0) -> torch.Tensor:

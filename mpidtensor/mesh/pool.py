@@ -1,0 +1,154 @@
+"""Reuse of host communication buffers.
+
+Collective outputs and staging buffers come from here rather than from a fresh
+``torch.empty``, for two reasons measured here (MPICH 5.0.2, 2 ranks):
+
+* a fresh buffer of some MiB is mapped by glibc and pays a page fault per 4 KiB page
+  on first touch: an ``Allgather`` of 4 MiB per rank took 528 µs into a reused
+  output and 786 µs into a fresh one, of 32 MiB 11 ms against 61 ms;
+* at small sizes an allocation plus its registration for the memory statistics
+  costs as much as the whole MPI call (a 4 KiB ``Allgather``: 2.8 µs).
+
+A buffer is a flat CPU tensor, found by its dtype and length. It is handed out as a
+new view of the shape asked for, and handed out again only once no tensor refers to
+its storage any more (the storage's reference count is back to what it is when the
+pool alone holds it), so a result that a user, a DTensor or autograd still holds is
+never overwritten. Limit: a bare ``untyped_storage()`` object kept with no tensor
+left on it does not count as a holder.
+
+The pool keeps at most ``PER_SIZE`` buffers of one size, ``MAX_SIZES`` sizes and
+``MPIDTENSOR_BUFFER_POOL_MB`` (default 512; 0 turns pooling off) in all, dropping
+the least recently used idle sizes first; a request it cannot pool gets a fresh
+buffer, freed as usual. Hand-outs and returns are reported to :mod:`mesh.accounting`
+as allocations and frees; a buffer is known to be back when a scan or a request of
+its size sees it idle, so between scans the handed-out figure is an upper bound.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+
+import torch
+
+from . import accounting
+
+PER_SIZE = 4  # buffers of one dtype and length
+MAX_SIZES = 1024  # distinct (dtype, length) keys
+
+# torch's C++ reference count of a storage, and a storage's address: public API has neither.
+_use_count = torch._C._storage_Use_Count
+_storage_address = torch._C._storage_address
+
+
+class _Buffer:
+    __slots__ = ("tensor", "storage", "cdata", "idle", "nbytes", "out")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        # Made now and held, so that nobody's later untyped_storage() moves the idle count.
+        self.storage = tensor.untyped_storage()
+        self.cdata = _storage_address(tensor)
+        self.idle = _use_count(self.cdata)
+        self.nbytes = tensor.nbytes
+        self.out = False  # handed out and not yet seen back
+
+
+class BufferPool:
+    """Host buffers by dtype and length, reused once nothing else refers to them."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._sizes: OrderedDict[tuple[torch.dtype, int], list[_Buffer]] = OrderedDict()
+        self._addresses: set[int] = set()  # storage addresses of the pooled buffers
+        self._bytes = 0  # all pooled buffers
+        self._out_bytes = 0  # those handed out and not yet seen back
+        self._lock = threading.Lock()  # a check and its hand-out must not interleave
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of all buffers the pool holds, idle or handed out."""
+        return self._bytes
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A C-contiguous CPU tensor of ``shape`` (``numel`` elements) and ``dtype`` whose
+        storage no other tensor refers to."""
+        key = (dtype, numel)
+        with self._lock:
+            buffers = self._sizes.get(key)
+            if buffers is not None:
+                self._sizes.move_to_end(key)
+                for buffer in buffers:
+                    if _use_count(buffer.cdata) <= buffer.idle:
+                        if buffer.out:  # back since its last hand-out: a free and an allocation
+                            self._returned(buffer)
+                        self._hand_out(buffer)
+                        return buffer.tensor.view(shape)
+            tensor = torch.empty(numel, dtype=dtype)
+            if (buffers is None or len(buffers) < PER_SIZE) and self._make_room(tensor.nbytes):
+                buffer = _Buffer(tensor)
+                self._sizes.setdefault(key, []).append(buffer)
+                self._addresses.add(buffer.cdata)
+                self._bytes += buffer.nbytes
+                self._hand_out(buffer)
+                return tensor.view(shape)
+            return accounting.track_buffer(tensor).view(shape)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` views a pooled buffer."""
+        return _storage_address(tensor) in self._addresses
+
+    def scan(self) -> int:
+        """Mark the buffers nobody holds as back; the bytes still handed out (exact now)."""
+        with self._lock:
+            for buffers in self._sizes.values():
+                for buffer in buffers:
+                    if buffer.out and _use_count(buffer.cdata) <= buffer.idle:
+                        self._returned(buffer)
+            return self._out_bytes
+
+    def clear(self) -> None:
+        """Forget every buffer (those still handed out live on with their holders)."""
+        with self._lock:
+            for buffers in self._sizes.values():
+                for buffer in buffers:
+                    if buffer.out:
+                        self._returned(buffer)  # its holders' own from now on
+            self._sizes.clear()
+            self._addresses.clear()
+            self._bytes = 0
+
+    def _hand_out(self, buffer: _Buffer) -> None:
+        buffer.out = True
+        self._out_bytes += buffer.nbytes
+        accounting.pool_handed_out(buffer.nbytes)
+
+    def _returned(self, buffer: _Buffer) -> None:
+        buffer.out = False
+        self._out_bytes -= buffer.nbytes
+        accounting.pool_returned(buffer.nbytes)
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Drop idle buffers, least recently used sizes first, until ``nbytes`` more fit."""
+        if nbytes > self.limit_bytes:
+            return False
+        for key in list(self._sizes):
+            if self._bytes + nbytes <= self.limit_bytes and len(self._sizes) < MAX_SIZES:
+                break
+            kept = []
+            for buffer in self._sizes[key]:
+                if _use_count(buffer.cdata) > buffer.idle:
+                    kept.append(buffer)
+                    continue
+                self._bytes -= buffer.nbytes
+                self._addresses.discard(buffer.cdata)
+                if buffer.out:
+                    self._returned(buffer)
+            if kept:
+                self._sizes[key] = kept
+            else:
+                del self._sizes[key]
+        return self._bytes + nbytes <= self.limit_bytes and len(self._sizes) < MAX_SIZES
+
+
+pool = BufferPool(int(float(os.environ.get("MPIDTENSOR_BUFFER_POOL_MB", "512")) * 2**20))
