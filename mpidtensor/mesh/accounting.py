@@ -61,6 +61,15 @@ def pool_handed_out(nbytes: int) -> None:
     update_peaks()
 
 
+def pool_reused(nbytes: int) -> None:
+    """A handed-out pool buffer of ``nbytes`` came back and went out again: a free and an
+    allocation, the current figure unchanged."""
+    counts["allocated"] += 1
+    counts["freed"] += 1
+    counts["allocated_bytes"] += nbytes
+    counts["freed_bytes"] += nbytes
+
+
 def pool_returned(nbytes: int) -> None:
     """A handed-out pool buffer of ``nbytes`` was seen back (or dropped)."""
     current["pool"] -= nbytes

@@ -24,12 +24,15 @@ the collectives that would exceed it run in rounds of at most ``MAX_COUNT`` elem
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from itertools import accumulate
 from math import prod
-from typing import Literal, Sequence
+from typing import Literal, NamedTuple, Sequence
 
 import torch
 from mpi4py import MPI
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import abort, guard, tracing, watchdog
 from .buffers import as_buffer, derived, empty, has_mpi_type, mpi_type, stage, unstage
@@ -56,50 +59,107 @@ MAX_COUNT: int | None = None if MPI.Get_version() >= (4, 0) else 2**31 - 1
 
 abort.install()  # an uncaught exception on one rank ends the job instead of hanging it
 
+# Tensors that exist only while torch.compile traces: they go through ``traced``'s custom ops.
+_TRACED = (FakeTensor, FunctionalTensor)
+
+
+class _Gather(NamedTuple):
+    """How one all-gather runs, from facts every rank shares (cached per signature)."""
+
+    dim: int
+    counts: tuple[int, ...]  # elements of each rank's piece
+    datatype: MPI.Datatype
+    mode: str  # "even" (Allgather), "padded" (Allgather of padded pieces), "v" (Allgatherv), "rounds"
+    width: int  # elements of a padded piece
+    shape: tuple[int, ...]  # the result's
+    runs: bool  # the pieces are contiguous runs of the result: no concatenation
+    rows: int  # otherwise the result is ``rows`` runs of every rank's piece in turn:
+    columns: tuple[int, ...]  # piece r adds ``columns[r]`` elements to each row
+
+
+@lru_cache(maxsize=1024)
+def _gather_layout(shape: torch.Size, dtype: torch.dtype, dim: int, sizes: tuple[int, ...],
+                   size: int, rank: int, limits: tuple) -> _Gather:
+    """Checks the arguments; ``limits`` (``_limits()``) keys the cache by the settings it reads."""
+    dim = _dim(dim, len(shape))
+    _check_sizes(sizes, size)
+    if shape[dim] != sizes[rank]:
+        raise ValueError(f"tensor has {shape[dim]} along dim {dim}, sizes[{rank}] is {sizes[rank]}")
+    counts = tuple(_counts(shape, dim, sizes))
+    if MAX_COUNT is not None and sum(counts) > MAX_COUNT:
+        mode = "rounds"
+    elif len(set(counts)) == 1:
+        mode = "even"  # MPICH's Allgather is ~3x faster than its Allgatherv here
+    elif (_beyond(ALLGATHER_PADDED_MIN, size, sum(counts) * dtype.itemsize)
+          and (MAX_COUNT is None or max(counts) * size <= MAX_COUNT)):
+        mode = "padded"  # as is its Allgather on padded pieces above the threshold
+    else:
+        mode = "v"
+    rows = prod(shape[:dim])
+    return _Gather(dim, counts, mpi_type(dtype), mode, max(counts), _resized(shape, dim, sum(sizes)),
+                   mode != "padded" and rows == 1, rows, tuple(c // rows if rows else 0 for c in counts))
+
 
 def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, *, dim: int, sizes: Sequence[int]) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` in rank order; rank r's has ``sizes[r]`` there."""
+    if type(tensor) is not torch.Tensor and isinstance(tensor, _TRACED):
+        return traced.all_gather(tensor, comm, dim, sizes)
+    sizes = tuple(sizes)
     if guard.ENABLED:
         facts = guard.tensor_facts(tensor, (dim,))
-        facts.update(dim=guard.norm_dim(dim, tensor.ndim), sizes=tuple(sizes))
-        guard.check("all_gather", comm, facts, lambda: _gather_args(tensor, comm, dim, sizes))
-    dim = _gather_args(tensor, comm, dim, sizes)
+        facts.update(dim=guard.norm_dim(dim, tensor.ndim), sizes=sizes)
+        guard.check("all_gather", comm, facts,
+                    lambda: _gather_layout(tensor.shape, tensor.dtype, dim, sizes, comm.size, comm.rank, _limits()))
+    lay = _gather_layout(tensor.shape, tensor.dtype, dim, sizes, comm.size, comm.rank, _limits())
     send = stage(tensor)
-    counts = _counts(send.shape, dim, sizes)
-    datatype = mpi_type(tensor.dtype)
     tracing.record("all_gather", send.nbytes)
-    even = len(set(counts)) == 1
-    # Same on every rank: counts are global. Uneven pieces below the threshold go padded.
-    padded = (not even and _beyond(ALLGATHER_PADDED_MIN, comm.size, sum(counts) * send.element_size())
-              and (MAX_COUNT is None or max(counts) * comm.size <= MAX_COUNT))
-    if padded:
-        width = max(counts)
-        staged = empty((width,), tensor)
+    mode, datatype = lay.mode, lay.datatype
+    if mode == "padded":
+        staged = empty((lay.width,), tensor)
         staged[:send.numel()] = send.view(-1)
-        flat = empty((width * comm.size,), tensor)
-        chunks = [flat[r * width:r * width + c] for r, c in enumerate(counts)]
+        flat = empty((lay.width * comm.size,), tensor)
+    elif lay.runs and mode != "rounds":
+        flat = empty(lay.shape, tensor)  # received straight into the result
     else:
-        flat = empty((sum(counts),), tensor)  # the pieces back to back, in rank order
-        chunks = None
-    _enter("all_gather", comm, tensor.dtype, counts)
+        flat = empty((sum(lay.counts),), tensor)  # the pieces back to back, in rank order
+    if watchdog.ENABLED:
+        watchdog.enter("all_gather", comm, {"dtype": tensor.dtype, "counts": list(lay.counts)})
     try:
-        if MAX_COUNT is not None and sum(counts) > MAX_COUNT:
-            _all_gather_rounds(send.view(-1), flat, counts, comm, datatype)
-        elif padded:  # MPICH's Allgather on padded pieces beats its Allgatherv here
-            comm.Allgather([as_buffer(staged), width, datatype], [as_buffer(flat), width, datatype])
-        elif even:  # even pieces: MPICH's Allgather is ~3x faster than Allgatherv here
-            comm.Allgather([as_buffer(send), send.numel(), datatype], [as_buffer(flat), counts[0], datatype])
-        else:
+        if mode == "even":
+            comm.Allgather([as_buffer(send), lay.counts[0], datatype], [as_buffer(flat), lay.counts[0], datatype])
+        elif mode == "padded":
+            comm.Allgather([as_buffer(staged), lay.width, datatype], [as_buffer(flat), lay.width, datatype])
+        elif mode == "v":
             comm.Allgatherv([as_buffer(send), send.numel(), datatype],
-                            [as_buffer(flat), (counts, _offsets(counts)), datatype])
+                            [as_buffer(flat), (lay.counts, _offsets(lay.counts)), datatype])
+        else:
+            _all_gather_rounds(send.view(-1), flat, lay.counts, comm, datatype)
     finally:
-        _leave()
-    if chunks is None:
-        if prod(send.shape[:dim]) == 1:  # pieces are contiguous runs of the result
-            return unstage(flat.view(_resized(send.shape, dim, sum(sizes))), tensor)
-        chunks = flat.split(counts)
-    pieces = [chunk.view(_resized(send.shape, dim, size)) for chunk, size in zip(chunks, sizes)]
-    return unstage(torch.cat(pieces, dim), tensor)
+        if watchdog.ENABLED:
+            watchdog.leave()
+    if lay.runs:
+        return unstage(flat.view(lay.shape) if mode == "rounds" else flat, tensor)
+    return unstage(_interleave(flat, lay, comm.size, tensor), tensor)
+
+
+def _interleave(flat: torch.Tensor, lay: _Gather, size: int, like: torch.Tensor) -> torch.Tensor:
+    """The result of an all-gather along a non-leading dim from its pieces back to back in
+    rank order (padded to ``lay.width`` each in "padded" mode): one copy into the result."""
+    out = empty(lay.shape, like)
+    if not out.numel():
+        return out
+    rows = out.view(lay.rows, out.numel() // lay.rows)
+    if lay.mode == "even":
+        rows.view(lay.rows, size, lay.columns[0]).copy_(flat.view(size, lay.rows, lay.columns[0]).transpose(0, 1))
+        return out
+    stride = lay.width if lay.mode == "padded" else None
+    start = column = 0
+    for count, width in zip(lay.counts, lay.columns):
+        if width:
+            rows[:, column:column + width].copy_(flat[start:start + count].view(lay.rows, width))
+        start += stride if stride is not None else count
+        column += width
+    return out
 
 
 def all_to_all(
@@ -113,33 +173,56 @@ def all_to_all(
 ) -> torch.Tensor:
     """Send piece k of ``tensor`` (``split_sizes[k]`` along ``split_dim``) to rank k and
     concatenate the pieces received (``concat_sizes[k]`` from rank k) along ``concat_dim``."""
+    if type(tensor) is not torch.Tensor and isinstance(tensor, _TRACED):
+        return traced.all_to_all(tensor, comm, split_dim, concat_dim, split_sizes, concat_sizes)
+    split_sizes, concat_sizes = tuple(split_sizes), tuple(concat_sizes)
     if guard.ENABLED:
         facts = guard.tensor_facts(tensor, (concat_dim,))
-        facts.update(split_dim=guard.norm_dim(split_dim, tensor.ndim),
-                     concat_dim=guard.norm_dim(concat_dim, tensor.ndim), split_sizes=tuple(split_sizes), concat_sizes=tuple(concat_sizes))
-        guard.check("all_to_all", comm, facts,
-                    lambda: _all_to_all_args(tensor, comm, split_dim, concat_dim, split_sizes, concat_sizes))
-    split_dim, concat_dim = _all_to_all_args(tensor, comm, split_dim, concat_dim, split_sizes, concat_sizes)
+        facts.update(split_dim=guard.norm_dim(split_dim, tensor.ndim), concat_dim=guard.norm_dim(concat_dim, tensor.ndim),
+                     split_sizes=split_sizes, concat_sizes=concat_sizes)
+        guard.check("all_to_all", comm, facts, lambda: _all_to_all_layout(
+            tensor.shape, tensor.element_size(), split_dim, concat_dim, split_sizes, concat_sizes, comm.size, comm.rank,
+            _limits()))
+    split_dim, concat_dim, shape, packed = _all_to_all_layout(
+        tensor.shape, tensor.element_size(), split_dim, concat_dim, split_sizes, concat_sizes, comm.size, comm.rank,
+        _limits())
     send = stage(tensor)
-    shape = _resized(_resized(send.shape, split_dim, split_sizes[comm.rank]), concat_dim, sum(concat_sizes))
     tracing.record("all_to_all", send.nbytes)
-    # Same on every rank: the global tensor's size, not this rank's shard.
-    total = prod(_resized(send.shape, concat_dim, sum(concat_sizes))) * send.element_size()
-    # Packing puts every piece in one count: it must fit on every rank, so take the largest.
-    other = prod(s for d, s in enumerate(send.shape) if d not in (split_dim, concat_dim))
-    fits = MAX_COUNT is None or max(
-        other * (sum(split_sizes) * c + s * sum(concat_sizes)) for s, c in zip(split_sizes, concat_sizes)
-    ) <= MAX_COUNT
-    packed = fits and _beyond(ALLTOALL_PACKED_MIN, comm.size, total)
-    _enter("all_to_all", comm, tensor.dtype, list(split_sizes))
+    if watchdog.ENABLED:
+        watchdog.enter("all_to_all", comm, {"dtype": tensor.dtype, "counts": list(split_sizes)})
     try:
         if packed:
             out = _all_to_all_packed(send, comm, split_dim, concat_dim, split_sizes, concat_sizes, shape)
         else:
             out = _all_to_all_typed(send, comm, split_dim, concat_dim, split_sizes, concat_sizes, shape)
     finally:
-        _leave()
+        if watchdog.ENABLED:
+            watchdog.leave()
     return unstage(out, tensor)
+
+
+@lru_cache(maxsize=1024)
+def _all_to_all_layout(shape: torch.Size, itemsize: int, split_dim: int, concat_dim: int,
+                       split_sizes: tuple[int, ...], concat_sizes: tuple[int, ...], size: int, rank: int,
+                       limits: tuple):
+    """``(split_dim, concat_dim, result shape, packed)`` after checking the arguments."""
+    split_dim, concat_dim = _dim(split_dim, len(shape)), _dim(concat_dim, len(shape))
+    if split_dim == concat_dim:
+        raise ValueError("split_dim and concat_dim must differ")
+    _check_sizes(split_sizes, size, total=shape[split_dim])
+    _check_sizes(concat_sizes, size)
+    if shape[concat_dim] != concat_sizes[rank]:
+        raise ValueError(f"tensor has {shape[concat_dim]} along dim {concat_dim}, "
+                         f"concat_sizes[{rank}] is {concat_sizes[rank]}")
+    result = _resized(_resized(shape, split_dim, split_sizes[rank]), concat_dim, sum(concat_sizes))
+    # Same on every rank: the global tensor's size, not this rank's shard.
+    total = prod(_resized(shape, concat_dim, sum(concat_sizes))) * itemsize
+    # Packing puts every piece in one count: it must fit on every rank, so take the largest.
+    other = prod(n for d, n in enumerate(shape) if d not in (split_dim, concat_dim))
+    fits = MAX_COUNT is None or max(
+        other * (sum(split_sizes) * c + n * sum(concat_sizes)) for n, c in zip(split_sizes, concat_sizes)
+    ) <= MAX_COUNT
+    return split_dim, concat_dim, result, fits and _beyond(ALLTOALL_PACKED_MIN, size, total)
 
 
 def _all_to_all_typed(send, comm, split_dim, concat_dim, split_sizes, concat_sizes, shape) -> torch.Tensor:
@@ -173,22 +256,35 @@ def _all_to_all_packed(send, comm, split_dim, concat_dim, split_sizes, concat_si
     return torch.cat(pieces, concat_dim)
 
 
-def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum") -> torch.Tensor:
-    """Reduce ``tensor`` elementwise over all ranks; every rank gets the result."""
+def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum", *,
+               inplace: bool = False) -> torch.Tensor:
+    """Reduce ``tensor`` elementwise over all ranks; every rank gets the result.
+
+    ``inplace``: the caller made ``tensor`` and no longer needs its value, so MPI may
+    reduce into its memory (``MPI_IN_PLACE``: no output buffer, no copy of the input)
+    when that memory is what MPI would read anyway."""
+    if type(tensor) is not torch.Tensor and isinstance(tensor, _TRACED):
+        return traced.all_reduce(tensor, comm, op)
     if guard.ENABLED:
         guard.check("all_reduce", comm, {**guard.tensor_facts(tensor), "op": op},
                     lambda: _reduction(tensor.dtype, op))
     dtype, mpi_op = _reduction(tensor.dtype, op)
     send = stage(tensor, dtype)
-    out = empty(send.shape, tensor, dtype)
     tracing.record("all_reduce", send.nbytes)
     datatype = mpi_type(dtype)
-    _enter("all_reduce", comm, dtype, [send.numel()])
+    numel = send.numel()
+    out = send if inplace and send.data_ptr() == tensor.data_ptr() else empty(send.shape, tensor, dtype)
+    if watchdog.ENABLED:
+        watchdog.enter("all_reduce", comm, {"dtype": dtype, "counts": [numel]})
     try:
-        for start, n in _spans(send.numel()):
-            comm.Allreduce([_span(send, start, n), n, datatype], [_span(out, start, n), n, datatype], mpi_op)
+        for start, n in _spans(numel):
+            if out is send:
+                comm.Allreduce(MPI.IN_PLACE, [_span(out, start, n), n, datatype], mpi_op)
+            else:
+                comm.Allreduce([_span(send, start, n), n, datatype], [_span(out, start, n), n, datatype], mpi_op)
     finally:
-        _leave()
+        if watchdog.ENABLED:
+            watchdog.leave()
     if op == "avg":
         out /= comm.size
     return unstage(out, tensor)
@@ -198,28 +294,47 @@ def reduce_scatter(
     tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp, *, dim: int, sizes: Sequence[int]
 ) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks; rank r gets the ``sizes[r]`` slice along ``dim``."""
+    if type(tensor) is not torch.Tensor and isinstance(tensor, _TRACED):
+        return traced.reduce_scatter(tensor, comm, op, dim, sizes)
+    sizes = tuple(sizes)
     if guard.ENABLED:
         facts = guard.tensor_facts(tensor)
-        facts.update(op=op, dim=guard.norm_dim(dim, tensor.ndim), sizes=tuple(sizes))
-        guard.check("reduce_scatter", comm, facts, lambda: _reduce_scatter_args(tensor, comm, op, dim, sizes))
-    dim, dtype, mpi_op = _reduce_scatter_args(tensor, comm, op, dim, sizes)
-    send = stage(tensor.movedim(dim, 0), dtype)  # MPI splits memory in order: ``dim`` must lead
-    out = empty(_resized(send.shape, 0, sizes[comm.rank]), tensor, dtype)
+        facts.update(op=op, dim=guard.norm_dim(dim, tensor.ndim), sizes=sizes)
+        guard.check("reduce_scatter", comm, facts, lambda: _reduce_scatter_layout(
+            tensor.shape, tensor.dtype, op, dim, sizes, comm.size, comm.rank))
+    dim, dtype, mpi_op, datatype, counts, out_shape = _reduce_scatter_layout(
+        tensor.shape, tensor.dtype, op, dim, sizes, comm.size, comm.rank)
+    send = stage(tensor.movedim(dim, 0) if dim else tensor, dtype)  # MPI splits memory in order: ``dim`` must lead
+    out = empty(out_shape, tensor, dtype)
     tracing.record("reduce_scatter", send.nbytes)
-    datatype = mpi_type(dtype)
-    counts = _counts(send.shape, 0, sizes)
-    _enter("reduce_scatter", comm, dtype, counts)
+    if watchdog.ENABLED:
+        watchdog.enter("reduce_scatter", comm, {"dtype": dtype, "counts": counts})
     try:
         if MAX_COUNT is not None and send.numel() > MAX_COUNT:
             _reduce_scatter_rounds(send.view(-1), out.view(-1), counts, comm, datatype, mpi_op)
         else:
             comm.Reduce_scatter([as_buffer(send), send.numel(), datatype],
-                                [as_buffer(out), out.numel(), datatype], counts, mpi_op)
+                                [as_buffer(out), counts[comm.rank], datatype], counts, mpi_op)
     finally:
-        _leave()
+        if watchdog.ENABLED:
+            watchdog.leave()
     if op == "avg":
         out /= comm.size
-    return unstage(out.movedim(0, dim).contiguous(), tensor)  # a copy unless ``dim`` leads
+    if dim:
+        out = out.movedim(0, dim).contiguous()  # a copy
+    return unstage(out, tensor)
+
+
+@lru_cache(maxsize=1024)
+def _reduce_scatter_layout(shape: torch.Size, dtype: torch.dtype, op: str, dim: int, sizes: tuple[int, ...],
+                           size: int, rank: int):
+    """``(dim, reduction dtype, MPI op, MPI datatype, counts, output shape with dim leading)``."""
+    dim = _dim(dim, len(shape))
+    reduce_dtype, mpi_op = _reduction(dtype, op)
+    _check_sizes(sizes, size, total=shape[dim])
+    leading = (shape[dim], *shape[:dim], *shape[dim + 1:])
+    return (dim, reduce_dtype, mpi_op, mpi_type(reduce_dtype), _counts(leading, 0, sizes),
+            _resized(leading, 0, sizes[rank]))
 
 
 def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0) -> torch.Tensor:
@@ -268,6 +383,11 @@ def scatter(tensor: torch.Tensor, comm: MPI.Intracomm, root: int, *, dim: int, s
     return unstage(out, tensor)
 
 
+def _limits() -> tuple:
+    """The module settings the cached layouts depend on (tests and tuning may change them)."""
+    return MAX_COUNT, ALLGATHER_PADDED_MIN, ALLTOALL_PACKED_MIN
+
+
 def _beyond(threshold: tuple[int, int], size: int, total_bytes: int) -> bool:
     """Whether a communicator of ``size`` ranks moving ``total_bytes`` in all reaches a
     ``(ranks, bytes per rank)`` threshold: the same answer on every rank."""
@@ -276,37 +396,10 @@ def _beyond(threshold: tuple[int, int], size: int, total_bytes: int) -> bool:
 
 # --- argument checks: identical on every rank when the ranks agree (see guard) ---------------
 
-def _gather_args(tensor: torch.Tensor, comm: MPI.Intracomm, dim: int, sizes: Sequence[int]) -> int:
-    dim = _dim(dim, tensor.ndim)
-    _check_sizes(sizes, comm)
-    if tensor.size(dim) != sizes[comm.rank]:
-        raise ValueError(f"tensor has {tensor.size(dim)} along dim {dim}, sizes[{comm.rank}] is {sizes[comm.rank]}")
-    return dim
-
-
-def _all_to_all_args(tensor, comm, split_dim, concat_dim, split_sizes, concat_sizes) -> tuple[int, int]:
-    split_dim, concat_dim = _dim(split_dim, tensor.ndim), _dim(concat_dim, tensor.ndim)
-    if split_dim == concat_dim:
-        raise ValueError("split_dim and concat_dim must differ")
-    _check_sizes(split_sizes, comm, total=tensor.size(split_dim))
-    _check_sizes(concat_sizes, comm)
-    if tensor.size(concat_dim) != concat_sizes[comm.rank]:
-        raise ValueError(f"tensor has {tensor.size(concat_dim)} along dim {concat_dim}, "
-                         f"concat_sizes[{comm.rank}] is {concat_sizes[comm.rank]}")
-    return split_dim, concat_dim
-
-
-def _reduce_scatter_args(tensor, comm, op, dim, sizes) -> tuple[int, torch.dtype, MPI.Op]:
-    dim = _dim(dim, tensor.ndim)
-    dtype, mpi_op = _reduction(tensor.dtype, op)
-    _check_sizes(sizes, comm, total=tensor.size(dim))
-    return dim, dtype, mpi_op
-
-
 def _scatter_args(tensor, comm, root, dim, sizes) -> int:
     _root(root, comm)
     dim = _dim(dim, tensor.ndim)
-    _check_sizes(sizes, comm, total=tensor.size(dim))
+    _check_sizes(sizes, comm.size, total=tensor.size(dim))
     return dim
 
 
@@ -394,6 +487,7 @@ def _pieces_in_rank_order(tensor: torch.Tensor, dim: int, sizes: Sequence[int]) 
     return flat
 
 
+@lru_cache(maxsize=None)
 def _reduction(dtype: torch.dtype, op: str) -> tuple[torch.dtype, MPI.Op]:
     """The dtype MPI reduces in and the MPI op for ``op`` on ``dtype``."""
     if op not in _OPS:
@@ -450,8 +544,11 @@ def _dim(dim: int, ndim: int) -> int:
     return dim % ndim
 
 
-def _check_sizes(sizes: Sequence[int], comm: MPI.Intracomm, total: int | None = None) -> None:
-    if len(sizes) != comm.size or min(sizes) < 0:
-        raise ValueError(f"need {comm.size} non-negative sizes, got {list(sizes)}")
+def _check_sizes(sizes: Sequence[int], size: int, total: int | None = None) -> None:
+    if len(sizes) != size or min(sizes) < 0:
+        raise ValueError(f"need {size} non-negative sizes, got {list(sizes)}")
     if total is not None and sum(sizes) != total:
         raise ValueError(f"sizes {list(sizes)} do not add up to {total}")
+
+
+from . import traced  # noqa: E402  (its custom ops call back into this module)

@@ -9,8 +9,9 @@ Collective outputs and staging buffers come from here rather than from a fresh
 * at small sizes an allocation plus its registration for the memory statistics
   costs as much as the whole MPI call (a 4 KiB ``Allgather``: 2.8 µs).
 
-A buffer is a flat CPU tensor, found by its dtype and length. It is handed out as a
-new view of the shape asked for, and handed out again only once no tensor refers to
+A buffer is a CPU tensor, found by its dtype and shape. It is handed out as a new
+alias (``detach()``: 0.4 µs here, against 1.4 µs for a ``view`` and 0.8 µs for a
+``torch.empty``), and handed out again only once no tensor refers to
 its storage any more (the storage's reference count is back to what it is when the
 pool alone holds it), so a result that a user, a DTensor or autograd still holds is
 never overwritten. Limit: a bare ``untyped_storage()`` object kept with no tensor
@@ -33,8 +34,8 @@ import torch
 
 from . import accounting
 
-PER_SIZE = 4  # buffers of one dtype and length
-MAX_SIZES = 1024  # distinct (dtype, length) keys
+PER_SIZE = 4  # buffers of one dtype and shape
+MAX_SIZES = 1024  # distinct (dtype, shape) keys
 
 # torch's C++ reference count of a storage, and a storage's address: public API has neither.
 _use_count = torch._C._storage_Use_Count
@@ -55,11 +56,11 @@ class _Buffer:
 
 
 class BufferPool:
-    """Host buffers by dtype and length, reused once nothing else refers to them."""
+    """Host buffers by dtype and shape, reused once nothing else refers to them."""
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
-        self._sizes: OrderedDict[tuple[torch.dtype, int], list[_Buffer]] = OrderedDict()
+        self._sizes: OrderedDict[tuple[torch.dtype, tuple[int, ...]], list[_Buffer]] = OrderedDict()
         self._addresses: set[int] = set()  # storage addresses of the pooled buffers
         self._bytes = 0  # all pooled buffers
         self._out_bytes = 0  # those handed out and not yet seen back
@@ -70,10 +71,10 @@ class BufferPool:
         """Bytes of all buffers the pool holds, idle or handed out."""
         return self._bytes
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A C-contiguous CPU tensor of ``shape`` (``numel`` elements) and ``dtype`` whose
-        storage no other tensor refers to."""
-        key = (dtype, numel)
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A C-contiguous CPU tensor of ``shape`` and ``dtype`` whose storage no other tensor
+        refers to."""
+        key = (dtype, shape)
         with self._lock:
             buffers = self._sizes.get(key)
             if buffers is not None:
@@ -81,18 +82,19 @@ class BufferPool:
                 for buffer in buffers:
                     if _use_count(buffer.cdata) <= buffer.idle:
                         if buffer.out:  # back since its last hand-out: a free and an allocation
-                            self._returned(buffer)
-                        self._hand_out(buffer)
-                        return buffer.tensor.view(shape)
-            tensor = torch.empty(numel, dtype=dtype)
+                            accounting.pool_reused(buffer.nbytes)
+                        else:
+                            self._hand_out(buffer)
+                        return buffer.tensor.detach()
+            tensor = torch.empty(shape, dtype=dtype)
             if (buffers is None or len(buffers) < PER_SIZE) and self._make_room(tensor.nbytes):
                 buffer = _Buffer(tensor)
                 self._sizes.setdefault(key, []).append(buffer)
                 self._addresses.add(buffer.cdata)
                 self._bytes += buffer.nbytes
                 self._hand_out(buffer)
-                return tensor.view(shape)
-            return accounting.track_buffer(tensor).view(shape)
+                return tensor.detach()
+            return accounting.track_buffer(tensor)
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` views a pooled buffer."""

@@ -1,0 +1,101 @@
+"""The collectives as opaque custom ops, for tensors that exist while torch.compile traces.
+
+While Dynamo compiles a frame it runs every op on fake tensors, and AOTAutograd
+(``aot_eager``, ``inductor``) traces a DTensor's ``__torch_dispatch__`` down to the
+ops on its local tensors. Both reach the collectives a sharding plan runs, which can
+neither move fake data nor be traced through mpi4py. :mod:`collectives` therefore
+sends fake and functional tensors here, to custom ops ``mpidtensor::all_gather``...:
+their fake kernels give the result's shape, their real kernels call the collective
+on real tensors. Fake propagation gets shapes, and an AOT graph records a call that
+communicates when the graph runs.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from mpi4py import MPI
+
+from . import collectives
+
+_COMMS: list[MPI.Comm] = []  # a custom op takes ints, not communicators: the graph keeps the index
+_COMM_IDS: dict[int, int] = {}  # id(comm) -> index; the list keeps every comm alive
+
+
+def _comm_id(comm: MPI.Comm) -> int:
+    index = _COMM_IDS.get(id(comm))
+    if index is None:
+        index = _COMM_IDS[id(comm)] = len(_COMMS)
+        _COMMS.append(comm)
+    return index
+
+
+def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[dim % t.ndim] = size
+    return t.new_empty(shape)
+
+
+@torch.library.custom_op("mpidtensor::all_gather", mutates_args=())
+def all_gather_op(tensor: torch.Tensor, comm: int, dim: int, sizes: list[int]) -> torch.Tensor:
+    return collectives.all_gather(tensor, _COMMS[comm], dim=dim, sizes=sizes)
+
+
+@all_gather_op.register_fake
+def _(tensor, comm, dim, sizes):
+    return _resized(tensor, dim, sum(sizes))
+
+
+@torch.library.custom_op("mpidtensor::all_to_all", mutates_args=())
+def all_to_all_op(
+    tensor: torch.Tensor, comm: int, split_dim: int, concat_dim: int, split_sizes: list[int], concat_sizes: list[int]
+) -> torch.Tensor:
+    return collectives.all_to_all(tensor, _COMMS[comm], split_dim=split_dim, concat_dim=concat_dim,
+                                  split_sizes=split_sizes, concat_sizes=concat_sizes)
+
+
+@all_to_all_op.register_fake
+def _(tensor, comm, split_dim, concat_dim, split_sizes, concat_sizes):
+    shape = list(tensor.shape)
+    shape[split_dim % tensor.ndim] = split_sizes[_COMMS[comm].rank]
+    shape[concat_dim % tensor.ndim] = sum(concat_sizes)
+    return tensor.new_empty(shape)
+
+
+@torch.library.custom_op("mpidtensor::all_reduce", mutates_args=())
+def all_reduce_op(tensor: torch.Tensor, comm: int, op: str) -> torch.Tensor:
+    return collectives.all_reduce(tensor, _COMMS[comm], op)
+
+
+@all_reduce_op.register_fake
+def _(tensor, comm, op):
+    return tensor.new_empty(tensor.shape)
+
+
+@torch.library.custom_op("mpidtensor::reduce_scatter", mutates_args=())
+def reduce_scatter_op(tensor: torch.Tensor, comm: int, op: str, dim: int, sizes: list[int]) -> torch.Tensor:
+    return collectives.reduce_scatter(tensor, _COMMS[comm], op, dim=dim, sizes=sizes)
+
+
+@reduce_scatter_op.register_fake
+def _(tensor, comm, op, dim, sizes):
+    return _resized(tensor, dim, sizes[_COMMS[comm].rank])
+
+
+# --- what collectives calls for a fake or functional tensor ------------------------------------
+
+def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+    return all_gather_op(tensor, _comm_id(comm), dim, list(sizes))
+
+
+def all_to_all(tensor: torch.Tensor, comm: MPI.Intracomm, split_dim: int, concat_dim: int,
+               split_sizes: Sequence[int], concat_sizes: Sequence[int]) -> torch.Tensor:
+    return all_to_all_op(tensor, _comm_id(comm), split_dim, concat_dim, list(split_sizes), list(concat_sizes))
+
+
+def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: str) -> torch.Tensor:
+    return all_reduce_op(tensor, _comm_id(comm), op)
+
+
+def reduce_scatter(tensor: torch.Tensor, comm: MPI.Intracomm, op: str, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+    return reduce_scatter_op(tensor, _comm_id(comm), op, dim, list(sizes))
