@@ -58,8 +58,8 @@ class AllReduce:
     mesh_dims: tuple[int, ...]
     op: str
 
-    def run(self, t, mesh):
-        return collectives.all_reduce(t, mesh.comm_for(self.mesh_dims), self.op)
+    def run(self, t, mesh, inplace=False):
+        return collectives.all_reduce(t, mesh.comm_for(self.mesh_dims), self.op, inplace=inplace)
 
 
 @dataclass(frozen=True)
@@ -148,9 +148,18 @@ def clear_plans() -> None:
     _PLANS.clear()
 
 
+_MAKES_BUFFER = (AllGather, AllToAll, AllReduce, ReduceScatter)  # steps whose result is a new buffer
+
+
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
+    """This rank's local tensor of ``dst`` from its local tensor ``local`` of ``src``."""
+    made = False  # whether ``local`` is a buffer an earlier step made, seen by nobody else
     for step in plan(src, dst):
-        local = step.run(local, src.mesh)
+        if made and type(step) is AllReduce:
+            local = step.run(local, src.mesh, inplace=True)  # MPI_IN_PLACE on our own buffer
+        else:
+            local = step.run(local, src.mesh)
+        made = isinstance(step, _MAKES_BUFFER)
     return local
 
 

@@ -181,3 +181,26 @@ def test_local_layout_follows_global_strides(mesh1d, dst):
     ok = local.numel() <= 1 or local.t().is_contiguous() or min(local.shape) <= 1
     assert_all_ranks(ok, f"local strides {local.stride()} for global strides {out.stride()}")
     assert_close(out.full_tensor(), full.t())
+
+
+def test_2d_all_reduce_of_a_gathered_buffer_is_in_place(mesh2d, monkeypatch):
+    """[P, S(0)] -> [R, R] gathers, then all-reduces the gathered buffer with MPI_IN_PLACE;
+    the input's local tensor is left as it was."""
+    from mpidtensor.mesh import collectives
+
+    parts = [global_tensor((8, 6), seed=s) for s in (1, 2)]
+    row, col = mesh2d.get_coordinate()
+    local = parts[row].chunk(2, 0)[col].clone()
+    kept = local.clone()
+    d = DTensor.from_local(local, mesh2d, [Partial(), Shard(0)], shape=(8, 6), stride=(6, 1))
+    calls = []
+    real = collectives.all_reduce
+
+    def spy(t, comm, op="sum", *, inplace=False):
+        calls.append(inplace)
+        return real(t, comm, op, inplace=inplace)
+
+    monkeypatch.setattr(collectives, "all_reduce", spy)
+    out = d.redistribute(mesh2d, [Replicate(), Replicate()]).to_local()
+    assert_close(out, parts[0] + parts[1])
+    assert_all_ranks(torch.equal(local, kept) and calls == [True], f"input changed or calls {calls}")

@@ -1,0 +1,79 @@
+"""mesh.pool: communication buffers are reused, but never while a tensor still refers to them."""
+import gc
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from helpers import assert_all_ranks, assert_close, global_tensor
+from mpidtensor import Replicate, Shard, distribute_tensor
+from mpidtensor.mesh import collectives
+from mpidtensor.mesh.pool import BufferPool
+
+WORLD = MPI.COMM_WORLD
+
+
+def test_a_held_result_is_never_overwritten(mesh1d):
+    full = global_tensor((4 * WORLD.size, 3))
+    d = distribute_tensor(full, mesh1d, [Shard(0)])
+    held = [d.full_tensor() for _ in range(6)]  # more than the pool keeps of one size
+    view = d.full_tensor()[1:]  # only a view of the result survives
+    again = [(d * 2).full_tensor() for _ in range(3)]
+    for r in held:
+        assert_close(r, full)
+    assert_close(view, full[1:])
+    for r in again:
+        assert_close(r, full * 2)
+
+
+def test_a_dropped_result_is_reused(mesh1d):
+    if WORLD.size == 1:
+        pytest.skip("nothing is gathered on one rank")
+    d = distribute_tensor(global_tensor((8 * WORLD.size, 5)), mesh1d, [Shard(0)])
+    first = d.full_tensor().data_ptr()
+    gc.collect()
+    second = d.full_tensor().data_ptr()
+    assert_all_ranks(first == second, "the second gather did not reuse the first's buffer")
+
+
+def test_autograd_saved_results_survive(mesh1d):
+    full = global_tensor((2 * WORLD.size + 1, 4))
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(3))
+    d = distribute_tensor(full, mesh1d, [Shard(0)]).requires_grad_()
+    gathered = d.redistribute(mesh1d, [Replicate()])
+    loss = (gathered.to_local() @ w).pow(2).sum()  # saves the gathered local for backward
+    for _ in range(6):
+        d.detach().full_tensor()  # would overwrite a buffer that autograd still holds
+    loss.backward()
+    ref = full.clone().requires_grad_()
+    (ref @ w).pow(2).sum().backward()
+    assert_close(d.grad.full_tensor(), ref.grad)
+
+
+def test_all_reduce_in_place_keeps_what_it_must(mesh1d):
+    comm = mesh1d.comm
+    x = global_tensor((7, 3)) + WORLD.rank
+    out = collectives.all_reduce(x.clone(), comm, "sum", inplace=True)
+    want = sum(global_tensor((7, 3)) + r for r in range(WORLD.size))
+    assert_close(out, want)
+    y = x.t()  # not C-contiguous: staged through a copy, so ``y`` is left alone
+    collectives.all_reduce(y, comm, "sum", inplace=True)
+    assert_all_ranks(torch.equal(y, x.t()), "a non-contiguous input was overwritten")
+
+
+def test_pool_limits():
+    pool = BufferPool(limit_bytes=1000)
+    a = pool.take((100,), torch.float32)  # 400 bytes: pooled
+    b = pool.take((100,), torch.float32)  # 800 in all
+    c = pool.take((100,), torch.float32)  # would pass the limit while a and b are out: not pooled
+    assert_all_ranks(pool.pooled_bytes == 800, f"pooled {pool.pooled_bytes}")
+    a_ptr = a.data_ptr()
+    del a, c
+    d = pool.take((100,), torch.float32)
+    assert_all_ranks(d.data_ptr() == a_ptr and d.data_ptr() != b.data_ptr(), "idle buffer not reused")
+    big = pool.take((300,), torch.float32)  # 1200 bytes > limit: never pooled
+    assert_all_ranks(pool.pooled_bytes == 800 and big.numel() == 300)
+    del b, d
+    pool.take((200,), torch.float64)  # 1600 bytes: too big even after dropping idle buffers
+    e = pool.take((50,), torch.float64)  # 400 bytes: fits after dropping the idle float32 buffers
+    assert_all_ranks(pool.pooled_bytes <= 1000 and e.numel() == 50, f"pooled {pool.pooled_bytes}")
