@@ -34,7 +34,7 @@ from mpi4py import MPI
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from . import abort, guard, tracing, watchdog
+from . import guard, tracing, watchdog
 from .buffers import as_buffer, derived, empty, has_mpi_type, mpi_type, stage, unstage
 
 ReduceOp = Literal["sum", "avg", "min", "max", "product"]
@@ -56,8 +56,6 @@ ALLGATHER_PADDED_MIN: tuple[int, int] = (4, 256 << 10)
 
 # The most elements one count or displacement of one MPI call may hold (None: no limit).
 MAX_COUNT: int | None = None if MPI.Get_version() >= (4, 0) else 2**31 - 1
-
-abort.install()  # an uncaught exception on one rank ends the job instead of hanging it
 
 # Tensors that exist only while torch.compile traces: they go through ``traced``'s custom ops.
 _TRACED = (FakeTensor, FunctionalTensor)
