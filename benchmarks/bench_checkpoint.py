@@ -6,10 +6,14 @@ the full state dict from one process and torch.distributed.checkpoint on gloo.
 The state dict: ``--tensors`` float32 matrices of 4096 columns, ``--mib`` MiB in all,
 row-sharded over the ranks (``Shard(0)`` on a 1-D mesh), plus as many replicated
 4096-element vectors. A time is the median over ``--reps`` of the slowest rank's
-time (barrier before); GB/s = state dict bytes / time. Saves include the fsync
-(mpidtensor ``MPI_File_sync``; torch.save an explicit ``os.fsync``; DCP syncs its
-files). Loads read what the save just wrote, most likely from the page cache for
-every column alike. mpidtensor also loads into ``Shard(1)`` (a resharded load).
+time (barrier before), after one untimed run (a VM's first touch of fresh memory
+for the page cache is slow); GB/s = state dict bytes / time. Every save first removes
+the previous checkpoint, inside the timed region (DCP refuses nothing but would mix
+files otherwise; the same for all), and includes the fsync (mpidtensor and DCP sync
+their files; torch.save an explicit ``os.fsync``). mpidtensor is also timed saving
+over its previous checkpoint (the atomic replace: the old files go after the commit).
+Loads read what the save just wrote, most likely from the page cache for every
+column alike. mpidtensor also loads into ``Shard(1)`` (a resharded load).
 """
 import argparse
 import os
@@ -29,7 +33,9 @@ n, rank = world.size, world.rank
 
 
 def timed(fn, reps):
-    """Median over reps of the slowest rank's seconds for ``fn()``."""
+    """Median over reps of the slowest rank's seconds for ``fn()``, after one untimed call."""
+    world.Barrier()
+    fn()
     times = []
     for _ in range(reps):
         world.Barrier()
@@ -37,6 +43,13 @@ def timed(fn, reps):
         fn()
         times.append(world.allreduce(MPI.Wtime() - start, op=MPI.MAX))
     return statistics.median(times)
+
+
+def remove(path):
+    """The previous checkpoint at ``path`` removed (by rank 0; the others wait)."""
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    world.Barrier()
 
 
 def shapes(args):
@@ -61,12 +74,18 @@ def bench_mpidtensor(args, directory):
     state = {k: mpidtensor.DTensor.from_local(v, mesh, [mpidtensor.Shard(0)]) for k, v in local_blocks(args).items()}
     state.update(vectors(args))
     path = os.path.join(directory, "mpidtensor")
-    save = timed(lambda: dcp.save(state, path), args.reps)
+
+    def save():
+        remove(path)
+        dcp.save(state, path)
+
+    save_time = timed(save, args.reps)
+    overwrite = timed(lambda: dcp.save(state, path), args.reps)
     load = timed(lambda: dcp.load(state, path), args.reps)
     target = {k: mpidtensor.zeros(v.shape, device_mesh=mesh, placements=[mpidtensor.Shard(1)])
               if isinstance(v, mpidtensor.DTensor) else torch.zeros_like(v) for k, v in state.items()}
     reshard = timed(lambda: dcp.load(target, path), args.reps)
-    return save, load, reshard
+    return save_time, load, reshard, overwrite
 
 
 def bench_torch_save(args, directory):
@@ -103,9 +122,7 @@ def bench_dcp(args, directory):
     path = os.path.join(directory, "dcp")
 
     def save():
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        world.Barrier()
+        remove(path)
         tdcp.save(state, checkpoint_id=path)
 
     return timed(save, args.reps), timed(lambda: tdcp.load(state, checkpoint_id=path), args.reps)
@@ -129,7 +146,8 @@ def main():
         if rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
     if rank == 0:
-        rows = [("mpidtensor.checkpoint", md[0], md[1]), ("  load into Shard(1)", None, md[2]),
+        rows = [("mpidtensor.checkpoint", md[0], md[1]), ("  save over the previous one", md[3], None),
+                ("  load into Shard(1)", None, md[2]),
                 ("torch.save / torch.load (rank 0)", *ts), ("torch DCP on gloo", *tg)]
         print(f"\ncheckpoint of {nbytes / 2**30:.2f} GiB on {n} ranks ({args.tensors} matrices + vectors), "
               f"median of {args.reps}, slowest rank")

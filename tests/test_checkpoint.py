@@ -1,5 +1,7 @@
 """checkpoint.save / load: round trips over layouts and dtypes, resharded loads across
-world sizes, chunked transfers, the one-process reader and conversion, errors."""
+world sizes, chunked and short transfers, replicas spread over the writers, the box
+arithmetic, the one-process reader and conversion, reading format version 1, errors."""
+import json
 import os
 
 import pytest
@@ -133,16 +135,25 @@ def test_reshard_across_world_sizes(ckpt_dir):
     assert_all_ranks(ok, "load on one rank")
 
 
-@pytest.mark.parametrize("limit", [8, 24, 100])
-def test_chunked_transfers(mesh1d, ckpt_dir, monkeypatch, limit):
-    """A small MAX_CHUNK_BYTES cuts every box into many pieces (and, at 8 and 24 bytes,
-    below one global row, so the view spans only inner dims)."""
+@pytest.mark.parametrize("limit", [1, 7, 100])
+def test_chunked_and_short_transfers(mesh1d, ckpt_dir, monkeypatch, limit):
+    """A small MAX_CHUNK_BYTES cuts every write and read into many calls; every write
+    call writes only half of its first buffer, and the writer resumes."""
     monkeypatch.setattr(ckpt_io, "MAX_CHUNK_BYTES", limit)
+    calls = []
+
+    def short_write(fd, buffers, offset):
+        calls.append(sum(len(b) for b in buffers))
+        return os.pwrite(fd, buffers[0][:max(1, len(buffers[0]) // 2)], offset)
+
+    monkeypatch.setattr(ckpt_io, "write_call", short_write)
     tensors = {"a": global_tensor((5, 4, 3), seed=1), "b": global_tensor((3, 17), torch.complex64, seed=2),
                "c": global_tensor((37,), torch.int16, seed=3)}
     dcp.save({"a": distribute_tensor(tensors["a"], mesh1d, [Shard(1)]),
               "b": distribute_tensor(tensors["b"], mesh1d, [Shard(1)]), "c": tensors["c"]}, ckpt_dir)
-    assert_all_ranks(len(ckpt_io.pieces(0, (5, 4, 3), (0, 0, 0), (5, 4, 3), 4, None)) >= 60 // limit)
+    assert_all_ranks(all(n <= limit for n in calls), f"a write call over the limit: {calls}")
+    total = WORLD.allreduce(len(calls))
+    assert_all_ranks(total >= (240 + 408 + 74) // limit, f"{total} write calls")
     target = {"a": zeros_like_layout(tensors["a"], mesh1d, [Shard(2)]),
               "b": zeros_like_layout(tensors["b"], mesh1d, [Shard(0)]),
               "c": zeros_like_layout(tensors["c"], mesh1d, [Shard(0)])}
@@ -151,16 +162,116 @@ def test_chunked_transfers(mesh1d, ckpt_dir, monkeypatch, limit):
         check_equal(target[k], v, k)
 
 
-def test_pieces_stay_below_int_limits():
-    """A box of a tensor with more than 2**31 elements maps to pieces whose counts and
-    subarray sizes all fit a C int (computed only, no data)."""
-    gshape, itemsize = (3, 2**31 + 5), 2
-    box_start, box_shape = (1, 7), (2, 2**31 - 2)
-    ps = ckpt_io.pieces(4096, gshape, box_start, box_shape, itemsize, None, limit=2**30)
-    assert_all_ranks(all(p.nbytes <= 2**30 and max(p.sizes) < 2**31 for p in ps))
-    assert_all_ranks(sum(p.nbytes for p in ps) == 2 * (2**31 - 2) * itemsize)
-    first = ps[0]
-    assert_all_ranks(first.disp == 4096 + (1 * gshape[1] + 7) * itemsize and first.lo == 0)
+def test_box_arithmetic():
+    """Intersections, and the boxes that are one contiguous run of a stored block."""
+    outer = ((2, 0, 0), (3, 4, 5))
+    results = [
+        ckpt_io.intersect(((0, 0), (4, 6)), ((2, 3), (4, 4))) == ((2, 3), (2, 3)),
+        ckpt_io.intersect(((0,), (2,)), ((2,), (3,))) is None,
+        ckpt_io.intersect(((), ()), ((), ())) == ((), ()),
+        ckpt_io.run_offset(((3, 0, 0), (2, 4, 5)), outer) == 20,  # whole rows
+        ckpt_io.run_offset(((3, 1, 0), (1, 2, 5)), outer) == 25,  # part of one row, whole inner rows
+        ckpt_io.run_offset(((3, 1, 2), (1, 1, 3)), outer) == 27,  # inside one innermost row
+        ckpt_io.run_offset(((3, 1, 0), (2, 2, 5)), outer) is None,
+        ckpt_io.run_offset(((2, 0, 1), (1, 4, 4)), outer) is None,
+        ckpt_io.run_offset(((), ()), ((), ())) == 0,
+        ckpt_io.relative(((3, 1, 2), (1, 1, 3)), outer) == (slice(1, 2), slice(1, 2), slice(2, 5)),
+    ]
+    assert_all_ranks(all(results), f"{results}")
+
+
+def test_replicas_spread_over_writers(mesh1d, ckpt_dir):
+    """Replicated tensors and plain tensors are written once each, by different ranks."""
+    tensors = {f"r{i}": global_tensor((6, 5), seed=i) for i in range(4)}
+    state = {k: distribute_tensor(v, mesh1d, [R]) if i % 2 else v for i, (k, v) in enumerate(tensors.items())}
+    dcp.save(state, ckpt_dir)
+    index = fmt.read_index(ckpt_dir)
+    files = [b["file"] for e in index["entries"] for b in e["tensor"]["blocks"]]
+    assert_all_ranks(len(files) == 4 and len(set(files)) == min(4, WORLD.size) == len(index["data_files"]),
+                     f"{files} {index['data_files']}")
+    target = {k: zeros_like_layout(v, mesh1d, [Shard(1)]) for k, v in tensors.items()}
+    dcp.load(target, ckpt_dir)
+    for k, v in tensors.items():
+        check_equal(target[k], v, k)
+
+
+def write_version1(directory: str, tensors: dict, boxes: dict, values: dict) -> None:
+    """A format-version-1 checkpoint (one data file, each tensor whole and row-major),
+    written by hand as the previous ``save`` did, with the CRC-32 of each box in ``boxes``."""
+    os.makedirs(directory)
+    name, entries, end = "data-00000000000000v1.bin", [], 0
+    with open(os.path.join(directory, name), "wb") as f:
+        for key, t in tensors.items():
+            end = -(-end // 64) * 64
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+            f.seek(end)
+            f.write(raw.tobytes())
+            blocks = [{"start": list(start), "shape": list(shape),
+                       "crc32": fmt.crc32(t[ckpt_io.relative((start, shape), ((0,) * t.ndim, t.shape))]
+                                          .contiguous().reshape(-1).view(torch.uint8).numpy())}
+                      for start, shape in boxes[key]]
+            meta = {"dtype": fmt.dtype_name(t.dtype), "shape": list(t.shape), "offset": end,
+                    "nbytes": raw.nbytes, "blocks": blocks}
+            entries.append({"key": key, "path": [["d", key]], "tensor": meta})
+            end += raw.nbytes
+        f.truncate(end)
+    entries += [{"key": k, "path": [["d", k]], "value": v} for k, v in values.items()]
+    index = {"format": fmt.FORMAT, "version": 1, "data_file": name, "data_bytes": end, "entries": entries}
+    with open(os.path.join(directory, fmt.INDEX), "w") as f:
+        json.dump(index, f)
+
+
+def test_reads_format_version_1(mesh1d, ckpt_dir):
+    """A version-1 checkpoint loads into any layout and one process; its block checksums
+    are checked (a flipped byte is found); a save over it replaces its data file."""
+    tensors = {"w": global_tensor((7, 6), torch.bfloat16, seed=1), "v": global_tensor((5,), torch.int32, seed=2)}
+    boxes = {"w": [((0, 0), (4, 6)), ((4, 0), (3, 6))], "v": [((0,), (5,))]}
+    if WORLD.rank == 0:
+        write_version1(ckpt_dir, tensors, boxes, {"step": 9})
+    WORLD.Barrier()
+    for layout in ([Shard(0)], [Shard(1)], [R], None):
+        mesh = None if layout is None else mesh1d
+        target = {"w": zeros_like_layout(tensors["w"], mesh, layout), "step": 0,
+                  "v": zeros_like_layout(tensors["v"], mesh, [Shard(0)])}
+        dcp.load(target, ckpt_dir)
+        for k, v in tensors.items():
+            check_equal(target[k], v, f"{k} into {layout}")
+        assert_all_ranks(target["step"] == 9)
+    plain = dcp.load_plain(ckpt_dir) if WORLD.rank == 0 else tensors
+    assert_all_ranks(all(torch.equal(plain[k], v) for k, v in tensors.items()), "load_plain")
+    if WORLD.rank == 0:
+        index = fmt.read_index(ckpt_dir)
+        flip_byte(os.path.join(ckpt_dir, index["data_file"]), index["entries"][0]["tensor"]["offset"] + 60)
+    WORLD.Barrier()
+    target = {"w": zeros_like_layout(tensors["w"], mesh1d, [Shard(1)]), "v": torch.zeros(5, dtype=torch.int32)}
+    with pytest.raises(dcp.CheckpointError, match=r"checksum mismatch in tensor 'w' \(block at \[4, 0\]\)"):
+        dcp.load(target, ckpt_dir)
+    dcp.save({k: distribute_tensor(v, mesh1d, [Shard(0)]) for k, v in tensors.items()}, ckpt_dir)
+    files = sorted(os.listdir(ckpt_dir))
+    index = fmt.read_index(ckpt_dir)
+    assert_all_ranks(index["version"] == 2 and files == sorted([fmt.INDEX, *index["data_files"]]), f"{files}")
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_truncated_data_file_fails_everywhere(mesh1d, ckpt_dir):
+    """The last rank's data file lost its end: only that rank's box reads it, and every
+    rank raises."""
+    t = global_tensor((8, 32), seed=4)
+    dcp.save({"a": distribute_tensor(t, mesh1d, [Shard(0)])}, ckpt_dir)
+    if WORLD.rank == 0:
+        index = fmt.read_index(ckpt_dir)
+        path = os.path.join(ckpt_dir, index["data_files"][-1])
+        os.truncate(path, os.path.getsize(path) // 2)
+    WORLD.Barrier()
+    with pytest.raises(dcp.CheckpointError, match="ends before byte"):
+        dcp.load({"a": zeros_like_layout(t, mesh1d, [Shard(0)])}, ckpt_dir)
 
 
 def test_plain_reader_and_torch_save(mesh1d, ckpt_dir):
@@ -211,12 +322,8 @@ def test_flipped_byte_is_detected(mesh1d, ckpt_dir):
     dcp.save({"a": distribute_tensor(tensors["a"], mesh1d, [Shard(0)]), "b": tensors["b"]}, ckpt_dir)
     if WORLD.rank == 0:
         index = fmt.read_index(ckpt_dir)
-        offset = index["entries"][1]["tensor"]["offset"] + 6  # inside "b"
-        with open(os.path.join(ckpt_dir, index["data_file"]), "r+b") as f:
-            f.seek(offset)
-            byte = f.read(1)
-            f.seek(offset)
-            f.write(bytes([byte[0] ^ 0x10]))
+        block = index["entries"][1]["tensor"]["blocks"][0]  # "b"
+        flip_byte(os.path.join(ckpt_dir, index["data_files"][block["file"]]), block["offset"] + 6)
     WORLD.Barrier()
     for layout in ([Shard(0)], [R]):
         target = {"a": zeros_like_layout(tensors["a"], mesh1d, layout), "b": torch.zeros(5)}

@@ -1,8 +1,9 @@
 """A save that fails or dies midway leaves the previous checkpoint loadable and no partial
 one visible.
 
-Two ways: in this job, the collective write raises on every rank after the first piece
-(the save raises everywhere; nothing is committed); and a real kill: rank 0 starts a
+Three ways: in this job, a write call raises on every rank after the first one, or on
+one rank only (the save raises everywhere, nothing is committed and the failed save's
+data files are removed); and a real kill: rank 0 starts a
 separate one-process MPI program (clean environment, so it is an MPI singleton and not
 part of this job: a nested ``mpiexec`` under ``mpiexec`` is fragile) that saves once,
 then exits with ``os._exit`` in the middle of its second save's writes. This job then
@@ -39,28 +40,53 @@ def loads_as(mesh, ckpt_dir, seed) -> bool:
             and torch.equal(target["b"], expected["b"]) and target["step"] == seed)
 
 
+def committed_files(ckpt_dir):
+    return sorted([fmt.INDEX, *fmt.read_index(ckpt_dir)["data_files"]])
+
+
 def test_failed_save_keeps_previous_checkpoint(mesh1d, ckpt_dir, monkeypatch):
     dcp.save(state(mesh1d, 1), ckpt_dir)
     index_before = fmt.read_index(ckpt_dir)
     calls = []
 
-    def failing_write(fh, buf):
-        calls.append(buf[1])
+    def failing_write(fd, buffers, offset):
+        calls.append(len(buffers))
         if len(calls) > 1:
             raise OSError("disk full (simulated)")
-        fh.Write_all(buf)
+        return os.pwritev(fd, buffers, offset)
 
-    monkeypatch.setattr(ckpt_io, "MAX_CHUNK_BYTES", 64)  # many pieces per rank
-    monkeypatch.setattr(ckpt_io, "write_piece", failing_write)
+    monkeypatch.setattr(ckpt_io, "MAX_CHUNK_BYTES", 64)  # many write calls per rank
+    monkeypatch.setattr(ckpt_io, "write_call", failing_write)
     with pytest.raises(OSError, match="simulated"):
         dcp.save(state(mesh1d, 2), ckpt_dir)
     monkeypatch.undo()
+    assert_all_ranks(len(calls) == 2, f"{calls}")
     assert_all_ranks(fmt.read_index(ckpt_dir) == index_before, "the index changed")
-    assert_all_ranks(loads_as(mesh1d, ckpt_dir, 1), "previous checkpoint does not load")
-    dcp.save(state(mesh1d, 3), ckpt_dir)  # the next save cleans up the leftover data file
     files = sorted(os.listdir(ckpt_dir))
-    assert_all_ranks(files == sorted([fmt.INDEX, fmt.read_index(ckpt_dir)["data_file"]]), f"{files}")
+    assert_all_ranks(files == committed_files(ckpt_dir), f"the failed save left files: {files}")
+    assert_all_ranks(loads_as(mesh1d, ckpt_dir, 1), "previous checkpoint does not load")
+    dcp.save(state(mesh1d, 3), ckpt_dir)  # replaces the previous checkpoint and its data files
+    files = sorted(os.listdir(ckpt_dir))
+    assert_all_ranks(files == committed_files(ckpt_dir), f"{files}")
     assert_all_ranks(loads_as(mesh1d, ckpt_dir, 3))
+
+
+def test_write_failure_on_one_rank_fails_everywhere(mesh1d, ckpt_dir, monkeypatch):
+    """Only the last rank's write fails: every rank raises its error, nothing is committed."""
+    dcp.save(state(mesh1d, 1), ckpt_dir)
+    index_before = fmt.read_index(ckpt_dir)
+    if WORLD.rank == WORLD.size - 1:
+        def failing_write(fd, buffers, offset):
+            raise OSError(f"no space left on rank {WORLD.rank} (simulated)")
+
+        monkeypatch.setattr(ckpt_io, "write_call", failing_write)
+    with pytest.raises(OSError, match=f"no space left on rank {WORLD.size - 1}"):
+        dcp.save(state(mesh1d, 2), ckpt_dir)
+    monkeypatch.undo()
+    assert_all_ranks(fmt.read_index(ckpt_dir) == index_before, "the index changed")
+    files = sorted(os.listdir(ckpt_dir))
+    assert_all_ranks(files == committed_files(ckpt_dir), f"the failed save left files: {files}")
+    assert_all_ranks(loads_as(mesh1d, ckpt_dir, 1), "previous checkpoint does not load")
 
 
 KILLED_SAVE = textwrap.dedent("""
@@ -71,12 +97,12 @@ KILLED_SAVE = textwrap.dedent("""
     dcp.save(first, path)
     io.MAX_CHUNK_BYTES = 256
     written = []
-    def write_then_die(fh, buf):
-        fh.Write_all(buf)
-        written.append(buf[1])
+    def write_then_die(fd, buffers, offset):
+        written.append(os.pwritev(fd, buffers, offset))
         if len(written) == 3:
             os._exit(17)  # killed mid-write: no cleanup, no exception handling
-    io.write_piece = write_then_die
+        return written[-1]
+    io.write_call = write_then_die
     dcp.save(second, path)
     sys.exit("the save was not interrupted")
 """)

@@ -204,3 +204,13 @@ def test_2d_all_reduce_of_a_gathered_buffer_is_in_place(mesh2d, monkeypatch):
     out = d.redistribute(mesh2d, [Replicate(), Replicate()]).to_local()
     assert_close(out, parts[0] + parts[1])
     assert_all_ranks(torch.equal(local, kept) and calls == [True], f"input changed or calls {calls}")
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0), (0, 0)])
+def test_empty_tensors_gather_along_a_later_dim(mesh1d, shape):
+    """A regression: the interleaving copy of a gather along dim 1 met zero rows."""
+    full = torch.zeros(shape)
+    for placements in ([Shard(1)], [Shard(0)]):
+        d = distribute_tensor(full, mesh1d, placements)
+        out = d.full_tensor()
+        assert_all_ranks(out.shape == full.shape, f"{placements}: {tuple(out.shape)}")

@@ -1,23 +1,26 @@
-"""``save`` / ``load``: nested state dicts of DTensors, tensors and values over MPI-IO.
+"""``save`` / ``load``: nested state dicts of DTensors, tensors and values.
 
 Both are collective over ``comm`` (``COMM_WORLD``) and take every decision from data
 all ranks share: one ``allgather`` of the leaves' metadata (keys, global shapes,
 dtypes, the box each rank holds) comes before any data moves, and errors found
 there are raised on every rank.
 
-save: every distinct non-empty box of a tensor is written once, by the lowest rank
-holding it (replicas and plain tensors are written once), straight from the local
-tensor into the tensor's row-major place in a new data file; then rank 0 commits
-the index (see :mod:`.format`), so a save that dies midway leaves the previous
-checkpoint as it was. ``Partial`` DTensors are reduced first.
+save: every distinct non-empty box of a tensor is written once, by one of the ranks
+holding it (the one with the fewest bytes to write so far, so replicas spread over
+the ranks), straight from the local tensor into that rank's own new data file (one
+``pwritev`` batch, one fsync); then rank 0 gathers where each block went, with its
+CRC-32, and commits the index (see :mod:`.format`), so a save that dies midway
+leaves the previous checkpoint as it was. ``Partial`` DTensors are reduced first.
 
-load: each rank reads the box of the target layout it holds, whatever layout was
-saved (resharding is the file view). Each saved block's CRC-32 is checked once: by a
-rank whose target box is that block, else by a rank that reads it for the check.
+load: each rank reads the box of the target layout it holds from the saved blocks
+that overlap it, whatever layout was saved (resharding is box intersection). Each
+saved block's CRC-32 is checked once: by a rank whose target box is that block, else
+by a rank that reads it for the check.
 """
 from __future__ import annotations
 
 import os
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -73,6 +76,26 @@ def _check_same_leaves(gathered: list[list[tuple]]) -> None:
         raise ValueError(f"state dict has leaves with the same dotted name: {dup}")
 
 
+def _to_write(all_metas: list[list[tuple]], tensor_ids: list[int], rank: int) -> set[int]:
+    """The tensors whose box ``rank`` writes: per distinct non-empty box, of the ranks
+    holding it, the one with the fewest bytes assigned so far (then the lowest). Every
+    rank computes the same from the gathered metadata."""
+    assigned, mine = [0] * len(all_metas), set()
+    for i in tensor_ids:
+        holders: dict[tuple, list[int]] = {}
+        for r, metas in enumerate(all_metas):
+            holders.setdefault(metas[i][1][2], []).append(r)
+        itemsize = fmt.DTYPES[all_metas[0][i][1][1]].itemsize
+        for (_, shape), ranks in holders.items():
+            nbytes = prod(shape) * itemsize
+            if nbytes:
+                writer = min(ranks, key=lambda r: (assigned[r], r))
+                assigned[writer] += nbytes
+                if writer == rank:
+                    mine.add(i)
+    return mine
+
+
 def save(state_dict: Any, checkpoint_id: str | os.PathLike, *, comm: MPI.Intracomm | None = None) -> None:
     """Write ``state_dict`` to the checkpoint directory ``checkpoint_id``. Collective."""
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -92,54 +115,68 @@ def save(state_dict: Any, checkpoint_id: str | os.PathLike, *, comm: MPI.Intraco
         raise setup_error
     all_metas = [g[0] for g in gathered]
     _check_same_leaves(all_metas)
-
     tensor_ids = [i for i, (_, meta) in enumerate(metas) if meta is not None]
-    offsets, size = fmt.layout([(metas[i][1][0], leaves[i][1].dtype) for i in tensor_ids])
-    todo, written = [], {}
-    for i, offset in zip(tensor_ids, offsets):
+    mine = _to_write(all_metas, tensor_ids, comm.rank)
+
+    todo = []
+    for i in tensor_ids:  # every rank reduces the Partial DTensors, in the same order
         t = leaves[i][1]
         if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
             t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
-        boxes = [rank_metas[i][1][2] for rank_metas in all_metas]
-        start, shape = boxes[comm.rank]
-        if not np.prod(shape, dtype=np.int64) or boxes.index((start, shape)) != comm.rank:
-            continue
-        raw = _local_bytes(t)
-        written[i] = (list(start), list(shape), fmt.crc32(raw))
-        todo += io.pieces(offset, t.shape, start, shape, t.element_size(), raw)
-    path = os.path.join(directory, fmt.data_name(token))
-    io.write_pieces(path, comm, todo, size)
-
-    blocks = comm.gather(written, root=0)
-    error = None
+        if i in mine:
+            todo.append((i, t))
+    blocks, error = {}, None
+    path = os.path.join(directory, fmt.data_name(token, comm.rank))
+    try:
+        raws = [(i, _local_bytes(t)) for i, t in todo]
+        offsets = fmt.layout([raw.nbytes for _, raw in raws])
+        for (i, raw), offset in zip(raws, offsets):
+            start, shape = metas[i][1][2]
+            blocks[i] = {"start": list(start), "shape": list(shape), "offset": offset, "crc32": fmt.crc32(raw)}
+        if raws:
+            io.write_file(path, [(offset, raw) for (_, raw), offset in zip(raws, offsets)])
+    except Exception as err:  # noqa: BLE001  (raised on every rank below)
+        error = err
+    results = comm.gather((blocks, error), root=0)
+    stale = []
     if comm.rank == 0:
-        try:
-            _commit(directory, token, size, leaves, metas, dict(zip(tensor_ids, offsets)), blocks)
-        except Exception as err:  # noqa: BLE001  (raised on every rank below)
-            error = err
-    error = comm.bcast(error, root=0)
+        error = next((e for _, e in results if e is not None), None)
+        if error is None:
+            try:
+                stale = _commit(directory, token, leaves, metas, results)
+            except Exception as err:  # noqa: BLE001  (raised on every rank below)
+                error = err
+    error, stale = comm.bcast((error, stale), root=0)
     if error is not None:
+        if todo and os.path.exists(path):
+            os.remove(path)  # this save's data file: no index will name it
         raise error
+    if stale:  # the superseded files, removed by all ranks in parallel (unlinking is slow)
+        fmt.remove_files(directory, stale[comm.rank::comm.size])
+        comm.Barrier()
 
 
-def _commit(directory, token, size, leaves, metas, offsets, blocks) -> None:
-    """Rank 0: the index from everyone's written blocks, committed (see format.commit_index)."""
-    by_leaf: dict[int, list] = {}
-    for rank_blocks in blocks:
-        for i, block in rank_blocks.items():
-            by_leaf.setdefault(i, []).append(block)
+def _commit(directory: str, token: str, leaves: list, metas: list, results: list) -> list[str]:
+    """Rank 0: the index from every rank's written blocks, committed; the files it
+    supersedes (see format.commit_index)."""
+    data_files, by_leaf = [], {}
+    for rank, (rank_blocks, _) in enumerate(results):
+        if rank_blocks:
+            for i, block in rank_blocks.items():
+                by_leaf.setdefault(i, []).append({**block, "file": len(data_files)})
+            data_files.append(fmt.data_name(token, rank))
     entries = []
     for i, (path, value) in enumerate(leaves):
         meta = None
-        if i in offsets:
-            saved = [{"start": s, "shape": sh, "crc32": c} for s, sh, c in sorted(by_leaf.get(i, []))]
-            covered = sum(int(np.prod(b["shape"], dtype=np.int64)) for b in saved)
-            numel = int(np.prod(metas[i][1][0], dtype=np.int64))
+        if metas[i][1] is not None:
+            shape = metas[i][1][0]
+            saved = sorted(by_leaf.get(i, []), key=lambda b: b["start"])
+            covered, numel = sum(prod(b["shape"]) for b in saved), prod(shape)
             if covered != numel:
                 raise fmt.CheckpointError(f"the saved blocks of {metas[i][0]!r} cover {covered} of {numel} elements")
-            meta = fmt.tensor_meta(metas[i][1][0], value.dtype, offsets[i], saved)
+            meta = fmt.tensor_meta(shape, value.dtype, saved)
         entries.append(fmt.make_entry(path, meta, value))
-    fmt.commit_index(directory, fmt.make_index(token, size, entries))
+    return fmt.commit_index(directory, fmt.make_index(data_files, entries))
 
 
 # --- load ----------------------------------------------------------------------------------------------
@@ -172,6 +209,35 @@ def _destination(t: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, bool]:
     return local, np.empty(local.numel() * local.element_size(), np.uint8), False
 
 
+def _load_tensor(reader: io.Reader, index: dict, saved: dict, key: str, t: torch.Tensor, i: int,
+                 boxes: list, comm: MPI.Intracomm) -> list[str]:
+    """Fill this rank's part of ``t`` (leaf ``i``; ``boxes``: every rank's box of it) from
+    the saved tensor, check the CRC-32s this rank is in charge of; the mismatches found."""
+    stored, box = fmt.chunks(index, saved), boxes[comm.rank]
+    local, buf, direct = _destination(t)
+    if buf.size:
+        io.read_box(reader, stored, box, buf, local.dtype)
+        if not direct:
+            local.copy_(torch.from_numpy(buf).view(local.dtype).reshape(local.shape))
+    bad = []
+    for b, block in enumerate(saved["blocks"]):
+        check = (tuple(block["start"]), tuple(block["shape"]))
+        if (boxes.index(check) if check in boxes else (i + b) % comm.size) != comm.rank:
+            continue
+        if check == box:
+            raw = buf
+        else:
+            chunk = next((c for c in stored if c.box == check), None)
+            if chunk is not None:  # a block stored as it was saved: checked in the file's map
+                raw = reader.array(chunk.file, chunk.offset, chunk.nbytes)
+            else:  # format version 1: the block is a box of the whole stored tensor
+                raw = np.empty(prod(check[1]) * local.dtype.itemsize, np.uint8)
+                io.read_box(reader, stored, check, raw, local.dtype)
+        if fmt.crc32(raw) != block["crc32"]:
+            bad.append(f"checksum mismatch in tensor {key!r} (block at {block['start']})")
+    return bad
+
+
 def load(state_dict: Any, checkpoint_id: str | os.PathLike, *, comm: MPI.Intracomm | None = None) -> None:
     """Fill ``state_dict`` in place from the checkpoint ``checkpoint_id``: tensors are
     copied into (each rank's part of its layout), other values replaced. Collective."""
@@ -195,35 +261,21 @@ def load(state_dict: Any, checkpoint_id: str | os.PathLike, *, comm: MPI.Intraco
         if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
             raise fmt.CheckpointError(f"cannot load into {key!r}: its placements {t.placements} hold Partial values")
 
-    todo, fills, checks = [], [], []
-    for i, ((path, t), (key, meta)) in enumerate(zip(leaves, metas)):
-        if meta is None:
-            continue
-        saved = entries[key]["tensor"]
-        boxes = [g[i][1][2] for g in gathered]
-        start, shape = boxes[comm.rank]
-        local, buf, direct = _destination(t)
-        fills.append((local, buf, direct))
-        todo += io.pieces(saved["offset"], saved["shape"], start, shape, local.element_size(), buf)
-        for b, block in enumerate(saved["blocks"]):
-            box = (tuple(block["start"]), tuple(block["shape"]))
-            checker = boxes.index(box) if box in boxes else (i + b) % comm.size
-            if checker != comm.rank:
-                continue
-            if box == (start, shape):
-                checks.append((key, block, buf))
-            else:
-                extra = np.empty(int(np.prod(box[1], dtype=np.int64)) * local.element_size(), np.uint8)
-                todo += io.pieces(saved["offset"], saved["shape"], *box, local.element_size(), extra)
-                checks.append((key, block, extra))
-    io.read_pieces(os.path.join(directory, index["data_file"]), comm, todo)
-
-    for local, buf, direct in fills:
-        if not direct:
-            local.copy_(torch.from_numpy(buf).view(local.dtype).reshape(local.shape))
-    bad = [f"checksum mismatch in tensor {key!r} (block at {block['start']})"
-           for key, block, buf in checks if fmt.crc32(buf) != block["crc32"]]
-    _raise_if([msg for rank_bad in comm.allgather(bad) for msg in rank_bad])
+    reader, bad, error = io.Reader(directory), [], None
+    try:
+        for i, ((_, t), (key, meta)) in enumerate(zip(leaves, metas)):
+            if meta is not None:
+                boxes = [g[i][1][2] for g in gathered]
+                bad += _load_tensor(reader, index, entries[key]["tensor"], key, t, i, boxes, comm)
+    except Exception as err:  # noqa: BLE001  (raised on every rank below)
+        error = err
+    finally:
+        reader.close()
+    outcomes = comm.allgather((bad, error))
+    error = next((e for _, e in outcomes if e is not None), None)
+    if error is not None:
+        raise error
+    _raise_if([msg for rank_bad, _ in outcomes for msg in rank_bad])
     values = {path: fmt.decode_value(entries[key]) for (path, _), (key, meta) in zip(leaves, metas) if meta is None}
     if values:
         _fill_values(state_dict, (), values)

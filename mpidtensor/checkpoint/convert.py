@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from .format import load_plain, save_plain
+from .plain import load_plain, save_plain
 
 
 def to_torch_save(checkpoint_id: str | os.PathLike, path: str | os.PathLike) -> None:
