@@ -21,7 +21,7 @@ COMM = MPI.COMM_WORLD
 N, RANK = COMM.size, COMM.rank
 SIZES = {"4K": 4 << 10, "16K": 16 << 10, "64K": 64 << 10, "256K": 256 << 10, "1M": 1 << 20, "4M": 4 << 20,
          "32M": 32 << 20}
-ALWAYS, NEVER = (1, 0), (1, 1 << 62)
+ALWAYS, NEVER = ((1, 0),), ((1, 1 << 62),)
 
 
 def timed(fn, budget: float = 0.4) -> float:

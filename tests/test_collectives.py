@@ -92,7 +92,7 @@ def rank_tensors(shape, dtype) -> list[torch.Tensor]:
 @pytest.fixture(params=["padded", "allgatherv"])
 def gather_method(request, monkeypatch):
     """Both uneven all-gathers (padded Allgather, Allgatherv), whatever the threshold picks."""
-    monkeypatch.setattr(collectives, "ALLGATHER_PADDED_MIN", (1, 0) if request.param == "padded" else (1, 1 << 62))
+    monkeypatch.setattr(collectives, "ALLGATHER_PADDED_MIN", ((1, 0),) if request.param == "padded" else ((1, 1 << 62),))
     return request.param
 
 
@@ -122,7 +122,7 @@ def test_all_gather_dtypes(dtype, gather_method):
 @pytest.fixture(params=["packed", "alltoallw"])
 def a2a_method(request, monkeypatch):
     """Both all-to-all implementations, whatever size threshold chooses between them."""
-    monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", (1, 0) if request.param == "packed" else (1, 1 << 62))
+    monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),) if request.param == "packed" else ((1, 1 << 62),))
     return request.param
 
 

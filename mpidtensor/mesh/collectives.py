@@ -42,17 +42,20 @@ ReduceOp = Literal["sum", "avg", "min", "max", "product"]
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAND}
 
-# (ranks, global bytes / ranks) from which packing + Alltoall(v) + unpacking beats one
-# Alltoallw with subarray types. Measured here (MPICH 5.0.2, float32 S(0)->S(1), time
-# Alltoallw / packed; docs/performance.md): 2 ranks 4K 0.53, 64K 1.22, 256K 1.88, 1M 0.37,
-# 4M 0.40, 32M 0.45; 4 ranks 4K 0.85, 256K 0.47, 1M 0.54, 4M 1.16 (uneven 2.56), 32M 2.59.
-ALLTOALL_PACKED_MIN: tuple[int, int] = (4, 4 << 20)
+# Thresholds are ``((ranks, global bytes / ranks), ...)``: a choice applies from any pair on.
+#
+# Packing + Alltoall(v) + unpacking against one Alltoallw with subarray types. Measured here
+# (MPICH 5.0.2, float32 S(0)->S(1), time Alltoallw / packed; docs/performance.md): 2 ranks
+# 4K 0.53, 64K 1.22, 256K 1.88, 1M 0.37, 4M 0.40, 32M 0.45; 4 ranks 4K 0.85, 256K 0.47,
+# 1M 0.54, 4M 1.16 (uneven 2.56), 32M 2.59.
+ALLTOALL_PACKED_MIN: tuple[tuple[int, int], ...] = ((4, 4 << 20),)
 
-# (ranks, global bytes / ranks) from which an uneven all-gather pads the pieces to the
-# largest for a regular Allgather (a copy on each side) instead of calling Allgatherv.
-# Measured (time Allgatherv / padded, leading dim): 2 ranks 4K 0.52, 256K 0.86, 1M 0.05,
-# 32M 0.72; 4 ranks 4K 0.75, 64K 0.98, 256K 1.67, 1M 19.5, 4M 24.3.
-ALLGATHER_PADDED_MIN: tuple[int, int] = (4, 256 << 10)
+# An uneven all-gather padding the pieces to the largest for a regular Allgather (a copy
+# on each side) against Allgatherv. Measured (time Allgatherv / padded, leading dim, 4
+# ranks on 2 cores, load ~9): a 4-rank world 4K 1.16, 64K 0.99, 256K 7.0, 1M 20.6, 4M 35;
+# 2-rank sub-communicators of it, both busy 4K 0.54, 256K 1.06, 1M 3.3, 4M 3.7; a 2-rank
+# world 4K 0.34, 256K 1.08, 1M 1.32, 4M 3.0.
+ALLGATHER_PADDED_MIN: tuple[tuple[int, int], ...] = ((2, 1 << 20), (4, 256 << 10))
 
 # The most elements one count or displacement of one MPI call may hold (None: no limit).
 MAX_COUNT: int | None = None if MPI.Get_version() >= (4, 0) else 2**31 - 1
@@ -386,10 +389,10 @@ def _limits() -> tuple:
     return MAX_COUNT, ALLGATHER_PADDED_MIN, ALLTOALL_PACKED_MIN
 
 
-def _beyond(threshold: tuple[int, int], size: int, total_bytes: int) -> bool:
-    """Whether a communicator of ``size`` ranks moving ``total_bytes`` in all reaches a
-    ``(ranks, bytes per rank)`` threshold: the same answer on every rank."""
-    return size >= threshold[0] and total_bytes // size >= threshold[1]
+def _beyond(thresholds: tuple[tuple[int, int], ...], size: int, total_bytes: int) -> bool:
+    """Whether a communicator of ``size`` ranks moving ``total_bytes`` in all reaches any
+    ``(ranks, bytes per rank)`` pair of ``thresholds``: the same answer on every rank."""
+    return any(size >= ranks and total_bytes // size >= nbytes for ranks, nbytes in thresholds)
 
 
 # --- argument checks: identical on every rank when the ranks agree (see guard) ---------------
