@@ -67,8 +67,10 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[$(EXTRAS),bench]'
 	touch $@
 
+BENCH_ARGS ?=# e.g. --quick (4K and 256K only) or --check-only (checks, no timing)
+
 bench: $(BENCH_STAMP)
-	$(MPIEXEC) -n 4 $(PY) benchmarks/bench_record.py
+	$(MPIEXEC) -n 4 $(PY) benchmarks/bench_record.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -1,26 +1,28 @@
 """The benchmark of record: mpidtensor against torch DTensor on gloo and hand-written mpi4py.
 
-    mpiexec -n 4 python benchmarks/bench_record.py [--quick] [--out benchmarks/results]
+    mpiexec -n 4 python benchmarks/bench_record.py [--quick] [--check-only] [--out benchmarks/results]
 
 One MPI job. Every redistribution on a 1-D mesh (and, at 4 ranks, a 2x2 mesh) at
 4 KiB, 256 KiB, 4 MiB and 32 MiB of float32 per rank, with even shards and with
-uneven ones (one more row than divides evenly); then dispatch per op on a cache hit.
+uneven ones (one more row than divides evenly); then dispatch per op on a cache hit;
+then the training steps of ``record_steps.py`` (TP MLP, FSDP, FSDP x TP).
 Each cell is first checked against a plain torch reference built on every rank
 from a fixed seed, then timed with the three implementations interleaved: each
 repetition runs mpidtensor, torch and mpi4py once, each after a barrier, and a
-time is the median over repetitions of the slowest rank. torch's DTensor gets a
-gloo process group initialised from the MPI ranks (rank 0 picks the port).
+time is the median over repetitions (at least 5) of the slowest rank. torch's DTensor
+gets a gloo process group initialised from the MPI ranks (rank 0 picks the port).
+``--check-only`` runs every check and no timing; ``--quick`` times 4K and 256K only.
 
-Writes a table (stdout and ``<out>/record.md``), ``<out>/record.json`` and, when
-matplotlib is installed, ``<out>/record.png`` (time against size, one panel per
-transition, three lines each).
+Writes a table (stdout and ``<out>/record.md``), ``<out>/record.json`` (each row's times
+and the libraries it checked) and, when matplotlib is installed, ``<out>/record.png``
+(time against size, one panel per transition, three lines each). ``main`` returns the
+rows, for tests.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 import zlib
@@ -31,6 +33,8 @@ import torch
 from mpi4py import MPI
 
 import mpidtensor as md
+from bench_redistribute import init_gloo  # gloo over the MPI ranks (rank 0 picks the port)
+from record_steps import agreed, step_rows
 
 COMM = MPI.COMM_WORLD
 N, RANK = COMM.size, COMM.rank
@@ -39,56 +43,38 @@ LIBS = ("mpidtensor", "torch", "mpi4py")
 
 
 # --- timing -------------------------------------------------------------------------------
-def interleaved(fns: dict, budget: float) -> dict:
+MIN_REPS, MAX_REPS = 5, 200
+
+
+def interleaved(fns: dict, budget: float | None) -> dict:
     """Median over repetitions of the slowest rank's seconds per call, for each of ``fns``,
-    run in turn within each repetition; about ``budget`` seconds in all (3 to 200 reps)."""
+    run in turn within each repetition: at least MIN_REPS repetitions, more while the cell
+    has used less than ``budget`` seconds. The callers' checks were the warm-up. None for
+    a library without a callable, and for all of them when ``budget`` is None (check only)."""
     live = {k: f for k, f in fns.items() if f is not None}
-    for f in live.values():
-        f()
-    start = time.perf_counter()
-    for f in live.values():
-        f()
-    one = COMM.allreduce(time.perf_counter() - start, op=MPI.MAX)
-    reps = COMM.bcast(max(3, min(200, int(budget / max(one, 1e-6)))))
-    calls = COMM.bcast(max(1, min(50, int(2e-3 / max(one, 1e-6)))))  # small cells: a batch per sample
+    if budget is None or not live:
+        return dict.fromkeys(fns)
     samples = {k: [] for k in live}
-    for _ in range(reps):
+
+    def repetition(calls: int) -> None:
         for k, f in live.items():
             COMM.Barrier()
             t0 = time.perf_counter()
             for _ in range(calls):
                 f()
             samples[k].append((time.perf_counter() - t0) / calls)
+    begun = time.perf_counter()
+    repetition(1)
+    one = COMM.allreduce(sum(v[0] for v in samples.values()), op=MPI.MAX)
+    calls = max(1, min(50, int(2e-3 / max(one, 1e-6))))  # small cells: a batch of calls per sample
+    if calls > 1:
+        samples = {k: [] for k in live}
+    while True:
+        reps = len(next(iter(samples.values())))
+        if reps >= MAX_REPS or reps >= MIN_REPS and COMM.bcast(time.perf_counter() - begun >= budget):
+            break
+        repetition(calls)
     return {k: (COMM.allreduce(statistics.median(samples[k]), op=MPI.MAX) if k in samples else None) for k in fns}
-
-
-def agreed(ok: bool, what: str) -> None:
-    """Stop every rank if any rank's result differs from the reference."""
-    if not COMM.allreduce(bool(ok), op=MPI.LAND):
-        raise SystemExit(f"benchmark check failed: {what}")
-
-
-# --- torch on gloo ------------------------------------------------------------------------
-def init_gloo():
-    """torch.distributed.tensor on gloo over these ranks, or None if it cannot start."""
-    try:
-        import torch.distributed as dist
-        import torch.distributed.tensor as tdt
-        from torch.distributed.device_mesh import init_device_mesh
-
-        port = None
-        if RANK == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        port = COMM.bcast(port)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK, world_size=N)
-        return tdt, init_device_mesh
-    except Exception as err:  # noqa: BLE001 - the column is then left empty
-        if RANK == 0:
-            print(f"torch column skipped: {type(err).__name__}: {err}")
-        return None
 
 
 # --- the cases ----------------------------------------------------------------------------
@@ -97,14 +83,14 @@ def placements(lib, text: str):
             for p in text.split(",")]
 
 
-def reference(full: torch.Tensor, mesh_shape, coord, text: str, partial_part: torch.Tensor) -> torch.Tensor:
+def reference(full: torch.Tensor, mesh_shape, coord, text: str) -> torch.Tensor:
     """This rank's local tensor of ``full`` under ``text`` (torch.chunk layout, nested)."""
     local = full
     for size, c, p in zip(mesh_shape, coord, text.split(",")):
         if p.startswith("S"):
             chunks = local.chunk(size, int(p[1]))
             local = chunks[c] if c < len(chunks) else local.narrow(int(p[1]), 0, 0)
-    return partial_part if "P" in text else local
+    return local
 
 
 def chunk_sizes(total: int, n: int) -> list[int]:
@@ -117,7 +103,7 @@ class Case:
     """One redistribution: a global tensor, source and target placements on a mesh."""
 
     def __init__(self, mesh_shape, src, dst, nbytes, uneven):
-        self.mesh_shape, self.src, self.dst, self.uneven = mesh_shape, src, dst, uneven
+        self.mesh_shape, self.src, self.dst = mesh_shape, src, dst
         per_rank = nbytes // 4
         cols = max(N, int(per_rank ** 0.5))
         cols -= cols % N
@@ -145,7 +131,6 @@ class Mpi4py:
     def __init__(self):
         cart = COMM.Create_cart([2, 2]) if N == 4 else None
         self.sub = {(0,): cart.Sub([True, False]), (1,): cart.Sub([False, True])} if cart else {}
-        self.coord2 = cart.Get_coords(RANK) if cart else None
 
     def comm(self, case, mesh_dim):
         return COMM if len(case.mesh_shape) == 1 else self.sub[(mesh_dim,)]
@@ -186,20 +171,29 @@ class Mpi4py:
 
     @staticmethod
     def _gather(comm, x, dim):
+        """All-gather on ``dim``: uneven pieces padded to the largest for one regular
+        Allgather (MPICH's Allgatherv is up to 20x slower at 1-4 MiB). On dim 0 the result is
+        a prefix of the padded buffer when only trailing pieces are short (torch.chunk on
+        one mesh dim); else, and on dim 1, the pieces are copied together."""
         rows = comm.allgather(x.shape[dim])
         inner = int(np.prod([s for i, s in enumerate(x.shape) if i != dim]))
-        counts = [r * inner for r in rows]
-        out = np.empty(sum(counts), np.float32)
+        big = max(rows) * inner
+        short = [k for k, r in enumerate(rows) if r < max(rows)]
+        prefix = dim == 0 and (not short or not any(rows[short[0] + 1:]))
+        out, padded = np.empty(big * comm.size, np.float32), np.zeros(big, np.float32)
 
         def run():
-            send = x if dim == 0 else np.ascontiguousarray(x)
-            if len(set(counts)) == 1:
-                comm.Allgather(send, out)
-            else:
-                comm.Allgatherv(send, [out, counts])
-            if dim != 0:  # pieces -> columns
-                return np.concatenate([p.reshape(x.shape[0], -1) for p in np.split(out, np.cumsum(counts)[:-1])], 1)
-            return out
+            send = x
+            if x.size != big or not x.flags.c_contiguous:  # the short piece, or a column block
+                np.copyto(padded[:x.size].reshape(x.shape), x)
+                send = padded
+            comm.Allgather(send, out)
+            if prefix:
+                return out[:sum(rows) * inner]
+            pieces = out.reshape(comm.size, big)
+            if dim == 0:
+                return np.concatenate([pieces[k, :r * inner] for k, r in enumerate(rows)])
+            return np.concatenate([pieces[k, :r * inner].reshape(inner, r) for k, r in enumerate(rows)], 1)
         return run
 
     @staticmethod
@@ -210,10 +204,13 @@ class Mpi4py:
         rows = comm.allgather(x.shape[a])
         send_counts = [s * x.shape[a] for s in sizes]
         recv_counts = [r * sizes[comm.rank] for r in rows]
-        out = np.empty(sum(recv_counts), np.float32)
+        out, send = np.empty(sum(recv_counts), np.float32), np.empty(sum(send_counts), np.float32)
+        offsets = np.cumsum([0] + send_counts)
+        pieces = [send[o:o + c].reshape(x.shape[0], k) for o, c, k in zip(offsets, send_counts, sizes)]
 
         def run():
-            send = np.concatenate([x[:, s:s + k].ravel() for s, k in zip(starts, sizes)])
+            for piece, s, k in zip(pieces, starts, sizes):  # pack the column blocks: one copy
+                np.copyto(piece, x[:, s:s + k])
             if len(set(send_counts)) == 1 and len(set(recv_counts)) == 1:
                 comm.Alltoall(send, out)
             else:
@@ -222,24 +219,41 @@ class Mpi4py:
         return run
 
 
-def run_case(case, md_mesh, torch_lib, mpi, budget):
-    """Check and time one case; returns {lib: seconds or None}."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.name}{case.shape}".encode()))  # same on all ranks
-    full = torch.randn(case.shape, generator=gen)
+def inputs(shape: tuple, partial: bool, cache: dict) -> tuple:
+    """(this rank's Partial term or None, the global tensor) for ``shape``, drawn from fixed
+    seeds once per shape and kind and kept in ``cache`` (drawing dominated the 32M set-up)."""
+    if (shape, partial) not in cache:
+        if partial:
+            part, total = torch.randn(shape, generator=torch.Generator().manual_seed(1000 + RANK)), torch.empty(shape)
+            COMM.Allreduce(part.numpy(), total.numpy())
+            cache[shape, partial] = part, total
+        else:
+            seed = zlib.crc32(str(shape).encode())  # the same on every rank
+            cache[shape, partial] = None, torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return cache[shape, partial]
+
+
+def matches(got, expect: torch.Tensor, summed: bool) -> bool:
+    """Moved data must be bit-exact; a Partial sum may differ by summation order."""
+    if not isinstance(got, torch.Tensor):  # mpi4py's numpy result, flat for some cases
+        got = torch.from_numpy(np.asarray(got))
+        got = got.reshape(expect.shape) if got.numel() == expect.numel() else got
+    if got.shape != expect.shape:
+        return False
+    return torch.allclose(got, expect, atol=1e-4) if summed else torch.equal(got, expect)
+
+
+def check_case(case, md_mesh, torch_lib, mpi, cache) -> dict:
+    """One redistribution per library, each checked against the reference on every rank:
+    {lib: the call, or None where the library has no equivalent}."""
+    part, full = inputs(case.shape, "P" in case.src, cache)
     mesh = md_mesh[case.mesh_shape]
     coord = mesh.get_coordinate()
-    part = torch.randn(case.shape, generator=torch.Generator().manual_seed(1000 + RANK))
-    total = torch.from_numpy(np.array(COMM.allreduce(part.numpy(), op=MPI.SUM))) if "P" in case.src else None
-    local_src = reference(full, case.mesh_shape, coord, case.src, part)
-    expect = reference(total if total is not None else full, case.mesh_shape, coord, case.dst, None)
+    local_src = part if part is not None else reference(full, case.mesh_shape, coord, case.src)
+    expect = reference(full, case.mesh_shape, coord, case.dst)
     shape = torch.Size(case.shape)
-
-    fns = {}
-    src = md.DTensor.from_local(local_src, mesh, placements(md, case.src), shape=shape)
-    dst = placements(md, case.dst)
-    fns["mpidtensor"] = lambda: src.redistribute(mesh, dst).to_local()
-    agreed(torch.allclose(fns["mpidtensor"](), expect, atol=1e-4), f"mpidtensor {case.name}")
-    fns["torch"] = None
+    src, dst = md.DTensor.from_local(local_src, mesh, placements(md, case.src), shape=shape), placements(md, case.dst)
+    fns = {"mpidtensor": lambda: src.redistribute(mesh, dst).to_local(), "torch": None}
     if torch_lib is not None:
         tdt, tmesh_of = torch_lib
         tmesh = tmesh_of[case.mesh_shape]
@@ -249,18 +263,13 @@ def run_case(case, md_mesh, torch_lib, mpi, budget):
 
         def theirs():
             out = tsrc.redistribute(tmesh, tdst).to_local()
-            wait = getattr(out, "wait", None)
-            return wait() if wait else out
-        got = theirs()
-        agreed(torch.allclose(got, expect, atol=1e-4), f"torch {case.name}")
+            return out.wait() if hasattr(out, "wait") else out  # torch's AsyncCollectiveTensor
         fns["torch"] = theirs
     fns["mpi4py"] = mpi.build(case, local_src, coord)
-    if fns["mpi4py"] is not None:
-        got = fns["mpi4py"]()
-        got = torch.as_tensor(np.asarray(got)).reshape(-1)
-        agreed(got.numel() == expect.numel() and torch.allclose(got, expect.reshape(-1), atol=1e-4),
-               f"mpi4py {case.name}")
-    return interleaved(fns, budget)
+    for lib, fn in fns.items():
+        if fn is not None:
+            agreed(matches(fn(), expect, part is not None), f"{lib} {case.name} {case.shape}")
+    return fns
 
 
 def dispatch_rows(md_mesh, torch_lib, budget):
@@ -278,7 +287,6 @@ def dispatch_rows(md_mesh, torch_lib, budget):
                                                           stride=(64, 1))) if lib else (lambda: loc.view_as(loc)),
             "to_local": (lambda: x.to_local()) if lib else (lambda: loc),
         }
-    rows = {name: {} for name in ops(md, x, w, mesh, local)}
     mine = ops(md, x, w, mesh, local)
     theirs = None
     if torch_lib is not None:
@@ -287,10 +295,8 @@ def dispatch_rows(md_mesh, torch_lib, budget):
         theirs = ops(tdt, tdt.distribute_tensor(full, tmesh, [tdt.Shard(0)]),
                      tdt.distribute_tensor(weight, tmesh, [tdt.Replicate()]), tmesh, local)
     plain = ops(None, local, weight, None, local)
-    for name in rows:
-        rows[name] = interleaved({"mpidtensor": mine[name], "torch": theirs and theirs[name],
-                                  "mpi4py": plain[name]}, budget)
-    return rows
+    return {name: interleaved({"mpidtensor": mine[name], "torch": theirs and theirs[name], "mpi4py": plain[name]},
+                              budget) for name in mine}
 
 
 # --- output -------------------------------------------------------------------------------
@@ -300,25 +306,42 @@ def fmt(t):
     return f"{t * 1e6:.1f} µs" if t < 1e-3 else f"{t * 1e3:.2f} ms"
 
 
-def table(results, dispatch, header) -> str:
+def communicates(transition: str) -> bool:
+    """Whether a transition moves data: some mesh dim changes other than Replicate -> Shard."""
+    src, dst = (side.strip(" []").split(",") for side in transition.removeprefix("2x2 ").split("->"))
+    return any(a != b and not (a == "R" and b.startswith("S")) for a, b in zip(src, dst))
+
+
+def progress(what: str, row: dict, started: float) -> None:
+    """One line per cell on rank 0: seconds so far, then each library's time (or "ok": checked)."""
+    if RANK == 0:
+        cells = (fmt(row[k]) if row[k] or k not in row["checked"] else "ok" for k in LIBS)
+        print(f"{time.time() - started:5.0f} s  {what}  " + "  ".join(f"{k} {c:>10s}" for k, c in zip(LIBS, cells)),
+              flush=True)
+
+
+def ratios(a, b, c) -> str:
+    """The time and ratio cells of a row: md, torch, mpi4py, md/mpi4py, torch/md."""
+    return (f"{fmt(a)} | {fmt(b)} | {fmt(c)} | {f'{a / c:.2f}' if a and c else '-'} | "
+            f"{f'{b / a:.1f}' if a and b else '-'} |")
+
+
+def table(results, dispatch, steps, header) -> str:
     lines = [header, "", "| transition | size/rank | shards | mpidtensor | torch gloo | mpi4py | md/mpi4py | torch/md |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
-        a, b, c = r["mpidtensor"], r["torch"], r["mpi4py"]
-        lines.append(f"| {r['transition']} | {r['size']} | {r['shards']} | {fmt(a)} | {fmt(b)} | {fmt(c)} | "
-                     f"{a / c:.2f} |" if a and c else
-                     f"| {r['transition']} | {r['size']} | {r['shards']} | {fmt(a)} | {fmt(b)} | {fmt(c)} | - |")
-        lines[-1] += f" {b / a:.1f} |" if a and b else " - |"
-    ratios = [r["mpidtensor"] / r["mpi4py"] for r in results if r["mpidtensor"] and r["mpi4py"]
-              and "[R] -> [S0]" not in r["transition"] and "[R,S0] -> [S0,R]" not in r["transition"]]
-    if ratios:
-        lines.append(f"\ngeometric mean md/mpi4py over {len(ratios)} communicating cells: "
-                     f"{np.exp(np.mean(np.log(ratios))):.2f}")
-    lines += ["", "dispatch per call on a cache hit, 64x64 per rank (mpi4py column: the plain torch op)", "",
-              "| op | mpidtensor | torch DTensor | plain torch | torch/md |", "| --- | ---: | ---: | ---: | ---: |"]
-    for name, r in dispatch.items():
-        a, b, c = r["mpidtensor"], r["torch"], r["mpi4py"]
-        lines.append(f"| {name} | {fmt(a)} | {fmt(b)} | {fmt(c)} | {f'{b / a:.1f}' if a and b else '-'} |")
+        lines.append(f"| {r['transition']} | {r['size']} | {r['shards']} | "
+                     + ratios(r["mpidtensor"], r["torch"], r["mpi4py"]))
+    logs = [np.log(r["mpidtensor"] / r["mpi4py"]) for r in results
+            if r["mpidtensor"] and r["mpi4py"] and communicates(r["transition"])]
+    if logs:
+        lines.append(f"\ngeometric mean md/mpi4py over {len(logs)} communicating cells: {np.exp(np.mean(logs)):.2f}")
+    for title, rows, key in [("dispatch per call on a cache hit, 64x64 per rank (mpi4py column: the plain torch op)",
+                              [{"op": k, **r} for k, r in dispatch.items()], "op"),
+                             ("training steps (record_steps.py; mpi4py: hand-written Megatron, ZeRO-3)", steps, "step")]:
+        lines += ["", title, "", f"| {key} | mpidtensor | torch gloo | mpi4py | md/mpi4py | torch/md |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r[key]} | " + ratios(r["mpidtensor"], r["torch"], r["mpi4py"]) for r in rows]
     return "\n".join(lines)
 
 
@@ -330,8 +353,7 @@ def plot(results, path: Path) -> bool:
     except ImportError:
         return False
     names = sorted({(r["transition"], r["shards"]) for r in results})
-    cols = 4
-    fig, axes = plt.subplots((len(names) + cols - 1) // cols, cols, figsize=(16, 3.2 * ((len(names) + cols - 1) // cols)))
+    fig, axes = plt.subplots(-(-len(names) // 4), 4, figsize=(16, 3.2 * -(-len(names) // 4)))
     for ax, (name, shards) in zip(np.ravel(axes), names):
         rows = [r for r in results if r["transition"] == name and r["shards"] == shards]
         for lib, style in zip(LIBS, ("o-", "s--", "^:")):
@@ -349,12 +371,18 @@ def plot(results, path: Path) -> bool:
     return True
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--budget", type=float, default=0.25, help="seconds of timing per cell")
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ",".join(SIZES))
-    args = parser.parse_args()
+    parser.add_argument("--step-budget", type=float, default=3.0, help="seconds of timing per training step")
+    parser.add_argument("--quick", action="store_true", help="sizes 4K,256K, budgets 0.05 s and 0.5 s")
+    parser.add_argument("--check-only", action="store_true", help="check every cell and step, time nothing")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.budget, args.step_budget = "4K,256K", 0.05, 0.5
+    budget = None if args.check_only else args.budget
     started = time.time()
     torch.manual_seed(0)
     md_mesh = {(N,): md.init_device_mesh("cpu", (N,))}
@@ -363,36 +391,46 @@ def main() -> None:
     gloo = init_gloo()
     torch_lib = None
     if gloo is not None:
-        tdt, init = gloo
-        torch_lib = (tdt, {shape: init("cpu", shape) for shape in md_mesh})
+        import torch.distributed.tensor as tdt
+        torch_lib = (tdt, {shape: gloo[1]("cpu", shape) for shape in md_mesh})
     mpi = Mpi4py()
     results = []
     for size in args.sizes.split(","):
         for uneven in (False, True):
+            cache = {}
             for case in one_d_cases(SIZES[size], uneven) + two_d_cases(SIZES[size], uneven):
-                times = run_case(case, md_mesh, torch_lib, mpi, args.budget)
+                fns = check_case(case, md_mesh, torch_lib, mpi, cache)
+                times = interleaved(fns, budget)
                 results.append({"transition": case.name, "size": size, "shards": "uneven" if uneven else "even",
-                                "shape": list(case.shape), **times})
-                if RANK == 0:
-                    print(f"{case.name:28s} {size:>5s} {'uneven' if uneven else 'even':6s} "
-                          + "  ".join(f"{k} {fmt(v):>10s}" for k, v in times.items()), flush=True)
-    dispatch = dispatch_rows(md_mesh, torch_lib, args.budget)
-    if RANK == 0:
-        load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else "?"
+                                "shape": list(case.shape), **times, "checked": [k for k, f in fns.items() if f]})
+                progress(f"{case.name:28s} {size:>5s} {'uneven' if uneven else 'even':6s}", results[-1], started)
+    dispatch = {} if args.check_only else dispatch_rows(md_mesh, torch_lib, budget)
+    steps = []
+    for row in step_rows(gloo):
+        checked = [k for k, f in row.fns.items() if f]
+        steps.append({"step": row.name, **interleaved(row.fns, budget and args.step_budget), "checked": checked})
+        progress(row.name, steps[-1], started)
+    record = {"ranks": N, "redistribute": results, "dispatch": dispatch, "steps": steps}
+    if RANK == 0 and args.check_only:
+        print(f"checked {len(results)} redistribution cells and {len(steps)} steps against the references "
+              f"in {time.time() - started:.0f} s")
+    elif RANK == 0:
         header = (f"benchmark of record: {N} ranks, float32, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-                  f"load average {' '.join(load)}, {time.time() - started:.0f} s")
-        text = table(results, dispatch, header)
+                  f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {time.time() - started:.0f} s")
+        text = table(results, dispatch, steps, header)
         print("\n" + text)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "record.md").write_text(text + "\n")
-        (out / "record.json").write_text(json.dumps({"ranks": N, "header": header, "redistribute": results,
-                                                      "dispatch": dispatch}, indent=1))
+        (out / "record.json").write_text(json.dumps({"header": header, **record}, indent=1))
         print(f"wrote {out}/record.md, record.json" + (", record.png" if plot(results, out / "record.png") else
                                                         " (no matplotlib: no plot)"))
+    idle = COMM.Ibarrier()  # the others sleep while rank 0 writes and plots (a busy wait took its cores)
+    while not idle.Test():
+        time.sleep(0.02)
     if gloo is not None:
-        import torch.distributed as dist
-        dist.destroy_process_group()
+        gloo[0].destroy_process_group()
+    return record
 
 
 if __name__ == "__main__":

@@ -1,0 +1,282 @@
+"""Training-step rows of the benchmark of record (``bench_record.py``).
+
+Each row is one training step in three implementations: mpidtensor, torch's DTensor
+(``torch.distributed.tensor`` / FSDP2) on gloo, and a hand-written mpi4py program doing
+the same collectives on local tensors. Every implementation is first checked against
+one process (same seed, same data); a step that differs stops every rank. The rows:
+
+* ``TP MLP``: ``Linear(1024, 4096) -> GELU -> Linear(4096, 1024)`` on x of 32 x 1024,
+  ``ColwiseParallel`` then ``RowwiseParallel``, forward and backward of a summed squared
+  error. mpi4py: Megatron's step, local matmuls on the torch.chunk blocks of the weights,
+  one ``Allreduce`` of the output forward and one of the input gradient backward.
+* ``FSDP``: the demo's Llama-style model (``examples/train_fsdp_tp.py``'s sizes), every
+  block and the root ``fully_shard``-ed over all ranks, AdamW. mpi4py: ``Zero3`` below.
+* ``FSDP x TP``, 4 ranks only: the demo's own training step (TP + SP over ``tp`` of a 2x2
+  mesh, then FSDP over ``dp``). No hand-written mpi4py equivalent ("-").
+
+The model, sharding and step functions come from ``bench_fsdp.py``, ``bench_llama_tp.py``
+and ``examples/``; this module adds the MLP and the hand-written programs.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
+import bench_fsdp  # noqa: E402
+from bench_llama_tp import train_step  # noqa: E402
+from llama import LlamaConfig, build_model, cross_entropy  # noqa: E402
+from train_fsdp_tp import parse_args as demo_args  # noqa: E402
+
+import mpidtensor as md  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+N, RANK = COMM.size, COMM.rank
+MLP_SIZES = (32, 1024, 4096)  # batch, model dim, hidden dim
+
+
+@dataclass
+class StepRow:
+    """One checked step: ``fns`` maps a library to a zero-argument step (None: no column)."""
+
+    name: str
+    fns: dict[str, Callable[[], object] | None]
+
+
+def agreed(ok: bool, what: str) -> None:
+    """Stop every rank if any rank's step differs from the single-process reference."""
+    if not COMM.allreduce(bool(ok), op=MPI.LAND):
+        raise SystemExit(f"benchmark check failed: {what}")
+
+
+def close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-4) -> bool:
+    """Equal within ``rtol`` of the reference's largest magnitude (summation order differs)."""
+    got = got.full_tensor() if hasattr(got, "full_tensor") else got
+    got = got.wait() if hasattr(got, "wait") else got  # torch's AsyncCollectiveTensor
+    return got.shape == want.shape and bool((got - want).abs().max() <= rtol * (1 + want.abs().max()))
+
+
+# --- the TP MLP ------------------------------------------------------------------------
+def mlp_model() -> nn.Sequential:
+    batch, dim, hidden = MLP_SIZES
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+
+def mlp_step(forward: Callable, params: list, x: torch.Tensor, target: torch.Tensor) -> Callable:
+    """Forward + backward of the summed squared error; returns the output (grads stay set)."""
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        y = forward(x)
+        F.mse_loss(y, target, reduction="sum").backward()
+        return y
+    return step
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        COMM.Allreduce(MPI.IN_PLACE, grad.numpy())
+        return grad
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: all-reduce forward (in place on the fresh partial sum), identity backward."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        COMM.Allreduce(MPI.IN_PLACE, partial.numpy())
+        ctx.mark_dirty(partial)
+        return partial
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def megatron_mlp(ref: nn.Sequential):
+    """(forward, params, [(local grad, slicer of the reference grad)]) of the hand-written step."""
+    w1, b1 = (t.detach().chunk(N, 0)[RANK].clone().requires_grad_() for t in (ref[0].weight, ref[0].bias))
+    w2 = ref[2].weight.detach().chunk(N, 1)[RANK].clone().requires_grad_()
+    b2 = ref[2].bias.detach().clone().requires_grad_()
+
+    def forward(x):
+        h = F.gelu(F.linear(_CopyToTP.apply(x), w1, b1))
+        return _ReduceFromTP.apply(F.linear(h, w2)) + b2
+    blocks = [(w1, lambda g: g.chunk(N, 0)[RANK]), (b1, lambda g: g.chunk(N, 0)[RANK]),
+              (w2, lambda g: g.chunk(N, 1)[RANK]), (b2, lambda g: g)]
+    return forward, [w1, b1, w2, b2], blocks
+
+
+def tp_mlp_row(gloo) -> StepRow:
+    batch, dim, _ = MLP_SIZES
+    gen = torch.Generator().manual_seed(1)
+    x0, target = torch.randn(batch, dim, generator=gen), torch.randn(batch, dim, generator=gen)
+    ref = mlp_model()
+    ref_x = x0.clone().requires_grad_()
+    ref_y = mlp_step(ref, list(ref.parameters()), ref_x, target)().detach()
+    ref_grads = [p.grad for p in (ref[0].weight, ref[0].bias, ref[2].weight, ref[2].bias)]
+
+    fns = {"torch": None}
+    apis = {"mpidtensor": ("mpidtensor.parallel", md.init_device_mesh)}
+    if gloo and MLP_SIZES[2] % N == 0:  # torch reads the local hidden block handed to w2 as an even shard
+        apis["torch"] = ("torch.distributed.tensor.parallel", gloo[1])
+    elif gloo and RANK == 0:
+        print(f"TP MLP: no torch column at {N} ranks (hidden {MLP_SIZES[2]} does not split evenly)")
+    for lib, (module, mesh_factory) in apis.items():
+        par = importlib.import_module(module)
+        mesh = mesh_factory("cpu", (N,))
+        model = par.parallelize_module(mlp_model(), mesh, {"0": par.ColwiseParallel(), "2": par.RowwiseParallel()})
+        x = x0.clone().requires_grad_()
+        step = mlp_step(model, list(model.parameters()), x, target)
+        y = step()
+        grads = [p.grad for p in (model[0].weight, model[0].bias, model[2].weight, model[2].bias)]
+        agreed(close(y, ref_y) and close(x.grad, ref_x.grad) and all(map(close, grads, ref_grads)), f"TP MLP, {lib}")
+        fns[lib] = step
+    forward, params, blocks = megatron_mlp(ref)
+    x = x0.clone().requires_grad_()
+    step = mlp_step(forward, params, x, target)
+    y = step()
+    agreed(close(y, ref_y) and close(x.grad, ref_x.grad)
+           and all(close(p.grad, cut(g)) for (p, cut), g in zip(blocks, ref_grads)), "TP MLP, mpi4py")
+    fns["mpi4py"] = step
+    return StepRow(f"TP MLP {batch}x{dim}, hidden {MLP_SIZES[2]}, fwd+bwd", fns)
+
+
+# --- FSDP: the demo's model ------------------------------------------------------------
+class Zero3:
+    """Hand-written ZeRO-3 with mpi4py: every block and the root (the other parameters)
+    keep a padded 1/n slice of their flat parameters. A block is all-gathered before its
+    forward, freed after it, and gathered again when its output's gradient arrives; the
+    root stays gathered from the step's start to its end. After backward each group's flat
+    gradient is averaged with one Reduce_scatter_block; AdamW steps the local slices."""
+
+    def __init__(self, model: nn.Module, lr: float) -> None:
+        self.model = model
+        blocks = [list(layer.parameters()) for layer in model.layers]
+        inner = {id(p) for b in blocks for p in b}
+        self.groups = [self._group(ps) for ps in blocks + [[p for p in model.parameters() if id(p) not in inner]]]
+        self.opt = torch.optim.AdamW([g[1] for g in self.groups], lr=lr)
+        for layer, group in zip(model.layers, self.groups):
+            layer.register_forward_pre_hook(lambda *_, g=group: self._gather(g))
+            layer.register_forward_hook(lambda _m, _i, out, g=group: self._after_forward(g, out))
+
+    @staticmethod
+    def _group(params):
+        """(params, local slice, full flat buffer): the params become views of the buffer."""
+        total = sum(p.numel() for p in params)
+        per = -(-total // N)
+        full = torch.zeros(per * N)
+        full[:total] = torch.cat([p.detach().reshape(-1) for p in params])
+        shard = nn.Parameter(full[RANK * per:(RANK + 1) * per].clone())
+        offset = 0
+        for p in params:
+            p.data = full[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        full.untyped_storage().resize_(0)
+        return params, shard, full
+
+    @staticmethod
+    def _gather(group) -> None:
+        _, shard, full = group
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        # an address, not full.numpy(): numpy() would pin the storage's size
+        COMM.Allgather(shard.detach().numpy(), [MPI.buffer.fromaddress(full.data_ptr(), full.nbytes), MPI.FLOAT])
+
+    def _after_forward(self, group, out: torch.Tensor) -> None:
+        group[2].untyped_storage().resize_(0)
+        if out.requires_grad:
+            out.register_hook(lambda _grad: self._gather(group))
+
+    def step(self, tokens: torch.Tensor) -> float:
+        """One AdamW step on this rank's rows; returns the local loss."""
+        root = self.groups[-1]
+        self._gather(root)
+        loss = cross_entropy(self.model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        for params, shard, full in self.groups:
+            flat = torch.zeros(full.numel())
+            torch.cat([p.grad.reshape(-1) for p in params], out=flat[:sum(p.numel() for p in params)])
+            shard.grad = torch.empty_like(shard)
+            COMM.Reduce_scatter_block(flat.numpy(), shard.grad.numpy())
+            shard.grad /= N
+            for p in params:
+                p.grad = None
+            full.untyped_storage().resize_(0)
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Every parameter, gathered, in ``model.parameters()`` order."""
+        for group in self.groups:
+            self._gather(group)
+        out = [p.detach().clone() for p in self.model.parameters()]
+        for group in self.groups:
+            group[2].untyped_storage().resize_(0)
+        return out
+
+
+def fsdp_rows(gloo, check_steps: int = 2) -> list[StepRow]:
+    """FSDP over all ranks, and at 4 ranks FSDP x TP (the demo's step), checked by
+    ``bench_fsdp.setup`` (losses and every parameter against one process)."""
+    demo = demo_args([])
+    cfg = LlamaConfig(vocab_size=demo.vocab, dim=demo.dim, n_layers=demo.layers, n_heads=demo.heads,
+                      n_kv_heads=demo.kv_heads, hidden_dim=demo.hidden, max_seq_len=demo.seq)
+    factories = {"mpidtensor": md.init_device_mesh, **({"torch": gloo[1]} if gloo else {})}
+    rows = []
+    for layout, dp in [("fsdp", N)] + ([("fsdp x tp", 2)] if N == 4 else []):
+        args = argparse.Namespace(seed=0, batch=4 * dp, lr=demo.lr, check_steps=check_steps, tol=demo.tol)
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch, demo.seq + 1),
+                               generator=torch.Generator().manual_seed(1))
+        ref = build_model(cfg, args.seed)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr)
+        ref_losses = [train_step(ref, ref_opt, tokens, None) for _ in range(check_steps)]
+        ref_params = [p.detach() for p in ref.parameters()]
+        fns = {"torch": None}
+        for lib, factory in factories.items():
+            run = bench_fsdp.setup(lib, layout, factory, cfg, args, tokens, ref_losses, ref_params)
+            agreed(run is not None, f"{layout}, {lib}")
+            model, opt, backend, mine = run[0], run[1], run[2], tokens[run[3]]
+            fns[lib] = lambda model=model, opt=opt, backend=backend, mine=mine: train_step(model, opt, mine, backend)
+        fns["mpi4py"] = zero3_step(cfg, args, tokens, ref_losses, ref, check_steps) if layout == "fsdp" else None
+        name = (f"FSDP, dim {cfg.dim}, {cfg.n_layers} layers, batch {args.batch}x{demo.seq}" if layout == "fsdp"
+                else f"FSDP x TP 2x2 (the demo's step), batch {args.batch}x{demo.seq}")
+        rows.append(StepRow(name, fns))
+    return rows
+
+
+def zero3_step(cfg, args, tokens, ref_losses, ref, check_steps: int) -> Callable:
+    """The hand-written ZeRO-3 step, checked against one process like the others."""
+    mine = tokens[RANK * args.batch // N:(RANK + 1) * args.batch // N]
+    zero = Zero3(build_model(cfg, args.seed), args.lr)
+    losses = [COMM.allreduce(zero.step(mine)) / N for _ in range(check_steps)]
+    ok = all(abs(a - b) <= args.tol for a, b in zip(losses, ref_losses))
+    agreed(ok and all(close(p, q.detach(), args.tol) for p, q in zip(zero.full_parameters(), ref.parameters())),
+           "fsdp, mpi4py ZeRO-3")
+    return lambda: zero.step(mine)
+
+
+def step_rows(gloo) -> list[StepRow]:
+    """Every step row, checked; ``gloo`` is (torch.distributed, its init_device_mesh) or None."""
+    return [tp_mlp_row(gloo)] + fsdp_rows(gloo)

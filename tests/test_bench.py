@@ -1,0 +1,37 @@
+"""The benchmark of record keeps working: ``benchmarks/bench_record.py --check-only`` run
+in-process checks every redistribution cell and every training step of the three
+implementations (mpidtensor, torch's DTensor on gloo, hand-written mpi4py) against the
+single-process references, timing nothing. Sizes 4K, 256K and 4M per rank lie on both
+sides of the library's size thresholds (the 32M cells take the 4M paths). 4 ranks only:
+the record runs there (2x2 mesh cells, the FSDP x TP step)."""
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from helpers import assert_all_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+WORLD = MPI.COMM_WORLD
+NO_HAND_WRITTEN = {"2x2 [S0,S1] -> [R,R]", "2x2 [R,S0] -> [S0,R]"}  # no single mpi4py call
+
+
+@pytest.mark.timeout(300)
+def test_record_checks_every_cell_and_step():
+    if WORLD.size != 4:
+        pytest.skip("the benchmark of record runs at 4 ranks")
+    import bench_record
+
+    record = bench_record.main(["--check-only", "--sizes", "4K,256K,4M"])
+    cells = record["redistribute"]
+    assert_all_ranks(len(cells) == 3 * 2 * 11, f"{len(cells)} cells")
+    for cell in cells:
+        want = {"mpidtensor", "torch"} | (set() if cell["transition"] in NO_HAND_WRITTEN else {"mpi4py"})
+        assert_all_ranks(set(cell["checked"]) == want, f"{cell['transition']} {cell['size']}: {cell['checked']}")
+        assert_all_ranks(all(cell[lib] is None for lib in bench_record.LIBS), "check-only timed a cell")
+    steps = {row["step"].split(",")[0].split(" 2x2")[0]: set(row["checked"]) for row in record["steps"]}
+    everything = set(bench_record.LIBS)
+    assert_all_ranks(steps == {"TP MLP 32x1024": everything, "FSDP": everything, "FSDP x TP": everything - {"mpi4py"}},
+                     str(steps))
