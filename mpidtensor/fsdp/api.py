@@ -10,6 +10,7 @@ input raises the same error on every rank and leaves the module untouched.
 """
 from __future__ import annotations
 
+import weakref
 from functools import cache
 from typing import Callable, Iterable
 
@@ -23,6 +24,11 @@ from .mixed_precision import MixedPrecisionPolicy
 from .param import FSDPParam, MeshInfo
 from .param_group import ParamGroup
 from .state import FSDPState
+
+# Parameters that a fully_shard call replaced by its sharded DTensors: another module that
+# still refers to one (a tie across groups) would otherwise be sharded as a separate copy.
+# (Keyed by id: a WeakSet would compare tensors with ``==``.)
+_REPLACED: dict[int, weakref.ref] = {}
 
 
 class UnshardHandle:
@@ -100,8 +106,10 @@ def fully_shard(
     """Shard ``module``'s parameters over the data-parallel ``mesh`` (FSDP2 semantics).
 
     ``mesh``: 1-D (FSDP; default: all ranks) or 2-D ``(replicate, shard)`` (HSDP). A
-    sub-mesh of a 2-D mesh whose other dim holds the parameters' tensor-parallel
-    DTensors gives FSDP x TP. Apply to sub-modules first, then to the root.
+    sub-mesh whose parent's one remaining dim holds the parameters' tensor-parallel
+    DTensors gives FSDP x TP (``mesh2d["dp"]`` beside ``mesh2d["tp"]``) or HSDP x TP
+    (``mesh3d["dp_replicate", "dp_shard"]`` beside ``mesh3d["tp"]``). Apply to sub-modules
+    first, then to the root.
     ``shard_placement_fn(param)``: the ``Shard(dim)`` FSDP shards ``param`` on (of its TP
     block under FSDP x TP, a dim TP does not shard), or ``None`` for the default:
     ``Shard(0)``, or for a TP parameter the first dim TP leaves whole; a TP parameter
@@ -125,10 +133,13 @@ def fully_shard(
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable, got {shard_placement_fn!r}")
     _check_params(managed, mesh, mp_policy)
+    _check_not_tied_across_groups(managed)
     dims = [_shard_dim(param, shard_placement_fn) for _, param in managed]
     info = MeshInfo(mesh)
     params = [FSDPParam(users, param, info, mp_policy, dim) for (users, param), dim in zip(managed, dims)]
     group = ParamGroup(params, info, mp_policy, reshard_after_forward) if params else None
+    for _, param in managed:
+        _REPLACED[id(param)] = weakref.ref(param, lambda _, key=id(param): _REPLACED.pop(key, None))
     module._fsdp_state = FSDPState(module, group, mp_policy)
     module.__class__ = _fsdp_class(type(module))
     return module
@@ -193,6 +204,19 @@ def _check_params(managed: list, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> 
         raise ValueError(f"trainable parameters of one group must share a dtype, got {sorted(map(str, trainable))}")
 
 
+def _check_not_tied_across_groups(managed: list) -> None:
+    """Refuse a parameter that an earlier ``fully_shard`` call already sharded for another
+    module (tied weights split over two groups would silently come apart)."""
+    for users, param in managed:
+        ref = _REPLACED.get(id(param))
+        if ref is not None and ref() is param:
+            names = ", ".join(f"{type(m).__name__}.{n}" for m, n in users)
+            raise ValueError(
+                f"parameter {names} is shared with a module that fully_shard already sharded: tied "
+                "parameters must be in one group; apply fully_shard to a module holding all their users"
+            )
+
+
 def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] | None) -> int | None:
     """The dim FSDP shards ``param`` on (``None``: replicated), from global metadata only."""
     tp_dims = {pl.dim for pl in param.placements if pl.is_shard()} if isinstance(param, DTensor) else set()
@@ -218,15 +242,17 @@ def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] |
 
 
 def _check_tp(params: list, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
-    """FSDP x TP: ``mesh`` and ``tp_mesh`` must be complementary 1-D sub-meshes of one 2-D mesh,
-    and the TP placements must not be Partial. Plain parameters beside them are sharded
-    over ``mesh`` alone."""
+    """FSDP x TP: ``mesh`` (1-D FSDP or 2-D HSDP) and the 1-D ``tp_mesh`` must be
+    complementary sub-meshes of one mesh (e.g. ``mesh3d["dp_replicate", "dp_shard"]`` and
+    ``mesh3d["tp"]``), and the TP placements must not be Partial. Plain parameters beside
+    them are sharded over ``mesh`` alone."""
     parent = getattr(mesh, "_parent", None)
-    if mesh.ndim != 1 or parent is None or getattr(tp_mesh, "_parent", None) is not parent \
-            or parent.ndim != 2 or tp_mesh.ndim != 1 or set(mesh._parent_dims) & set(tp_mesh._parent_dims):
+    if parent is None or getattr(tp_mesh, "_parent", None) is not parent or tp_mesh.ndim != 1 \
+            or parent.ndim != mesh.ndim + 1 or set(mesh._parent_dims) & set(tp_mesh._parent_dims):
         raise ValueError(
-            "parameters that are DTensors need fully_shard's mesh and theirs to be the two dims of one "
-            f"2-D mesh (e.g. mesh['dp'] and mesh['tp']), got {mesh!r} and {tp_mesh!r}"
+            "parameters that are DTensors need fully_shard's mesh and theirs to be complementary sub-meshes "
+            "of one mesh (e.g. mesh['dp'] and mesh['tp'], or mesh['dp_replicate', 'dp_shard'] and "
+            f"mesh['tp']), got {mesh!r} and {tp_mesh!r}"
         )
     for p in params:
         if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):

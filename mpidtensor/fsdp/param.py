@@ -2,8 +2,9 @@
 
 The *sharded* form is an ``nn.Parameter`` holding a ``DTensor`` (``Shard(d)`` over the
 shard dim, ``d = 0`` unless ``shard_placement_fn`` says otherwise; ``[Replicate(), Shard(d)]``
-for HSDP; ``[Shard(d), <tp placement>]`` on the parent mesh under FSDP x TP, where ``d``
-defaults to the first dim TP leaves whole). Its local tensor is this rank's
+for HSDP; ``[Shard(d), <tp placement>]`` on the parent mesh under FSDP x TP and
+``[Replicate(), Shard(d), <tp placement>]`` under HSDP x TP, where ``d`` defaults to the
+first dim TP leaves whole). Its local tensor is this rank's
 ``torch.chunk`` piece of dim ``d``. A TP parameter whose every dim TP already shards
 (a ColwiseParallel bias) is not sharded by FSDP: ``[Replicate(), <tp placement>]``, its
 unsharded form aliases the local block (no all-gather) and its gradient is all-reduced.

@@ -4,10 +4,13 @@ Forward: the pre-hook all-gathers the module's group (if a prefetch has not alre
 started it) and starts the next group's all-gather (explicit prefetch list, else the
 forward order recorded in the first iteration); the post-hook reshards when
 ``reshard_after_forward`` (never the root while gradients are on: backward would
-gather it straight back) and registers the pre-backward hook on the outputs.
-Backward: the pre-backward hook gathers the group again and prefetches the one that
-runs next (reverse post-forward order); an identity autograd function on the
-module's inputs starts the group's reduce-scatter when the module's backward is done.
+gather it straight back; nor a module that the recorded order calls again later in
+this forward: it stays gathered until its last call) and registers the pre-backward
+hook on the outputs. Backward: the pre-backward hook gathers the group again and
+prefetches the one that runs next (reverse post-forward order); an identity autograd
+function on the module's inputs signals when the module's backward is done, and the
+last such signal of a module called several times (every forward call with gradients
+counts) starts the group's one reduce-scatter, so the gradient is the sum of all uses.
 The root queues a final callback that reduces whatever is left (modules whose inputs
 need no gradient), waits for every reduce-scatter, and reshards.
 """
@@ -35,12 +38,16 @@ class FSDPState:
         self.root: FSDPState = self
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
-        self._post_forward_index = 0
+        self._call_index = 0  # of the running forward call in the forward order
+        self._post_forward_indices: list[int] = []  # one per forward call since the root's
+        self._uses = 0  # forward calls with gradients whose backward has not ended
         # root only
         self.states: list[FSDPState] = []
         self.forward_order: list[FSDPState] = []
-        self.forward_pos: dict[int, int] = {}
+        self.last_call: dict[int, int] = {}  # per state: its last index in forward_order
         self.post_forward_order: list[FSDPState] = []
+        self._forward_index = 0
+        self._kept: list[FSDPState] = []  # gathered past a forward call for a later call
         self._recording = True
         self._callback_queued = False
         self._reducing: list[ParamGroup] = []
@@ -59,9 +66,10 @@ class FSDPState:
 
     def _final_callback(self) -> None:
         """End of backward: reduce what is left, wait for all reductions, reshard."""
-        for state in self.states:  # groups whose inputs needed no gradient: not reduced yet
+        for state in self.states:  # inputs that needed no gradient, calls yet to signal
             if state.group is not None and state.group.has_pending_grads:
-                state.post_backward()
+                state._reduce()
+            state._uses = 0
         for group in self._reducing:
             group.finish_reduce()
         self._reducing.clear()
@@ -85,30 +93,50 @@ class FSDPState:
         root = self.root
         if self.is_root:
             root.post_forward_order = []
+            root._forward_index = 0
+            for state in root.states:
+                state._post_forward_indices = []
+        self._call_index = index = root._forward_index
+        root._forward_index += 1
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
         if self.group is not None:
             self.group.finish_unshard()
             if torch.is_grad_enabled():
+                self._uses += 1
                 args, kwargs = self._hook_post_backward(args, kwargs)
         if root._recording:
             root.forward_order.append(self)
         if self.forward_prefetch is not None or not root._recording:
-            i = root.forward_pos.get(id(self), len(root.forward_order)) + 1
-            for target in self._next(self.forward_prefetch, root.forward_order[i:i + 1]):
+            order = root.forward_order
+            implicit = order[index + 1:index + 2] if self._in_order(index) else []
+            for target in self._next(self.forward_prefetch, implicit):
                 target.group.start_unshard()
         return args, kwargs
+
+    def _in_order(self, index: int) -> bool:
+        """This forward call is at ``index`` of the recorded order (the order held so far)."""
+        order = self.root.forward_order
+        return not self.root._recording and index < len(order) and order[index] is self
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         root = self.root
         grad = torch.is_grad_enabled()
         if self.group is not None and self.group.reshard_after_forward and not (self.is_root and grad):
-            self.group.reshard()
-        self._post_forward_index = len(root.post_forward_order)
+            if self._in_order(self._call_index) and root.last_call[id(self)] > self._call_index:
+                root._kept.append(self)  # called again later in this forward
+            else:
+                self.group.reshard()
+        self._post_forward_indices.append(len(root.post_forward_order))
         root.post_forward_order.append(self)
-        if self.is_root and root._recording:
-            root._recording = False
-            root.forward_pos = {id(s): i for i, s in enumerate(root.forward_order)}
+        if self.is_root:
+            for state in root._kept:  # a later call the recorded order promised did not come
+                if state.group.is_unsharded:
+                    state.group.reshard()
+            root._kept = []
+            if root._recording:
+                root._recording = False
+                root.last_call = {id(s): i for i, s in enumerate(root.forward_order)}
         if grad:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
@@ -133,7 +161,13 @@ class FSDPState:
         return args, kwargs
 
     def post_backward(self) -> None:
-        """The module's backward is done: reduce its gradients, reshard."""
+        """The backward of one forward call is done; after the last, reduce and reshard."""
+        self._uses -= 1
+        if self._uses <= 0:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        """Start reducing the group's gradients (summed over every call), reshard."""
         self.group.post_backward()
         self.root._reduced(self.group)
 
@@ -144,7 +178,8 @@ class FSDPState:
             root._callback_queued = True
         if self.group is not None:
             self.group.finish_unshard()
-        i = self._post_forward_index  # of its last forward: the one backward meets first
+        # of its last forward call not yet met: backward meets the calls in reverse
+        i = self._post_forward_indices.pop() if self._post_forward_indices else 0
         for target in self._next(self.backward_prefetch, root.post_forward_order[i - 1:i] if i > 0 else []):
             target.group.start_unshard()
 
