@@ -321,6 +321,11 @@ def _common_mesh(func, tensors):
 
 
 def _spec_of(t: torch.Tensor, mesh, func) -> DTensorSpec:
+    """A DTensor's spec, or a plain tensor's as ``Replicate()``. A plain tensor on another
+    device type than the mesh's is refused from this rank's own argument, a fact no other
+    rank sees: when every rank passes such a tensor (the usual SPMD bug) every rank raises;
+    a rank alone raises alone and the others end at their next collective through the
+    abort hook (:mod:`mpidtensor.mesh.abort`)."""
     if isinstance(t, DTensor):
         return t._spec
     if t.device.type != mesh.device_type and t.ndim > 0:
@@ -444,10 +449,11 @@ def _make_inplace_wrap(func, written, specs_of: Callable) -> Callable:
     """In-place and out= ops return the tensor they wrote into. A DTensor written
     through a redistributed copy takes the new local tensor and placements, unless it
     is a view of another DTensor: then the values are moved back into its own block,
-    which its base shares. A plain tensor written through a moved copy gets the whole
-    result copied in. An in-place view op (``squeeze_``…) also changes the wrapper's
-    own shape and strides."""
+    which its base shares. A plain tensor written through a moved copy, or given a
+    Partial or sharded value, gets the whole result copied in. An in-place view op
+    (``squeeze_``…) also changes the wrapper's own shape and strides."""
     inplace_view = torch.Tag.inplace_view in func.tags
+    rep = registry.replicated
 
     def wrap(out, a, k):
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -474,9 +480,10 @@ def _make_inplace_wrap(func, written, specs_of: Callable) -> Callable:
                         dst._spec = dst._spec.with_placements(spec.placements)
                 elif dst._spec.placements != spec.placements:  # moved with no data step (a one-rank mesh dim)
                     dst._spec = dst._spec.with_placements(spec.placements)
-            elif isinstance(dst, torch.Tensor) and local is not dst:
-                # A plain tensor written through a moved copy (a DTensor operand chose the layout).
-                dst.copy_(redistribute_local(local, spec, spec.with_placements(registry.replicated(spec.mesh.ndim))))
+            elif isinstance(dst, torch.Tensor) and (local is not dst or spec.placements != rep(spec.mesh.ndim)):
+                # A plain tensor written through a moved copy (a DTensor operand chose the layout),
+                # or in place with a value that is not whole yet (out= of a Partial result).
+                dst.copy_(redistribute_local(local, spec, spec.with_placements(rep(spec.mesh.ndim))))
             results.append(dst)
         return type(out)(results) if isinstance(out, (tuple, list)) else results[0]
 

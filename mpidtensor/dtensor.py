@@ -121,6 +121,11 @@ class DTensor(torch.Tensor):
         shapes (one small collective) and checked against the ``torch.chunk`` layout.
         ``run_check=True`` also checks that dtypes and unsharded sizes agree across
         ranks and that replicas hold equal values. Differentiable.
+
+        Every error is raised on every rank, except one no rank can see without
+        communicating: with ``shape=`` and no ``run_check``, a rank whose local tensor
+        is not the shard the layout gives it raises a ValueError alone; the other ranks
+        end at their next collective through the abort hook (``MPIDTENSOR_ABORT_ON_EXCEPTION``).
         """
         key = None
         if not run_check and isinstance(placements, (list, tuple)) and isinstance(shape, (list, tuple)):
@@ -134,12 +139,13 @@ class DTensor(torch.Tensor):
         if device_mesh is None:
             raise ValueError("from_local needs a device_mesh")
         placements = [Replicate()] * device_mesh.ndim if placements is None else placements
-        placements = normalize_placements(placements, device_mesh.ndim, local_tensor.ndim)
         if run_check:
             validate.check_local_tensors(local_tensor, device_mesh, placements, shape)
         if shape is None:
             shape = validate.global_shape_from_locals(local_tensor, device_mesh, placements)
         shape = torch.Size(shape)
+        # Shard(-1) means the same dim on every rank: the global rank decides, never a local one.
+        placements = normalize_placements(placements, device_mesh.ndim, len(shape))
         stride = contiguous_strides(shape) if stride is None else tuple(stride)
         spec = DTensorSpec(device_mesh, placements, shape, stride, local_tensor.dtype)
         validate.check_local_shape(local_tensor, spec)

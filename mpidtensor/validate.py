@@ -14,7 +14,7 @@ import torch
 
 from ._layout import local_shape_and_offset
 from .mesh import DeviceMesh
-from .placements import Placement, Replicate, Shard
+from .placements import Placement, Replicate, Shard, normalize_placements
 
 
 def check_same_tensor_meta(tensor: torch.Tensor, mesh: DeviceMesh, what: str) -> None:
@@ -28,10 +28,15 @@ def check_same_tensor_meta(tensor: torch.Tensor, mesh: DeviceMesh, what: str) ->
 def global_shape_from_locals(
     local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]
 ) -> torch.Size:
-    """The global shape implied by every rank's local shape (one small all-gather when sharded)."""
-    if not any(isinstance(p, Shard) for p in placements):
-        return local.shape
+    """The global shape implied by every rank's local shape (one small all-gather when sharded).
+
+    ``placements`` as the user gave them: a negative ``Shard`` dim is resolved against the
+    tensor rank the ranks agree on, not against this rank's local tensor."""
+    if isinstance(placements, Placement) or not any(isinstance(p, Shard) for p in placements):
+        return local.shape  # nothing sharded: no rank's shape says more than another's
     shapes = mesh.comm.allgather(tuple(local.shape))
+    _raise_if(_ndim_problems(shapes))
+    placements = normalize_placements(placements, mesh.ndim, len(shapes[0]))
     _raise_if(_shape_problems(shapes, mesh, placements, None))
     return torch.Size(_implied_shape(shapes, mesh, placements))
 
@@ -39,15 +44,21 @@ def global_shape_from_locals(
 def check_local_tensors(
     local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int] | None
 ) -> None:
-    """``from_local(run_check=True)``: dtypes, shapes (against ``shape`` if given) and
-    replicas agree across the mesh."""
+    """``from_local(run_check=True)``: ``shape``, dtypes, local shapes (against ``shape`` if
+    given) and replicas agree across the mesh (one all-gather; the verdict is the same
+    on every rank)."""
     data = local.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
-    facts = mesh.comm.allgather((tuple(local.shape), str(local.dtype), zlib.crc32(data)))
-    problems = []
+    given = None if shape is None else tuple(shape)
+    facts = mesh.comm.allgather((tuple(local.shape), str(local.dtype), zlib.crc32(data), given))
+    if len({f[3] for f in facts}) > 1:
+        _raise_if(["ranks passed different shape= arguments: " + str([f[3] for f in facts])])
+    shapes = [f[0] for f in facts]
+    problems = _ndim_problems(shapes)
     if len({f[1] for f in facts}) > 1:
         problems.append("local tensors have different dtypes: " + str([f[1] for f in facts]))
-    shapes = [f[0] for f in facts]
-    problems += _shape_problems(shapes, mesh, placements, shape)
+    _raise_if(problems)
+    placements = normalize_placements(placements, mesh.ndim, len(given if given is not None else shapes[0]))
+    problems = _shape_problems(shapes, mesh, placements, given)
     if not problems:
         for m, p in enumerate(placements):
             if isinstance(p, Replicate):
@@ -58,7 +69,11 @@ def check_local_tensors(
 
 
 def check_local_shape(local: torch.Tensor, spec) -> None:
-    """The local tensor has the shape the layout gives this rank (a local check)."""
+    """The local tensor has the shape the layout gives this rank.
+
+    A local check with no communication: a wrong shard raises on its own rank only,
+    and the other ranks end at their next collective through the abort hook
+    (:mod:`mpidtensor.mesh.abort`). Only ``from_local(run_check=True)`` can tell every rank."""
     expected = spec.local_shape_and_offset()[0]
     if tuple(local.shape) != expected:
         raise ValueError(
@@ -67,11 +82,20 @@ def check_local_shape(local: torch.Tensor, spec) -> None:
         )
 
 
-def _shape_problems(shapes, mesh: DeviceMesh, placements, shape: Sequence[int] | None) -> list[str]:
-    """What is wrong with the ranks' local shapes for a global ``shape`` (default: the implied one)."""
+def _ndim_problems(shapes) -> list[str]:
     if len({len(s) for s in shapes}) > 1:
         return [f"local tensors have different numbers of dims: {shapes}"]
+    return []
+
+
+def _shape_problems(shapes, mesh: DeviceMesh, placements, shape: Sequence[int] | None) -> list[str]:
+    """What is wrong with the ranks' local shapes for a global ``shape`` (default: the implied one)."""
+    problems = _ndim_problems(shapes)
+    if problems:
+        return problems
     ndim = len(shapes[0])
+    if shape is not None and len(shape) != ndim:
+        return [f"local tensors have {ndim} dims, shape= {tuple(shape)} has {len(shape)}"]
     problems = []
     for d in range(ndim):
         if not any(p == Shard(d) for p in placements) and len({s[d] for s in shapes}) > 1:

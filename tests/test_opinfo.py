@@ -2,14 +2,19 @@
 CPU, with its first sample inputs, run on DTensors and compared with plain torch
 (forward, and gradients where the op supports autograd).
 
-To keep ``make test`` quick each op runs once per world size, under one layout
-that rotates with the op's position in ``op_db``: 1 rank ``S0``; 2 and 3 ranks
-``S0``/``S-1`` (3: uneven shards); 4 ranks ``S0``/``S-1``/``R``/``P`` on a 1-D mesh
-and ``2d`` on the 2x2 mesh (see ``opinfo_support`` for the layouts). 3 and 4 ranks
-check every op; 1 and 2 ranks, where sharding is least at stake, share the ops out
-(positions 0, 1 mod 4 at one rank, 2, 3 mod 4 at two). Ops without a sharding rule
-run through the replicated fallback here (MPIDTENSOR_STRICT unset): the sweep's
-point is that no op gives a wrong value without an error.
+To keep ``make test`` quick each op runs its first sample once per world size, under
+one layout that rotates with the op's position ``i`` in ``op_db``: 1 rank ``S0``; 2 and 3
+ranks ``S0``/``S-1`` (3: uneven shards); 4 ranks ``S0``/``S-1``/``R``/``P`` on a 1-D mesh
+and ``2d`` on the 2x2 mesh (see ``opinfo_support`` for the layouts). One op in
+``EXTRA_EVERY`` also runs its next samples (up to ``SAMPLES``; ``OPINFO_SAMPLES``
+overrides), sample ``j`` under the layout ``j`` steps further in the rotation; which ops
+do rotates with the world size, so that world sizes 1-4 together give every op 3
+samples, for half as many cases more at 3 and 4 ranks. 3 and 4 ranks check every op;
+1 and 2 ranks, where sharding is least at stake, share the ops out (positions 0, 1 mod
+4 at one rank, 2, 3 mod 4 at two). Each layout's ops are split over ``PARTS`` tests.
+Ops without a sharding rule run through the replicated fallback here (MPIDTENSOR_STRICT
+unset): the sweep's point is that no op gives a wrong value without an error.
+``tests/opinfo_all_samples.py`` checks every sample under every layout.
 """
 from __future__ import annotations
 
@@ -25,21 +30,9 @@ from mpidtensor import dispatch, init_device_mesh
 
 WORLD = MPI.COMM_WORLD
 
-# The one list of ops the sweep does not check, with the reason.
-NOT_CHECKED = {
-    "sparse.sampled_addmm": "sparse CSR arguments: DTensor is strided only",
-    "sparse.mm.reduce": "sparse CSR arguments: DTensor is strided only",
-    "to_sparse": "returns a sparse tensor: DTensor is strided only",
-    "jiterator_unary": "CUDA only (no sample inputs on CPU)",
-    "jiterator_binary": "CUDA only (no sample inputs on CPU)",
-    "jiterator_4inputs_with_extra_args": "CUDA only (no sample inputs on CPU)",
-    "jiterator_binary_return_by_ref": "CUDA only (no sample inputs on CPU)",
-    "jiterator_2inputs_2outputs": "CUDA only (no sample inputs on CPU)",
-    "linalg.eig": "the reference gradient itself is ill-defined (eigenvector phase) and raises",
-    "tensor_split": "torch reads a tensor of split indices through its data pointer before dispatch; "
-    "a DTensor has none (pass the indices as a plain tensor or a list)",
-}
-SAMPLES = 1  # sample inputs per op and world size
+NOT_CHECKED = S.NOT_CHECKED
+SAMPLES = int(os.environ.get("OPINFO_SAMPLES", "3"))  # samples of the ops that run more than one
+EXTRA_EVERY = 4  # op i runs SAMPLES samples at world size n when (i + 3 n) % EXTRA_EVERY == 0
 
 LAYOUTS = {1: ("S0",), 2: ("S0", "S-1"), 3: ("S0", "S-1"), 4: ("S0", "S-1", "R", "P", "2d")}
 
@@ -47,15 +40,24 @@ LAYOUTS = {1: ("S0",), 2: ("S0", "S-1"), 3: ("S0", "S-1"), 4: ("S0", "S-1", "R",
 SHARE = {1: (0, 1), 2: (2, 3)}  # op positions (mod 4) that 1 and 2 ranks check
 
 
-def _ops_for(layout: str) -> list:
-    """The ops this world size checks under ``layout`` (op position modulo the layout count)."""
+PARTS = 4  # each layout's ops in this many tests, so that none runs for minutes (pytest-timeout)
+
+
+def _cases_for(layout: str, part: int) -> list[tuple]:
+    """``(op, samples drawn, positions)`` this world size checks under ``layout``: sample ``j`` of
+    the op at position ``i`` when ``(i + j)`` modulo the layout count picks ``layout``."""
     layouts = LAYOUTS[WORLD.size]
     k = layouts.index(layout)
     share = SHARE.get(WORLD.size, (0, 1, 2, 3))
-    return [
-        op for i, op in enumerate(S.sweep_ops())
-        if i % len(layouts) == k and i % 4 in share and S.op_key(op) not in NOT_CHECKED
-    ]
+    cases = []
+    for i, op in enumerate(S.sweep_ops()):
+        if i % 4 not in share or (i // 4) % PARTS != part or S.op_key(op) in NOT_CHECKED:
+            continue
+        n = SAMPLES if (i + 3 * WORLD.size) % EXTRA_EVERY == 0 else 1
+        positions = [j for j in range(n) if (i + j) % len(layouts) == k]
+        if positions:
+            cases.append((op, n, positions))
+    return cases
 
 
 @pytest.fixture(scope="module")
@@ -73,25 +75,31 @@ def fallback_allowed(monkeypatch):
 _COUNTS: dict[str, dict] = {}
 
 
+@pytest.mark.parametrize("part", range(PARTS))
 @pytest.mark.parametrize("layout", ["S0", "S-1", "R", "P", "2d"])
-def test_opinfo(layout, meshes, fallback_allowed):
+def test_opinfo(layout, part, meshes, fallback_allowed):
     if layout not in LAYOUTS[WORLD.size]:
         pytest.skip(f"layout {layout} runs at {[n for n, ls in LAYOUTS.items() if layout in ls]} ranks")
     mesh = meshes["2d" if layout == "2d" else "1d"]
     failures, via_fallback, checked = [], [], 0
-    for op in _ops_for(layout):
+    cases = _cases_for(layout, part)
+    for op, n, positions in cases:
         key = S.op_key(op)
         warned = len(dispatch._WARNED)
-        for sample, ref_out, ref_grads in S.samples(key, SAMPLES):
+        drawn = S.samples(key, n)
+        for j in (j for j in positions if j < len(drawn)):
+            sample, ref_out, ref_grads = drawn[j]
             checked += 1
             message = S.agreed(S.run_case(op, key, sample, ref_out, ref_grads, mesh, layout))
             if message:
-                failures.append(f"{key}: {message[:500]}")
+                failures.append(f"{key} (sample {j}): {message[:500]}")
                 break
         if len(dispatch._WARNED) > warned:
             via_fallback.append(key)
-    _COUNTS[layout] = dict(ops=len(_ops_for(layout)), samples=checked, failed=len(failures),
-                           fallback=len(via_fallback))
+    counts = _COUNTS.setdefault(layout, dict(ops=0, samples=0, failed=0, fallback=0))
+    for name, value in (("ops", len(cases)), ("samples", checked), ("failed", len(failures)),
+                        ("fallback", len(via_fallback))):
+        counts[name] += value
     report = os.environ.get("OPINFO_REPORT")
     if report and WORLD.rank == 0:
         with open(f"{report}.{WORLD.size}.json", "w") as f:
@@ -115,7 +123,7 @@ def test_random_ops_are_layout_invariant(meshes, fallback_allowed):
         key = S.op_key(op)
         if key not in S.RANDOM or key in NOT_CHECKED:
             continue
-        for sample, ref_out, ref_grads in S.samples(key, SAMPLES):
+        for sample, ref_out, ref_grads in S.samples(key, 1):
             message = S.agreed(S.run_case(op, key, sample, ref_out, ref_grads, meshes["1d"], "S0"))
             if message:
                 failures.append(f"{key}: {message}")

@@ -104,3 +104,25 @@ def test_hfftn_ortho_over_the_sharded_dim(mesh1d):
     for placement in (Shard(0), Shard(2)):
         d = distribute_tensor(x, mesh1d, [placement])
         assert_close(torch.fft.hfftn(d, norm="ortho").full_tensor(), torch.fft.hfftn(x, norm="ortho"), atol=1e-4, rtol=1e-4)
+
+
+def test_out_into_a_plain_tensor_gets_the_reduced_value(mesh1d):
+    """``torch.mul(partial, x, out=plain)`` keeps the product Partial; the plain ``out`` must
+    still end up holding the whole value (it held one rank's term before)."""
+    a, b, w = global_tensor((1, 8), seed=1), global_tensor((8, 8), seed=2), global_tensor((1,), seed=3)
+    p = torch.mm(distribute_tensor(a, mesh1d, [Shard(1)]), distribute_tensor(b, mesh1d, [Shard(0)]))
+    out = torch.empty(1, 8)
+    torch.mul(p, distribute_tensor(w, mesh1d, [Shard(0)]).unsqueeze(1), out=out)
+    assert_close(out, (a @ b) * w.unsqueeze(1), atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_linear_cross_entropy_without_reduction(mesh1d):
+    """OpInfo linear_cross_entropy.chunked_none, sample 31: its backward writes out= into plain buffers."""
+    x, w, cw = global_tensor((8,), seed=1), global_tensor((8, 8), seed=2), global_tensor((8,), seed=3).abs()
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+
+    def loss(inp, weight, class_weight):
+        return torch.nn.functional.linear_cross_entropy(
+            inp, weight, torch.tensor(5), weight=class_weight, reduction="none", options=options)
+
+    check_op(loss, [x, w, cw], [[Shard(0)], [Shard(0)], [Shard(0)]], mesh1d, atol=1e-4, rtol=1e-4)

@@ -19,7 +19,9 @@ Per mesh dim the rule picks, by bytes moved, one of a few options:
 Creating a new ``Partial`` costs an all-reduce of the output later, counted in
 the choice. Ops along a dim (sort, topk, kthvalue) need that dim whole: a shard
 of it is moved to another dim by an all-to-all when the cost model prefers it
-to an all-gather. Out-of-range indices are not detected on sharded dims.
+to an all-gather. An out-of-range index raises on every rank when the index is
+replicated (checked against the global length before the local op runs, where self
+is not whole); a sharded index is checked on the ranks holding it only.
 """
 from __future__ import annotations
 
@@ -184,6 +186,42 @@ def _register_on_dim(*ops):
     return decorate
 
 
+def _bounded(call: OpCall, sharding: Sharding, checks: Sequence[tuple], error: type = RuntimeError) -> Sharding:
+    """``sharding`` whose local op first checks index tensors against the global lengths.
+
+    ``checks``: (the index's position among the tensor inputs, its getter from the local
+    arguments, the dim of self it indexes, whether negative indices count from the end).
+    Needed when self is not replicated: a rank's kernel sees only its block (masked, or
+    empty and so unchecked), so a bad index would give zeros, or an error on some ranks
+    only. A replicated index holds the same values on every rank: every rank raises alike.
+    A sharded index is checked by torch's kernel on the ranks holding it; the other ranks
+    cannot see those values and end through the abort hook."""
+    specs = call.tensor_specs
+    self_targets = sharding.inputs[0] or specs[0].placements
+    if all(p == R for p in self_targets):
+        return sharding  # whole self on every rank: torch's own check, the same everywhere
+    active = [
+        (get, dim, specs[0].shape[dim], wraps) for pos, get, dim, wraps in checks
+        if all(p == R for p in (sharding.inputs[pos] or specs[pos].placements))
+    ]
+    if not active:
+        return sharding
+    run = sharding.local or (lambda a, k, f=call.func._op: f(*a, **k))
+    name = call.func
+
+    def local(args, kwargs):
+        for get, dim, n, wraps in active:
+            idx = get(args)
+            if idx.numel():
+                lo, hi = (int(v) for v in torch.aminmax(idx))
+                if lo < (-n if wraps else 0) or hi >= n:
+                    raise error(f"{name}: index {hi if hi >= n else lo} is out of bounds for dimension {dim} "
+                                f"with size {n}")
+        return run(args, kwargs)
+
+    return Sharding(sharding.inputs, sharding.outputs, local, sharding.notes)
+
+
 # --- index_select -------------------------------------------------------------------------------
 
 
@@ -205,8 +243,9 @@ def index_select(call: OpCall) -> Sharding:
         return opts
 
     inputs, outputs = _choose(call, options)
+    checks = [(1, lambda a: a[2], dim, False)]
     if not _is_sharded(inputs[0], dim):
-        return Sharding(inputs, outputs)
+        return _bounded(call, Sharding(inputs, outputs), checks)
     offset, size = _span(self, inputs[0], dim)
     ndim = self.ndim
 
@@ -218,7 +257,7 @@ def index_select(call: OpCall) -> Sharding:
         shape[dim] = -1
         return out.masked_fill_(~mask.view(shape), 0)
 
-    return Sharding(inputs, outputs, local)
+    return _bounded(call, Sharding(inputs, outputs, local), checks)
 
 
 # --- gather -------------------------------------------------------------------------------------
@@ -244,8 +283,9 @@ def gather(call: OpCall) -> Sharding:
         return opts
 
     inputs, outputs = _choose(call, options)
+    checks = [(1, lambda a: a[2], dim, False)]
     if not _is_sharded(inputs[0], dim):
-        return Sharding(inputs, outputs)
+        return _bounded(call, Sharding(inputs, outputs), checks)
     offset, size = _span(self, inputs[0], dim)
 
     def local(args, kwargs):
@@ -253,7 +293,7 @@ def gather(call: OpCall) -> Sharding:
         pos, mask = _read_index(idx, offset, size)
         return torch.gather(_nonempty(x, dim), dim, pos).masked_fill_(~mask, 0)
 
-    return Sharding(inputs, outputs, local)
+    return _bounded(call, Sharding(inputs, outputs, local), checks)
 
 
 # --- scatter family and index_add ---------------------------------------------------------------
@@ -313,8 +353,9 @@ def scatter(call: OpCall) -> Sharding:
 
     inplace = _inplace(call)
     inputs, outputs = _choose(call, options, inplace)
+    checks = [(1, lambda a: a[2], dim, False)]
     if not _is_sharded(inputs[0], dim):
-        return Sharding(inputs, outputs)
+        return _bounded(call, Sharding(inputs, outputs), checks)
     offset, size = _span(self, inputs[0], dim)
     op = getattr(aten, call.func._schema.name.split("::")[-1].rstrip("_") + "_")
     overload = getattr(op, call.func._overloadname)
@@ -325,7 +366,7 @@ def scatter(call: OpCall) -> Sharding:
         out = overload(_padded(x, (dim,)), dim, pos, *args[3:], **kwargs)
         return _finish(x, _unpadded(out, (dim,)), inplace)
 
-    return Sharding(inputs, outputs, local)
+    return _bounded(call, Sharding(inputs, outputs, local), checks)
 
 
 @_register_on_dim(aten.index_add.default, aten.index_add_.default)
@@ -346,8 +387,9 @@ def index_add(call: OpCall) -> Sharding:
 
     inplace = _inplace(call)
     inputs, outputs = _choose(call, options, inplace)
+    checks = [(1, lambda a: a[2], dim, False)]
     if not _is_sharded(inputs[0], dim):
-        return Sharding(inputs, outputs)
+        return _bounded(call, Sharding(inputs, outputs), checks)
     offset, size = _span(self, inputs[0], dim)
 
     def local(args, kwargs):
@@ -355,7 +397,7 @@ def index_add(call: OpCall) -> Sharding:
         out = _padded(x, (dim,)).index_add_(dim, _write_index(idx, offset, size), src, *args[4:], **kwargs)
         return _finish(x, _unpadded(out, (dim,)), inplace)
 
-    return Sharding(inputs, outputs, local)
+    return _bounded(call, Sharding(inputs, outputs, local), checks)
 
 
 # --- advanced indexing --------------------------------------------------------------------------
@@ -395,6 +437,11 @@ def _index_specs(call: OpCall) -> tuple[DTensorSpec, list, list[DTensorSpec]]:
     return call.tensor_specs[0], indices, [t for t in indices if t is not None]
 
 
+def _index_checks(lay: _Indexing) -> list[tuple]:
+    """``_bounded`` checks of ``self[indices]``'s index tensors (negative ones count from the end)."""
+    return [(1 + j, lambda a, k=k: a[1][k], k, True) for j, k in enumerate(lay.indexed)]
+
+
 @register(aten.index.Tensor)
 def index(call: OpCall) -> Sharding:
     """``self[indices]`` with tensor indices (integer; boolean masks have data-dependent shapes)."""
@@ -417,9 +464,10 @@ def index(call: OpCall) -> Sharding:
         return opts
 
     inputs, outputs = _choose(call, options)
+    checks = _index_checks(lay)
     sharded = [k for k in lay.indexed if _is_sharded(inputs[0], k)]
     if not sharded:
-        return Sharding(inputs, outputs)
+        return _bounded(call, Sharding(inputs, outputs), checks, IndexError)
     spans = {k: _span(self, inputs[0], k) for k in sharded}
     lengths = {k: self.shape[k] for k in sharded}
     before, after = [1] * lay.bstart, [1] * (lay.result_ndim - lay.bstart - len(lay.bshape))
@@ -437,7 +485,7 @@ def index(call: OpCall) -> Sharding:
         bshape = torch.broadcast_shapes(*(t.shape for t in idx if t is not None))  # local: indices may be sharded
         return out.masked_fill_(~keep.expand(bshape).reshape(before + list(bshape) + after), 0)
 
-    return Sharding(inputs, outputs, local)
+    return _bounded(call, Sharding(inputs, outputs, local), checks, IndexError)
 
 
 @register(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
@@ -473,9 +521,10 @@ def index_put(call: OpCall) -> Sharding:
 
     inplace = _inplace(call)
     inputs, outputs = _choose(call, options, inplace)
+    checks = _index_checks(lay)
     sharded = [k for k in lay.indexed if _is_sharded(inputs[0], k)]
     if not sharded:
-        return Sharding(inputs, outputs)
+        return _bounded(call, Sharding(inputs, outputs), checks, IndexError)
     spans = {k: _span(self, inputs[0], k) for k in sharded}
     lengths = {k: self.shape[k] for k in sharded}
 
@@ -486,7 +535,7 @@ def index_put(call: OpCall) -> Sharding:
         out = aten.index_put_.default(_padded(x, sharded), idx, args[2], accumulate)
         return _finish(x, _unpadded(out, sharded), inplace)
 
-    return Sharding(inputs, outputs, local)
+    return _bounded(call, Sharding(inputs, outputs, local), checks, IndexError)
 
 
 def _is_mask(spec: DTensorSpec) -> bool:
