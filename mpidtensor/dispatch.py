@@ -83,7 +83,69 @@ class Plan:
         return self.wrap(self.local(largs, lkwargs), args, kwargs)
 
 
+class _PerMeshPlan:
+    """A ``_foreach_*`` op whose lists hold DTensors on several meshes (FSDP x TP's
+    parameters: the (dp, tp) mesh and the dp mesh): one call per mesh on the list positions
+    that live there, results put back in order. Each call dispatches (and caches) as usual."""
+
+    __slots__ = ("func", "groups", "length")
+
+    def __init__(self, func, groups: list[list[int]], length: int) -> None:
+        self.func, self.groups, self.length = func, groups, length
+
+    def __call__(self, args, kwargs):
+        results = [None] * self.length
+        returned = None
+        for positions in self.groups:
+            out = self.func(*(self._pick(a, positions) for a in args),
+                            **{k: self._pick(v, positions) for k, v in kwargs.items()})
+            if isinstance(out, (list, tuple)):
+                returned = type(out)
+                for i, value in zip(positions, out):
+                    results[i] = value
+        return None if returned is None else returned(results)
+
+    def _pick(self, arg, positions):
+        """An argument cut to ``positions`` if it is a list as long as the op's tensor lists
+        (tensors or scalars per position), else as it is."""
+        if isinstance(arg, (list, tuple)) and len(arg) == self.length:
+            return type(arg)(arg[i] for i in positions)
+        return arg
+
+
+def _per_mesh_groups(func, args, kwargs) -> tuple[list[list[int]], int] | None:
+    """For a ``_foreach_*`` op whose list positions hold DTensors on more than one mesh:
+    the positions grouped by mesh (first appearance order) and the list length; else None."""
+    if not func._schema.name.startswith("aten::_foreach_"):
+        return None
+    lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and a
+             and isinstance(a[0], torch.Tensor)]
+    if not lists:
+        return None
+    length = len(lists[0])
+    meshes: list = []
+    groups: list[list[int]] = []
+    for i in range(length):
+        mesh = next((lst[i]._spec.mesh for lst in lists if len(lst) == length and isinstance(lst[i], DTensor)), None)
+        index = next((k for k, m in enumerate(meshes) if m is mesh or (mesh is not None and m == mesh)), None)
+        if index is None:
+            meshes.append(mesh)
+            groups.append([])
+            index = len(groups) - 1
+        groups[index].append(i)
+    real = [m for m in meshes if m is not None]
+    if len(real) < 2:
+        return None
+    if None in meshes:  # positions without a DTensor go with the first mesh's
+        plain = groups.pop(meshes.index(None))
+        groups[0] = sorted(groups[0] + plain)
+    return groups, length
+
+
 def _make_plan(func, args, kwargs) -> Plan:
+    split = _per_mesh_groups(func, args, kwargs)
+    if split is not None:
+        return _PerMeshPlan(func, *split)
     tensors = _tensors(args) + _tensors(kwargs)
     mesh = _common_mesh(func, tensors)
     specs = [_spec_of(t, mesh, func) for t in tensors]

@@ -172,3 +172,30 @@ def test_single_element_strided_shards(mesh1d):
     d = distribute_tensor(full, mesh1d, [Shard(0)])
     assert_close(d[:, 2].full_tensor(), full[:, 2])
     assert_close(d[:0, ::2].full_tensor(), full[:0, ::2])
+
+
+def test_foreach_ops_over_dtensors_on_several_meshes(mesh2d):
+    """FSDP x TP keeps parameters on the (dp, tp) mesh and on mesh["dp"]: a foreach op (and
+    AdamW(foreach=True)) runs once per mesh on its positions, results in order."""
+    from mpidtensor import distribute_tensor as dist
+
+    fulls = [global_tensor((4, 6), seed=s) for s in range(4)]
+    layouts = [(mesh2d, [Shard(0), Shard(1)]), (mesh2d["dp"], [Shard(0)]),
+               (mesh2d, [Replicate(), Shard(0)]), (mesh2d["dp"], [Replicate()])]
+    ds = [dist(f, m, p) for f, (m, p) in zip(fulls, layouts)]
+    scaled = torch._foreach_mul(ds, [2.0, 3.0, 4.0, 5.0])
+    norms = torch._foreach_norm(ds)
+    torch._foreach_add_(ds, ds, alpha=0.5)
+    for out, d, norm, full, c in zip(scaled, ds, norms, fulls, (2, 3, 4, 5)):
+        assert_close(out.full_tensor(), full * c)
+        assert_close(norm.full_tensor(), full.norm())
+        assert_close(d.full_tensor(), full * 1.5)
+    params = [torch.nn.Parameter(d) for d in ds]
+    refs = [torch.nn.Parameter(f * 1.5) for f in fulls]
+    for p, r in zip(params, refs):
+        r.grad = torch.linspace(-1, 1, r.numel()).view_as(r)
+        p.grad = dist(r.grad, p.device_mesh, p.placements)
+    torch.optim.AdamW(params, lr=0.1, foreach=True).step()
+    torch.optim.AdamW(refs, lr=0.1, foreach=True).step()
+    for p, r in zip(params, refs):
+        assert_close(p.full_tensor(), r.detach())
