@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 
 from .mesh import accounting
-from .mesh.accounting import track_buffer, track_resize  # noqa: F401  (FSDP registers its buffers)
 from .mesh.pool import pool
 
 if TYPE_CHECKING:

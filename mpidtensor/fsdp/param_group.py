@@ -19,7 +19,7 @@ Buffers (all sizes from global shapes, so every rank agrees):
   Replicated parameters (TP-sharded on every dim) are left out of both buffers: their
   gradients are packed into one buffer and all-reduced over the data-parallel mesh.
 
-``shard_flat`` and ``unsharded_flat`` are registered with ``mpidtensor.memory`` (and every
+``shard_flat`` and ``unsharded_flat`` are registered with ``mesh.accounting`` (and every
 resize reported), so ``memory_allocated()`` shows sharded + currently gathered bytes.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from math import prod
 
 import torch
 
-from .. import memory
+from ..mesh import accounting
 from ..dtensor import DTensor
 from ..mesh.nonblocking import Handle, iall_gather, iall_reduce, ireduce_scatter
 from .mixed_precision import MixedPrecisionPolicy
@@ -64,7 +64,7 @@ class ParamGroup:
                 unsharded_total += _align(p.numel * p.param_dtype.itemsize)
         self.unsharded_nbytes = unsharded_total
         self.device = params[0].initial_local.device
-        self.shard_flat = memory.track_buffer(torch.zeros(shard_total, dtype=torch.uint8, device=self.device))
+        self.shard_flat = accounting.track_buffer(torch.zeros(shard_total, dtype=torch.uint8, device=self.device))
         with torch.no_grad():
             for p in params:
                 local = p.initial_local if p.extension or p.replicated else self._slot(p).copy_(p.initial_local)
@@ -98,7 +98,7 @@ class ParamGroup:
         device = plain[0].sharded._local_tensor.device
         if device != self.shard_flat.device:
             self.device = device
-            self.shard_flat = memory.track_buffer(torch.zeros(self.shard_flat.numel(), dtype=torch.uint8, device=device))
+            self.shard_flat = accounting.track_buffer(torch.zeros(self.shard_flat.numel(), dtype=torch.uint8, device=device))
             self.unsharded_flat = None
             for p in self.params:
                 p.unsharded, p.inner = None, ()
@@ -137,7 +137,7 @@ class ParamGroup:
                     else:
                         offset, nbytes = self._pieces[i][0][2], p.local_numel * p.param_dtype.itemsize
                         send[offset:offset + nbytes].view(p.param_dtype).view(p.local_shape).copy_(p.sharded._local_tensor)
-        out = memory.track_buffer(torch.empty(self._gather_nbytes * self.info.shard_size, dtype=torch.uint8, device=self.device))
+        out = accounting.track_buffer(torch.empty(self._gather_nbytes * self.info.shard_size, dtype=torch.uint8, device=self.device))
         self._gather = iall_gather(send, self.info.shard_comm, out=out)
 
     def _make_layout(self, inputs: dict[int, tuple[torch.Tensor, ...]]) -> None:
@@ -164,11 +164,11 @@ class ParamGroup:
         out = self._gather.wait()
         self._gather = None
         if self.unsharded_flat is None:
-            self.unsharded_flat = memory.track_buffer(
+            self.unsharded_flat = accounting.track_buffer(
                 torch.empty(self.unsharded_nbytes, dtype=torch.uint8, device=self.device))
         elif self.unsharded_flat.untyped_storage().nbytes() == 0:
             self.unsharded_flat.untyped_storage().resize_(self.unsharded_nbytes)
-            memory.track_resize(self.unsharded_flat)
+            accounting.track_resize(self.unsharded_flat)
         existing = [p.unsharded for p in self.params if p.unsharded is not None]
         versions = [t._version for t in existing]
         with torch.no_grad():
@@ -236,7 +236,7 @@ class ParamGroup:
                 t.untyped_storage().resize_(0)
         if self.unsharded_flat is not None:
             self.unsharded_flat.untyped_storage().resize_(0)
-            memory.track_resize(self.unsharded_flat)
+            accounting.track_resize(self.unsharded_flat)
         self.is_unsharded = False
 
     # --- gradients -------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ class ParamGroup:
         with torch.no_grad():
             if sharded:
                 total = sum(p.shard_numel for p, _ in sharded)
-                send = memory.track_buffer(torch.empty(world * total, dtype=self.reduce_dtype, device=grads[0].device))
+                send = accounting.track_buffer(torch.empty(world * total, dtype=self.reduce_dtype, device=grads[0].device))
                 per_rank, offset = send.view(world, total), 0
                 for p, g in sharded:
                     _to_ranks(per_rank[:, offset:offset + p.shard_numel], g.reshape(p.pre, p.rows, p.post), p)
