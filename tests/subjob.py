@@ -38,6 +38,17 @@ class Result:
                 return self.finished_at - float(line.split("=", 1)[1])
         return None
 
+    def abort_problems(self, needles: tuple[str, ...], went_on: str) -> list[str]:
+        """What is wrong with a job that should have been aborted: it hung or succeeded, its
+        output lacks one of ``needles``, or it shows ``went_on`` (a rank that carried on)."""
+        problems = []
+        if self.returncode in (None, 0):
+            problems.append(f"job {'hung' if self.returncode is None else 'succeeded'}")
+        problems += [f"output lacks {needle!r}" for needle in needles if needle not in self.output]
+        if went_on in self.output:
+            problems.append(f"output shows {went_on!r}: a rank went on")
+        return problems
+
 
 def run_job(script: str, tmp_dir: Path, *, ranks: int = 2, env: dict[str, str] | None = None,
             timeout: float = 20) -> Result:

@@ -28,14 +28,8 @@ RAISE_ON_RANK_1 = """
 
 def test_uncaught_exception_aborts_the_job(tmp_path):
     result = run_job(RAISE_ON_RANK_1, tmp_path, timeout=120)
-    problems = []
-    if result.returncode in (None, 0):
-        problems.append(f"job {'hung' if result.returncode is None else 'succeeded'}")
-    for needle in ("RuntimeError: boom on rank one", "Traceback", "aborting the MPI job"):
-        if needle not in result.output:
-            problems.append(f"output lacks {needle!r}")
-    if "rank 0 finished" in result.output:
-        problems.append("rank 0 went on")
+    problems = result.abort_problems(("RuntimeError: boom on rank one", "Traceback", "aborting the MPI job"),
+                                     went_on="rank 0 finished")
     assert_all_ranks(not problems, f"{problems} after {result.seconds:.1f} s:\n{result.output[-2000:]}")
     after = result.seconds_after("RAISED")
     assert_all_ranks(after is not None and after < 5, f"ended {after} s after the exception")

@@ -21,8 +21,9 @@ from helpers import assert_all_ranks, assert_close, raises_everywhere
 from mpidtensor import DTensor, Replicate, Shard, init_device_mesh
 from mpidtensor.debug import CommDebugMode
 from mpidtensor.fsdp import fully_shard
-from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from mpidtensor.parallel import loss_parallel
 from test_fsdp import TOL, assert_same_model, batch, make_net, train
+from test_fsdp_tp import NET, fsdp_net, tp_net  # dim 7: FSDP's Shard(1) of a Colwise weight is uneven
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from llama import build_model, cross_entropy, parallelize_llama  # noqa: E402
@@ -33,7 +34,6 @@ NAMES = ("dp_replicate", "dp_shard", "tp")
 SHAPES = {1: [(1, 1, 1)], 2: [(1, 2, 1), (1, 1, 2)], 3: [(1, 3, 1)],
           4: [(2, 1, 2), (1, 2, 2), (2, 2, 1)], 8: [(2, 2, 2)]}
 ALL_SHAPES = sorted({s for shapes in SHAPES.values() for s in shapes})
-NET = dict(dim=7, hidden=10)  # dim 7: FSDP's Shard(1) of a Colwise weight is uneven
 _meshes: dict = {}
 
 
@@ -57,26 +57,13 @@ def _dp(mesh3d):
     return dp, dp.comm_for((0, 1))
 
 
-def _tp_net(mesh3d):
-    net = make_net(**NET)
-    for block in net.blocks:
-        parallelize_module(block, mesh3d["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    return net
-
-
-def _fsdp(net, mesh, blocks):
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    return fully_shard(net, mesh=mesh)
-
-
 def test_mlp_placements_and_training(mesh3d):
     ref = make_net(**NET)
     (x, target), _ = batch(mesh3d.size(0) * mesh3d.size(1), 0)
     ref_losses, _ = train(ref, x, target)
     dp, comm = _dp(mesh3d)
-    net = _tp_net(mesh3d)
-    _fsdp(net, dp, net.blocks)
+    net = tp_net(mesh3d)
+    fsdp_net(net, dp, net.blocks)
     expected = {"fc1.weight": Shard(1), "fc1.bias": Replicate(), "fc2.weight": Shard(0), "fc2.bias": Shard(0)}
     tp_side = {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1), "fc2.bias": Replicate()}
     for block in net.blocks:
@@ -103,9 +90,9 @@ def test_mlp_collective_counts(mesh3d):
     dp_replicate) per group, and an all-reduce per block for its replicated Colwise bias."""
     dp, comm = _dp(mesh3d)
     _, (x, target) = batch(comm.size, comm.rank)
-    tp_only = _counts(_tp_net(mesh3d), x, target)
-    net = _tp_net(mesh3d)
-    _fsdp(net, dp, net.blocks)
+    tp_only = _counts(tp_net(mesh3d), x, target)
+    net = tp_net(mesh3d)
+    fsdp_net(net, dp, net.blocks)
     groups, blocks = 3, 2
     want = tp_only + Counter(all_gather=2 * groups - 1, reduce_scatter=groups, all_reduce=groups + blocks)
     for _ in range(2):
@@ -119,7 +106,7 @@ def test_llama_matches_single_process(mesh3d):
     ref = build_model(cfg, seed=3)
     model = parallelize_llama(copy.deepcopy(ref), mesh3d["tp"])
     dp, comm = _dp(mesh3d)
-    _fsdp(model, dp, model.layers)
+    fsdp_net(model, dp, model.layers)
     wq = model.layers[0].attention.wq.weight
     assert_all_ranks(wq.device_mesh == mesh3d and wq.placements == (Replicate(), Shard(1), Shard(0)),
                      f"{wq.placements}")
@@ -156,7 +143,7 @@ def test_llama_matches_single_process(mesh3d):
 def test_mesh_not_complementary_raises(mesh3d):
     """The TP mesh must be the one dim the HSDP mesh leaves: dp_shard alone (the replicate
     dim unaccounted for) is refused on every rank, and the model is left as it was."""
-    net = _tp_net(mesh3d)
+    net = tp_net(mesh3d)
     before = {name: p for name, p in net.named_parameters()}
     raises_everywhere(ValueError, lambda: fully_shard(net.blocks[0], mesh=mesh3d["dp_shard"]), "complementary")
     assert_all_ranks(all(p is before[n] for n, p in net.named_parameters()), "model changed")

@@ -27,16 +27,18 @@ from test_llama_tp import PARAM_ATOL, config, tokens  # noqa: E402
 NET = dict(dim=7, hidden=10)  # dim 7: FSDP's Shard(1) of a Colwise weight is uneven (4 + 3)
 
 
-def _tp_net(mesh2d, colwise: bool = True):
+def tp_net(mesh, colwise: bool = True):
+    """The test MLP with each block's fc1/fc2 tensor-parallel over ``mesh["tp"]``."""
     net = make_net(**NET)
     first = ColwiseParallel() if colwise else RowwiseParallel(input_layouts=Replicate())
     second = RowwiseParallel() if colwise else RowwiseParallel(input_layouts=Replicate())
     for block in net.blocks:
-        parallelize_module(block, mesh2d["tp"], {"fc1": first, "fc2": second})
+        parallelize_module(block, mesh["tp"], {"fc1": first, "fc2": second})
     return net
 
 
-def _fsdp(net, mesh, blocks):
+def fsdp_net(net, mesh, blocks):
+    """``fully_shard`` each of ``blocks``, then the whole net, over ``mesh``."""
     for block in blocks:
         fully_shard(block, mesh=mesh)
     return fully_shard(net, mesh=mesh)
@@ -50,8 +52,8 @@ def test_colwise_rowwise_mlp_matches_single_process(mesh2d):
     ref = make_net(**NET)
     (x, target), _ = batch(2, 0)
     ref_losses, _ = train(ref, x, target)
-    net = _tp_net(mesh2d)
-    _fsdp(net, mesh2d["dp"], net.blocks)
+    net = tp_net(mesh2d)
+    fsdp_net(net, mesh2d["dp"], net.blocks)
     placements = _placements(net)
     expected = {"fc1.weight": (Shard(1), Shard(0)), "fc1.bias": (Replicate(), Shard(0)),
                 "fc2.weight": (Shard(0), Shard(1)), "fc2.bias": (Shard(0), Replicate())}
@@ -71,8 +73,8 @@ def test_rowwise_only_keeps_dim0(mesh2d):
     ref = make_net(**NET)
     (x, target), _ = batch(2, 0)
     ref_losses, _ = train(ref, x, target)
-    net = _tp_net(mesh2d, colwise=False)
-    _fsdp(net, mesh2d["dp"], net.blocks)
+    net = tp_net(mesh2d, colwise=False)
+    fsdp_net(net, mesh2d["dp"], net.blocks)
     fc1 = net.blocks[0].fc1
     assert_all_ranks(fc1.weight.placements == (Shard(0), Shard(1)) and fc1.bias.placements == (Shard(0), Replicate()))
     dp = mesh2d.get_group("dp")
@@ -103,9 +105,9 @@ def test_mlp_collective_counts(mesh2d):
     reduce-scatter per group, and one all-reduce per group holding replicated biases."""
     dp = mesh2d.get_group("dp")
     _, (x, target) = batch(2, dp.rank)
-    tp_only = _tp_net(mesh2d)
-    net = _tp_net(mesh2d)
-    _fsdp(net, mesh2d["dp"], net.blocks)
+    tp_only = tp_net(mesh2d)
+    net = tp_net(mesh2d)
+    fsdp_net(net, mesh2d["dp"], net.blocks)
     tp_opt = torch.optim.AdamW(tp_only.parameters(), lr=0.01)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     for _ in range(2):
@@ -136,7 +138,7 @@ def test_llama_fsdp_tp_matches_single_process(mesh2d):
     cfg = config(2)
     ref = build_model(cfg, seed=3)
     model = parallelize_llama(copy.deepcopy(ref), mesh2d["tp"])
-    _fsdp(model, mesh2d["dp"], model.layers)
+    fsdp_net(model, mesh2d["dp"], model.layers)
     placements = _placements(model)
     assert_all_ranks(placements["layers.0.attention.wq.weight"] == (Shard(1), Shard(0)), f"{placements}")
     assert_all_ranks(placements["layers.0.feed_forward.w2.weight"] == (Shard(0), Shard(1)), f"{placements}")
@@ -170,7 +172,7 @@ def test_llama_collective_counts(mesh2d):
     batch = tokens(cfg)[:1]
     tp_only = parallelize_llama(build_model(cfg, seed=3), mesh2d["tp"])
     model = parallelize_llama(build_model(cfg, seed=3), mesh2d["tp"])
-    _fsdp(model, mesh2d["dp"], model.layers)
+    fsdp_net(model, mesh2d["dp"], model.layers)
     counts = []
     for net in (tp_only, model):
         with CommDebugMode() as comm:

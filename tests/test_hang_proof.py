@@ -82,14 +82,7 @@ PLAIN_ON_ANOTHER_DEVICE_ON_RANK_1 = """
 def test_a_fact_only_one_rank_knows_ends_the_job(tmp_path, script, message):
     """The rank that sees the problem raises; the abort hook ends the others (no hang)."""
     result = run_job(script, tmp_path, timeout=180)
-    problems = []
-    if result.returncode in (None, 0):
-        problems.append(f"job {'hung' if result.returncode is None else 'succeeded'}")
-    for needle in (message, "aborting the MPI job"):
-        if needle not in result.output:
-            problems.append(f"output lacks {needle!r}")
-    if "rank finished" in result.output:
-        problems.append("a rank went on")
+    problems = result.abort_problems((message, "aborting the MPI job"), went_on="rank finished")
     assert_all_ranks(not problems, f"{problems} after {result.seconds:.1f} s:\n{result.output[-2000:]}")
     after = result.seconds_after("RAISED")
     assert_all_ranks(after is not None and after < 10, f"ended {after} s after the bad call")
