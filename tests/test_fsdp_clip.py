@@ -15,7 +15,8 @@ from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from mpidtensor.debug import CommDebugMode
 from mpidtensor.fsdp import clip_grad_norm_
 from test_fsdp import TOL, assert_same_model, batch, make_net, shard_net
-from test_fsdp_hsdp_tp import ALL_SHAPES, NET, _dp, _fsdp, _tp_net, mesh_of
+from test_fsdp_hsdp_tp import ALL_SHAPES, NET, _dp, mesh_of
+from test_fsdp_tp import fsdp_net, tp_net
 
 WORLD = MPI.COMM_WORLD
 MAX_NORM = 0.1  # below the gradients' norm: every step clips
@@ -69,8 +70,8 @@ def test_fsdp_1d(mesh1d, norm_type, foreach):
 def test_fsdp_tp(mesh2d, norm_type, foreach):
     """FSDP x TP on (dp, tp): gradients on mesh2d (dp- and tp-sharded) and on mesh2d["dp"]."""
     ref_run = _reference(2, norm_type, foreach, **NET)
-    net = _tp_net(mesh2d)
-    _fsdp(net, mesh2d["dp"], net.blocks)
+    net = tp_net(mesh2d)
+    fsdp_net(net, mesh2d["dp"], net.blocks)
     meshes = {p.device_mesh for p in net.parameters()}
     assert_all_ranks(meshes == {mesh2d, mesh2d["dp"]}, f"{meshes}")
     dp = mesh2d.get_group("dp")
@@ -84,8 +85,8 @@ def test_hsdp_tp(shape):
     mesh3d = mesh_of(shape)
     ref_run = _reference(mesh3d.size(0) * mesh3d.size(1), 2.0, False, **NET)
     dp, comm = _dp(mesh3d)
-    net = _tp_net(mesh3d)
-    _fsdp(net, dp, net.blocks)
+    net = tp_net(mesh3d)
+    fsdp_net(net, dp, net.blocks)
     _, (x, target) = batch(comm.size, comm.rank)
     _check(net, ref_run, x, target, comm, 2.0, False)
 
@@ -94,8 +95,8 @@ def test_one_all_reduce_per_rank_group(mesh2d):
     """FSDP x TP gradients are sharded over all 4 ranks (a Colwise weight), over tp (its
     bias), over dp (a Rowwise bias on mesh2d and every plain parameter on mesh2d["dp"]: the
     same ranks): three all-reduces, nothing else."""
-    net = _tp_net(mesh2d)
-    _fsdp(net, mesh2d["dp"], net.blocks)
+    net = tp_net(mesh2d)
+    fsdp_net(net, mesh2d["dp"], net.blocks)
     _, (x, target) = batch(2, mesh2d.get_group("dp").rank)
     F.cross_entropy(net(x), target).backward()
     with CommDebugMode() as comm:
