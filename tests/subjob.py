@@ -2,8 +2,8 @@
 would take the test job down with them).
 
 Only rank 0 of the outer job launches ``mpiexec -n N python script`` with a clean
-environment (the outer launcher's PMI/Hydra variables would make the inner ranks
-join the outer job) and a timeout; the others wait without spinning. Every rank gets
+environment and the flags of the MPI library in use (``mpidtensor.launcher``) and a
+timeout; the others wait without spinning. Every rank gets
 the same result, so the tests' verdicts stay collective.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from mpidtensor import launcher
+
 WORLD = MPI.COMM_WORLD
-MPIEXEC = Path(sys.executable).with_name("mpiexec")
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_", "OMPI_", "PRTE_", "SLURM_")
 
 
 @dataclass
@@ -69,11 +69,9 @@ def run_job(script: str, tmp_dir: Path, *, ranks: int = 2, env: dict[str, str] |
 def _launch(script: str, tmp_dir: Path, ranks: int, extra: dict[str, str], timeout: float) -> Result:
     path = tmp_dir / "job.py"
     path.write_text(textwrap.dedent(script))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
-    env.update(extra)
     start = time.monotonic()
     proc = subprocess.Popen(
-        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(path)], env=env, text=True,
+        launcher.command(ranks, [sys.executable, str(path)]), env=launcher.nested_env(extra), text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     try:

@@ -1,6 +1,5 @@
 """``python -m mpidtensor``: the environment report, in-process at any size and as a command."""
 import io
-import os
 import subprocess
 import sys
 
@@ -8,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from helpers import assert_all_ranks
-from mpidtensor import envreport
+from mpidtensor import envreport, launcher
 from mpidtensor.mesh import mpi_library
 
 WORLD = MPI.COMM_WORLD
@@ -52,7 +51,7 @@ def test_report_names_a_mislaunch(monkeypatch):
 
 @pytest.mark.skipif(WORLD.size > 1, reason="runs `python -m mpidtensor` as a singleton: one rank only")
 def test_python_dash_m_mpidtensor():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_LOCAL", "PMIX_", "HYDRA"))}
-    done = subprocess.run([sys.executable, "-m", "mpidtensor"], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "mpidtensor"], capture_output=True, text=True,
+                          env=launcher.nested_env(), timeout=120)
     assert done.returncode == 0, done.stderr
     assert "MPI library" in done.stdout and "ranks: 1 on 1 node(s)" in done.stdout, done.stdout

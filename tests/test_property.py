@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import mpidtensor.checkpoint as dcp
+import tier
 from helpers import assert_all_ranks, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from mpidtensor._layout import chunk_span
@@ -113,7 +114,7 @@ def redistributions(draw, meshes):
 
 
 def test_redistribute(meshes):
-    @lockstep(max_examples=30)
+    @lockstep(max_examples=tier.count(30, 10))
     @given(redistributions(meshes))
     def run(case):
         mesh, shape, dtype, src, dst = case
@@ -165,7 +166,7 @@ def reference(op: str, xs: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 def test_ops(meshes):
-    @lockstep(max_examples=30)
+    @lockstep(max_examples=tier.count(30, 10))
     @given(op_cases(meshes))
     def run(case):
         mesh, op, shapes_, dtype, places, dim = case
@@ -196,7 +197,7 @@ def checkpoint_cases(draw, meshes):
 
 
 def test_checkpoint_round_trip(meshes):
-    @lockstep(max_examples=12)
+    @lockstep(max_examples=tier.count(12, 4))
     @given(checkpoint_cases(meshes))
     def run(case):
         shape, dtype, save_mesh, save_places, load_mesh, load_places = case
