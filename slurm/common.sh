@@ -19,7 +19,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 srun_mpi_plugin() {
   local id
   id=$("$PY" -c 'import mpi4py; mpi4py.rc.initialize = False
-from mpi4py import MPI; print(MPI.get_vendor()[0]); print(MPI.Get_library_version())')
+from mpi4py import MPI; print(MPI.get_vendor()[0]); print(MPI.Get_library_version().rstrip("\0"))')
   case "$id" in
     "Open MPI"*)                 echo pmix ;;
     *"CRAY MPICH"*|*"Cray MPICH"*) echo cray_shasta ;;
