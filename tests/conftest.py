@@ -30,10 +30,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if tier.TIER not in tier.TIERS:  # the same on every rank: all stop here
         raise pytest.UsageError(f"MPIDTENSOR_TEST_TIER={tier.TIER!r}: use one of {', '.join(tier.TIERS)}")
+    config.addinivalue_line("markers", "exhaustive: runs in the full tier only (make test-all)")
     if WORLD.rank != 0:  # stderr stays: the abort hook reports there
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             config.pluginmanager.unregister(reporter)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import tier
+
+    if tier.QUICK:
+        skip = pytest.mark.skip(reason="exhaustive: runs under make test-all")
+        for item in items:
+            if "exhaustive" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.hookimpl(hookwrapper=True)

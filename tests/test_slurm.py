@@ -87,12 +87,14 @@ def test_cpu_script_runs_the_tour_with_its_defaults():
     assert "all checks passed" in out, out
 
 
+@pytest.mark.exhaustive
 def test_cpu_script_runs_the_training_demo():
     status, out = _submit("slurm/cpu.sbatch", SCRIPT="examples/train_fsdp_tp.py", SCRIPT_ARGS="--steps 3 --no-memory")
     assert status == "COMPLETED 0:0", f"{status}\n{out}"
     assert "largest difference from one process" in out and "(ok --tol" in out, out
 
 
+@pytest.mark.exhaustive
 def test_test_script_runs_pytest_on_the_jobs_ranks():
     status, out = _submit("slurm/run_tests.sbatch", "--nodes=1", "--ntasks-per-node=2", TESTS="tests/test_mesh.py")
     assert status == "COMPLETED 0:0", f"{status}\n{out}"
