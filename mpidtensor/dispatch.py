@@ -507,6 +507,13 @@ def _make_wrap(func, out_meta, out_specs, args) -> Callable:
     return lambda out, a, k: wrap_out(out)
 
 
+def _is_inner_tensor(wrapper: torch.Tensor, t: torch.Tensor) -> bool:
+    """``t`` is one of the inner tensors of the wrapper subclass ``wrapper``: an in-place op
+    that a subclass ran on its own data (and returned that data) wrote into ``wrapper``."""
+    flatten = getattr(wrapper, "__tensor_flatten__", None)
+    return flatten is not None and any(getattr(wrapper, name) is t for name in flatten()[0])
+
+
 def _make_inplace_wrap(func, written, specs_of: Callable) -> Callable:
     """In-place and out= ops return the tensor they wrote into. A DTensor written
     through a redistributed copy takes the new local tensor and placements, unless it
@@ -533,7 +540,7 @@ def _make_inplace_wrap(func, written, specs_of: Callable) -> Callable:
                         func(*a, **k)
                     dst._spec = spec
                     dst._local_tensor = local
-                elif dst._local_tensor is not local:
+                elif dst._local_tensor is not local and not _is_inner_tensor(dst._local_tensor, local):
                     if dst._is_view():  # its block aliases a base: write the values back into it
                         src = dst._spec.with_placements(spec.placements)
                         dst._local_tensor.copy_(redistribute_local(local, src, dst._spec))

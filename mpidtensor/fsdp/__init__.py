@@ -1,8 +1,14 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) on MPI: sharded parameters gathered per
 module group with non-blocking collectives; HSDP on 2-D meshes; FSDP x TP and HSDP x TP;
-``clip_grad_norm_`` over gradients on several meshes."""
+``clip_grad_norm_`` over gradients on several meshes; offload policies, extra forward
+methods and the ``FSDPModule`` settings frameworks call."""
 from .api import FSDPModule, UnshardHandle, fully_shard
 from .clip import clip_grad_norm_
+from .forward_method import register_fsdp_forward_method
 from .mixed_precision import MixedPrecisionPolicy
+from .offload import CPUOffloadPolicy, OffloadPolicy
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "UnshardHandle", "clip_grad_norm_", "fully_shard"]
+__all__ = [
+    "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle",
+    "clip_grad_norm_", "fully_shard", "register_fsdp_forward_method",
+]

@@ -10,17 +10,21 @@ input raises the same error on every rank and leaves the module untouched.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from functools import cache
 from typing import Callable, Iterable
 
+import torch
 from mpi4py import MPI
 from torch import nn
 
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
 from ..placements import Shard
+from .comms import check_comm
 from .mixed_precision import MixedPrecisionPolicy
+from .offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
 from .param import FSDPParam, MeshInfo
 from .param_group import ParamGroup
 from .state import FSDPState
@@ -86,9 +90,93 @@ class FSDPModule:
             group.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Whether forward frees the unsharded parameters (then backward gathers them again)."""
+        """Whether forward frees the unsharded parameters (then backward gathers them again);
+        replaces an int ``reshard_after_forward`` given to ``fully_shard``."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}")
         for group in self._groups(recurse):
-            group.reshard_after_forward = reshard_after_forward
+            group.reshard_after_forward, group.post_forward_comm = reshard_after_forward, None
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: with ``False``, gradients are reduce-scattered but not all-reduced over the
+        replicate dim; the reduce-scattered sums are kept (summed over backwards) and
+        all-reduced, then added to ``.grad``, by the next backward with ``True`` (gradient
+        accumulation that communicates within the shard group only). No effect on FSDP."""
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of the iteration (default ``True``). With
+        ``False`` its end does not wait for the last reduce-scatter (it completes during
+        the next backward, or its end); read ``.grad`` or step after a last backward."""
+        self._fsdp_state.root.is_last_backward = is_last_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """With ``False``, backward does not all-gather this module's parameters (an expert
+        setting for groups whose backward needs no parameter values, e.g. an embedding);
+        their gradients are still reduce-scattered."""
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.unshard_in_backward = unshard_in_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel size, split
+        as torch's FSDP2 splits it (``comms.divide_factors``)."""
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.gradient_divide_factor = factor
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in torch: use ``set_gradient_divide_factor``."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """With ``True`` the collectives only sum; the division by the divide factor runs
+        after the all-reduce hook (in float32/bfloat16; other dtypes split it around the
+        sum either way). MPI reductions here always sum: this moves where FSDP divides."""
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.force_sum_reduction = enable
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: object | None = None) -> None:
+        """``hook(reduced)`` runs on each reduced flat gradient buffer of this module's group
+        before it becomes ``.grad`` (in ``reduce_dtype``): the reduce-scatter output (after
+        the replicate all-reduce under HSDP), and the all-reduced gradients of parameters
+        FSDP leaves replicated (TP-sharded on every dim). It may change them in place.
+        ``stream``: accepted as in torch; there are no streams on MPI, the hook runs inline."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.all_reduce_hook = hook
+
+    def set_post_optim_event(self, event: object) -> None:
+        """torch: the root's all-gathers wait on ``event`` (recorded after the optimizer step)
+        instead of the whole current stream. mpidtensor issues its collectives from the host
+        after the step returned, so there is nothing to wait for on CPU: the root's next
+        forward calls ``event.synchronize()`` (a no-op for a finished step) and drops it."""
+        if not callable(getattr(event, "synchronize", None)):
+            raise TypeError(f"set_post_optim_event expects an event with synchronize(), got {type(event).__name__}")
+        self._fsdp_state.root.post_optim_event = event
+
+    def set_custom_all_gather(self, comm: object) -> None:
+        """Run this group's all-gathers through ``comm`` (torch's ``AllGather`` shape; its
+        ``group`` is the mpi4py communicator of the shard dim: see ``fsdp.comms``)."""
+        check_comm(comm, "AllGather")
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: object) -> None:
+        """Run this group's gradient reduce-scatters through ``comm`` (torch's
+        ``ReduceScatter`` shape, ``op="sum"``: see ``fsdp.comms``)."""
+        check_comm(comm, "ReduceScatter")
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.custom_reduce_scatter = comm
+
+    def reset_iter_state(self) -> None:
+        """After an exception interrupted forward or backward: finish and drop every
+        collective in flight, reshard every group and clear the iteration's bookkeeping, so
+        that the next iteration runs normally. The interrupted iteration's gradients
+        (including no_sync and HSDP partial sums) are lost. Call it on the root module."""
+        self._fsdp_state.reset_iter_state()
 
     def _groups(self, recurse: bool) -> list[ParamGroup]:
         modules = self.modules() if recurse else [self]
@@ -99,9 +187,10 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
 ) -> nn.Module:
     """Shard ``module``'s parameters over the data-parallel ``mesh`` (FSDP2 semantics).
 
@@ -115,6 +204,13 @@ def fully_shard(
     ``Shard(0)``, or for a TP parameter the first dim TP leaves whole; a TP parameter
     with no such dim (a ColwiseParallel bias) stays replicated over ``mesh``: used as
     is, without an all-gather, its gradient all-reduced instead of reduce-scattered.
+    ``reshard_after_forward``: ``True`` frees the gathered parameters after forward (backward
+    gathers them again), ``False`` keeps them; an int ``k`` (a divisor of the shard group
+    size) keeps each rank's ``1/k`` of them, so that backward gathers over ``k`` ranks
+    only (``1`` is ``False``, the group size is ``True``, as in torch). With ``True`` or an
+    int the module holds the sharded parameters between forward and backward.
+    ``offload_policy``: ``CPUOffloadPolicy()`` keeps the sharded state in host memory (see
+    ``offload.CPUOffloadPolicy``; on a CPU mesh it changes nothing).
     Returns ``module``, whose class is now an ``FSDPModule`` subclass.
     """
     if not isinstance(module, nn.Module):
@@ -123,8 +219,8 @@ def fully_shard(
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(f"reshard_after_forward must be a bool or an int, got {reshard_after_forward!r}")
     managed = _managed_params(module)
     if mesh is None:
         mesh = _default_mesh(_device_type(managed))
@@ -132,12 +228,14 @@ def fully_shard(
         raise ValueError(f"fully_shard needs a 1-D (FSDP) or 2-D (HSDP) DeviceMesh, got {mesh!r}")
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable, got {shard_placement_fn!r}")
-    _check_params(managed, mesh, mp_policy)
+    reshard_after_forward = _post_forward_size(reshard_after_forward, mesh)
+    check_offload_policy(offload_policy, {p.device for _, p in managed}, mesh)
+    _check_params(managed, mesh, mp_policy, offload_policy)
     _check_not_tied_across_groups(managed)
     dims = [_shard_dim(param, shard_placement_fn) for _, param in managed]
     info = MeshInfo(mesh)
     params = [FSDPParam(users, param, info, mp_policy, dim) for (users, param), dim in zip(managed, dims)]
-    group = ParamGroup(params, info, mp_policy, reshard_after_forward) if params else None
+    group = ParamGroup(params, info, mp_policy, reshard_after_forward, offload_policy) if params else None
     for _, param in managed:
         _REPLACED[id(param)] = weakref.ref(param, lambda _, key=id(param): _REPLACED.pop(key, None))
     module._fsdp_state = FSDPState(module, group, mp_policy)
@@ -182,13 +280,25 @@ def _device_type(managed: Iterable) -> str:
     return "cpu"
 
 
-def _check_params(managed: list, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> None:
+def _post_forward_size(value: bool | int, mesh: DeviceMesh) -> bool | int:
+    """``reshard_after_forward`` as a bool, or the int size of the subgroup to keep the
+    parameters over after forward (``1`` is ``False``, the shard group size ``True``)."""
+    if isinstance(value, bool):
+        return value
+    size = mesh.size(mesh.ndim - 1)
+    if not 1 <= value <= size or size % value:
+        raise ValueError(f"reshard_after_forward as an int must divide the shard group size {size}, got {value}")
+    return False if value == 1 else True if value == size else value
+
+
+def _check_params(managed: list, mesh: DeviceMesh, mp: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
     """Raise before anything changes if the parameters cannot be sharded together on ``mesh``."""
     params = [param for _, param in managed]
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ValueError(f"fully_shard needs all parameters on one device, got {sorted(map(str, devices))}")
-    if devices and next(iter(devices)).type not in ("meta", mesh.device_type):
+    served = ("meta", mesh.device_type) + (("cpu",) if isinstance(offload, CPUOffloadPolicy) else ())
+    if devices and next(iter(devices)).type not in served:
         raise ValueError(f"parameters on {next(iter(devices))} cannot be sharded on a {mesh.device_type!r} mesh")
     meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
     if len(meshes) > 1:
@@ -235,7 +345,14 @@ def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] |
                 f"dim {dim} ({list(param.placements)}): that would need a strided-shard placement mpidtensor "
                 f"does not have; pick a dim TP leaves whole (or None for the default)"
             )
-    extension = hasattr(param._local_tensor if isinstance(param, DTensor) else param, "fsdp_pre_all_gather")
+    data = param._local_tensor if isinstance(param, DTensor) else param
+    extension = hasattr(data, "fsdp_pre_all_gather")
+    if extension != hasattr(data, "fsdp_post_all_gather"):
+        raise TypeError(f"a {type(data).__name__} parameter defines only one of fsdp_pre_all_gather and "
+                        "fsdp_post_all_gather: FSDP's all-gather extension needs both")
+    if not extension and type(data).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise TypeError(f"fully_shard cannot shard a {type(data).__name__} parameter: a tensor subclass needs "
+                        "fsdp_pre_all_gather and fsdp_post_all_gather (FSDP2's all-gather extension)")
     if extension and dim != 0:
         raise ValueError(f"a parameter with fsdp_pre_all_gather can only be sharded on dim 0, not {dim}")
     return dim

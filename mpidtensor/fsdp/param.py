@@ -18,11 +18,12 @@ import inspect
 from math import prod
 
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from .._layout import chunk_span, contiguous_strides
 from ..dtensor import DTensor
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, accounting
 from ..placements import Placement, Replicate, Shard
 from ..spec import DTensorSpec
 from .mixed_precision import MixedPrecisionPolicy
@@ -39,6 +40,17 @@ class MeshInfo:
         self.shard_size = self.shard_comm.size
         self.shard_rank = self.shard_comm.rank
         self.dp_size = mesh.size()
+
+    def subgroup(self, size: int) -> MPI.Comm:
+        """The communicator over the ``size`` consecutive shard ranks that include this one
+        (``reshard_after_forward=size``); made once per mesh and size, kept with the mesh's
+        communicators (``mesh.free()`` frees it). Collective over the shard communicator
+        (``fully_shard`` is called on every rank)."""
+        key = ("fsdp_post_forward", size)
+        comm = self.mesh._subcomms.get(key)
+        if comm is None:
+            comm = self.mesh._subcomms[key] = self.shard_comm.Split(self.shard_rank // size, self.shard_rank)
+        return comm
 
     def spec_for(self, tp_spec: DTensorSpec | None, dim: int | None) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """Mesh and placements of a sharded parameter (``tp_spec``: its TP layout, if any;
@@ -87,11 +99,14 @@ class FSDPParam:
         mesh, placements = info.spec_for(self.tp_spec, dim)
         self.spec = DTensorSpec(mesh, placements, param.shape, contiguous_strides(param.shape), param.dtype)
         self.initial_local = data.detach().narrow(d, self.offset_rows, self.local_rows)
+        if self.extension:  # the shard must own its rows, or every rank keeps the whole tensor alive
+            self.initial_local = _own_rows(self.initial_local)
         self.replica_src: torch.Tensor | None = None  # the local block a replicated unsharded form aliases
         self.sharded: nn.Parameter | None = None  # set by the group (it owns the storage)
         self.unsharded: nn.Parameter | None = None
-        self.inner: tuple[torch.Tensor, ...] = ()  # storages behind an extension's unsharded tensor
-        self.inner_nbytes: list[int] = []
+        self.outputs: tuple[torch.Tensor, ...] = ()  # an extension's persistent all-gather outputs
+        self.inner: tuple[torch.Tensor, ...] = ()  # tensors the subclass built its unsharded form on
+        self._nbytes: dict[int, int] = {}  # their storage sizes, to reallocate after a reshard
         self.shard_offset = self.unsharded_offset = 0  # byte offsets, set by the group
         self.grad_acc: torch.Tensor | None = None  # unsharded grads summed while sync is off
 
@@ -131,6 +146,8 @@ class FSDPParam:
 
     # --- all-gather extension (tensor subclasses with fsdp_pre/post_all_gather) -----------------
     def pre_all_gather(self, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> tuple[tuple[torch.Tensor, ...], object]:
+        """The subclass's all-gather inputs (each with this shard's rows on dim 0, or the
+        padded shard's rows as torch's FSDP2 asks of uneven shards) and its metadata."""
         local = self.sharded._local_tensor
         if len(inspect.signature(local.fsdp_pre_all_gather).parameters) == 1:
             inputs, meta = local.fsdp_pre_all_gather(mesh)
@@ -138,15 +155,55 @@ class FSDPParam:
             module = self.users[0][0]
             inputs, meta = local.fsdp_pre_all_gather(mesh, self.spec.shape, self.spec.stride, module, mp)
         for t in inputs:
-            if t.ndim == 0 or t.size(0) != self.local_rows:
+            if t.ndim == 0 or t.size(0) not in (self.local_rows, self.pad_rows):
                 raise ValueError(f"fsdp_pre_all_gather inputs must have the shard's {self.local_rows} rows "
-                                 f"on dim 0, got {tuple(t.shape)}")
+                                 f"(or the padded {self.pad_rows}) on dim 0, got {tuple(t.shape)}")
         return tuple(inputs), meta
 
-    def post_all_gather(self, outputs: tuple[torch.Tensor, ...], meta: object) -> None:
+    def gather_outputs(self, kinds: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[torch.Tensor, ...]:
+        """The persistent all-gather outputs (``rows`` x trailing shape, one per input kind),
+        their storage (re)allocated after a reshard freed it, and the storage of the tensors
+        the subclass built on them. They persist as torch's all-gather outputs do: a
+        subclass may keep them as its unsharded data and ignore ``out=`` later (torchao's
+        INT8 weight does), so every all-gather must refill these same tensors."""
+        if not self.outputs:
+            self.outputs = tuple(accounting.track_buffer(torch.empty((self.rows, *rest), dtype=dtype, device=device))
+                                 for dtype, rest, device in kinds)
+        for t in (*self.outputs, *self.inner):
+            if t.untyped_storage().nbytes() == 0:
+                t.untyped_storage().resize_(self._nbytes[id(t)])
+                accounting.track_resize(t)
+        return self.outputs
+
+    def post_all_gather(self, meta: object) -> None:
+        """Build the unsharded tensor from the filled ``outputs`` (first time), or let the
+        subclass refresh the existing one (``out=``)."""
         local = self.sharded._local_tensor
         if self.unsharded is None:
-            tensor, self.inner = local.fsdp_post_all_gather(outputs, meta, self.param_dtype)
+            tensor, inner = local.fsdp_post_all_gather(self.outputs, meta, self.param_dtype)
+            self.inner = tuple(inner)
+            self._nbytes = {id(t): t.untyped_storage().nbytes() for t in (*self.outputs, *self.inner)}
             self.unsharded = nn.Parameter(tensor, requires_grad=self.requires_grad)
         else:
-            local.fsdp_post_all_gather(outputs, meta, self.param_dtype, out=self.unsharded)
+            local.fsdp_post_all_gather(self.outputs, meta, self.param_dtype, out=self.unsharded)
+
+    def free_gathered(self) -> None:
+        """Free the storage of an extension's all-gather outputs and unsharded tensors."""
+        for t in (*self.outputs, *self.inner):
+            if t.untyped_storage().nbytes():
+                t.untyped_storage().resize_(0)
+                accounting.track_resize(t)
+
+    def forget_gathered(self) -> None:
+        """Drop the unsharded form entirely (the next all-gather builds a new one)."""
+        self.unsharded, self.outputs, self.inner, self._nbytes = None, (), (), {}
+
+
+def _own_rows(rows: torch.Tensor) -> torch.Tensor:
+    """A subclass parameter's shard as a clone (a view would keep the whole unsharded
+    tensor alive); the subclass's ``clone`` must return its own type."""
+    copy = rows.clone()
+    if type(copy) is not type(rows):
+        raise TypeError(f"{type(rows).__name__}.clone() returned a {type(copy).__name__}: FSDP keeps each rank's "
+                        "shard of a parameter with fsdp_pre_all_gather as a clone of its rows")
+    return copy

@@ -15,9 +15,22 @@ Buffers (all sizes from global shapes, so every rank agrees):
   all-gather refills the same tensors, so autograd's saved references stay valid.
 * gradients: packed into one buffer in ``reduce_dtype`` with the same padded layout,
   one ``Ireduce_scatter`` (then an all-reduce over the replicate dim for HSDP) and a
-  division by the data-parallel size; the sharded ``.grad``s are views of the result.
+  division by the data-parallel size (or ``set_gradient_divide_factor``'s, split as
+  ``comms.divide_factors`` says around the all-reduce hook); the sharded ``.grad``s are
+  made from the result.
   Replicated parameters (TP-sharded on every dim) are left out of both buffers: their
   gradients are packed into one buffer and all-reduced over the data-parallel mesh.
+
+* all-gather extensions (``fsdp_pre_all_gather``): each input is padded to the shard's
+  padded rows in the send buffer; the gathered rows (padding dropped) are copied into
+  the parameter's *persistent* outputs, freed on reshard and refilled by every
+  all-gather, because a subclass may build its unsharded tensor on them and ignore
+  ``out=`` afterwards (torchao's INT8 weight does, as torch's FSDP2 allows).
+* ``reshard_after_forward=k``: after forward each rank keeps its ``world / k`` rows of the
+  all-gather buffer (rebuilt from the unsharded parameters), and backward's all-gather
+  runs over its subgroup of ``k`` ranks only.
+* ``CPUOffloadPolicy`` on a non-CPU mesh: ``shard_flat`` and the ``.grad`` shards on the
+  host, copied to the device for the all-gather and back after the reduce-scatter.
 
 ``shard_flat`` and ``unsharded_flat`` are registered with ``mesh.accounting`` (and every
 resize reported), so ``memory_allocated()`` shows sharded + currently gathered bytes.
@@ -25,13 +38,18 @@ resize reported), so ``memory_allocated()`` shows sharded + currently gathered b
 from __future__ import annotations
 
 from math import prod
+from typing import Callable
 
 import torch
+from mpi4py import MPI
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..mesh import accounting
 from ..dtensor import DTensor
-from ..mesh.nonblocking import Handle, iall_gather, iall_reduce, ireduce_scatter
+from ..mesh.nonblocking import Handle, iall_reduce
+from . import comms
 from .mixed_precision import MixedPrecisionPolicy
+from .offload import OffloadPolicy, compute_device, host_device, pinned
 from .param import FSDPParam, MeshInfo
 
 ALIGN = 16  # bytes: every segment may be viewed as any dtype
@@ -45,13 +63,22 @@ class ParamGroup:
     """Flat buffers, all-gather, reshard and gradient reduce-scatter of one group."""
 
     def __init__(self, params: list[FSDPParam], info: MeshInfo, mp: MixedPrecisionPolicy,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool | int, offload: OffloadPolicy = OffloadPolicy()) -> None:
         self.params = params
         self.info = info
         self.mp = mp
-        self.reshard_after_forward = reshard_after_forward
+        # int: after forward keep the parameters gathered over a subgroup of that many ranks
+        self.post_forward_comm = info.subgroup(reshard_after_forward) if type(reshard_after_forward) is int else None
+        self.reshard_after_forward = bool(reshard_after_forward)
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        # settings of FSDPModule's set_* methods (torch's defaults)
+        self.requires_all_reduce = True
+        self.unshard_in_backward = True
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.custom_all_gather = self.custom_reduce_scatter = None
         trainable = [p for p in params if p.requires_grad]
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype or (trainable[0].orig_dtype if trainable else None)
         self.gathered = [p for p in params if not p.replicated]
@@ -63,11 +90,17 @@ class ParamGroup:
                 shard_total += _align(p.shard_numel * p.orig_dtype.itemsize)
                 unsharded_total += _align(p.numel * p.param_dtype.itemsize)
         self.unsharded_nbytes = unsharded_total
-        self.device = params[0].initial_local.device
-        self.shard_flat = accounting.track_buffer(torch.zeros(shard_total, dtype=torch.uint8, device=self.device))
+        built_on = params[0].initial_local.device
+        self.offload_to = host_device(offload, info.mesh, built_on)  # where sharded state lives, if moved
+        self.device = compute_device(info.mesh) if self.offload_to else built_on  # gathered params, gradients
+        self.shard_flat = accounting.track_buffer(pinned(offload, torch.zeros(
+            shard_total, dtype=torch.uint8, device=self.offload_to or self.device)))
         with torch.no_grad():
             for p in params:
-                local = p.initial_local if p.extension or p.replicated else self._slot(p).copy_(p.initial_local)
+                if p.extension or p.replicated:
+                    local = p.initial_local if self.offload_to is None else p.initial_local.to(self.offload_to)
+                else:
+                    local = self._slot(p).copy_(p.initial_local)
                 p.make_sharded(local)
                 p.initial_local = None
         self.unsharded_flat: torch.Tensor | None = None
@@ -77,6 +110,9 @@ class ParamGroup:
         self._gather: Handle | None = None
         self._meta: dict[int, object] = {}
         self._pending: tuple[Handle | None, list[FSDPParam], Handle | None, list[FSDPParam]] | None = None
+        self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced (summed)
+        self._kept: torch.Tensor | None = None  # reshard_after_forward=int: this rank's rows of a gather
+        self._kept_meta: dict[int, object] = {}
 
     # --- sharded storage -----------------------------------------------------------------------
     def _slot(self, p: FSDPParam) -> torch.Tensor:
@@ -97,11 +133,12 @@ class ParamGroup:
             return
         device = plain[0].sharded._local_tensor.device
         if device != self.shard_flat.device:
-            self.device = device
+            if self.offload_to is None:
+                self.device = device
             self.shard_flat = accounting.track_buffer(torch.zeros(self.shard_flat.numel(), dtype=torch.uint8, device=device))
             self.unsharded_flat = None
             for p in self.params:
-                p.unsharded, p.inner = None, ()
+                p.forget_gathered()
         with torch.no_grad():
             for p in plain:
                 local, slot = p.sharded._local_tensor, self._slot(p)
@@ -114,6 +151,11 @@ class ParamGroup:
         """Issue this group's all-gather (non-blocking); ``finish_unshard`` completes it."""
         if self.is_unsharded or self._gather is not None:
             return
+        if self._kept is not None:  # gather the rows kept after forward over the subgroup
+            kept, self._kept = self._kept, None
+            self._meta = dict(self._kept_meta)
+            self._start_gather(kept, self.post_forward_comm)
+            return
         self.sync()
         inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         for i, p in enumerate(self.gathered):
@@ -125,20 +167,26 @@ class ParamGroup:
             self._gather = _NO_GATHER
             return
         if self.direct:
-            send = self.shard_flat
+            send = self.shard_flat.to(self.device, non_blocking=True)  # itself unless offloaded
         else:
             send = torch.zeros(self._gather_nbytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
                 for i, p in enumerate(self.gathered):
                     if p.extension:
+                        self._check_inputs(p, inputs[i], self._pieces[i])
                         for t, (dtype, rest, offset, _) in zip(inputs[i], self._pieces[i]):
-                            nbytes = p.local_rows * prod(rest) * dtype.itemsize
-                            send[offset:offset + nbytes].view(dtype).view(p.local_rows, *rest).copy_(t)
+                            nbytes = t.numel() * dtype.itemsize
+                            send[offset:offset + nbytes].view(dtype).view(t.shape).copy_(t)
                     else:
                         offset, nbytes = self._pieces[i][0][2], p.local_numel * p.param_dtype.itemsize
                         send[offset:offset + nbytes].view(p.param_dtype).view(p.local_shape).copy_(p.sharded._local_tensor)
-        out = accounting.track_buffer(torch.empty(self._gather_nbytes * self.info.shard_size, dtype=torch.uint8, device=self.device))
-        self._gather = iall_gather(send, self.info.shard_comm, out=out)
+        self._start_gather(send, self.info.shard_comm)
+
+    def _start_gather(self, send: torch.Tensor, comm: MPI.Comm) -> None:
+        """Start gathering ``send`` over ``comm`` into a buffer of every shard rank's rows."""
+        nbytes = self._gather_nbytes * self.info.shard_size
+        out = comms.allocate(self.custom_all_gather, (nbytes,), torch.uint8, self.device)
+        self._gather = comms.start_all_gather(self.custom_all_gather, send, comm, out)
 
     def _make_layout(self, inputs: dict[int, tuple[torch.Tensor, ...]]) -> None:
         """Per gathered parameter, its pieces of one rank's all-gather input: (dtype, trailing
@@ -155,6 +203,14 @@ class ParamGroup:
                 offset += nbytes
             pieces.append(own)
         self._pieces, self._gather_nbytes = pieces, offset
+
+    @staticmethod
+    def _check_inputs(p: FSDPParam, inputs: tuple[torch.Tensor, ...], pieces: list) -> None:
+        """Each all-gather keeps the count, dtypes and trailing shapes of the first."""
+        kinds = [(t.dtype, tuple(t.shape[1:])) for t in inputs]
+        if kinds != [(dtype, rest) for dtype, rest, _, _ in pieces]:
+            raise ValueError(f"fsdp_pre_all_gather of {p.users[0][1]!r} returned inputs {kinds}, "
+                             f"unlike the first all-gather's {[(d, r) for d, r, _, _ in pieces]}")
 
     def finish_unshard(self) -> None:
         """Wait for the all-gather and put the unsharded parameters on the modules."""
@@ -176,13 +232,11 @@ class ParamGroup:
                 rows_of_ranks = out.view(self.info.shard_size, self._gather_nbytes)
                 for i, p in enumerate(self.gathered):
                     if p.extension:
-                        gathered = [rows_of_ranks[:, off:off + n].view(dtype)[:, :p.pad_rows * prod(rest)]
-                                    for dtype, rest, off, n in self._pieces[i]]
-                        self._post_all_gather(i, p, gathered)
+                        self._post_all_gather(i, p, rows_of_ranks)
                         continue
                     _, _, off, n = self._pieces[i][0]
                     dst = self._unsharded_view(p)
-                    _from_ranks(dst, rows_of_ranks[:, off:off + n].view(p.param_dtype), p)
+                    _from_ranks(dst, rows_of_ranks[:, off:off + n].view(p.param_dtype), p.pad_rows)
                     if p.unsharded is None:
                         p.unsharded = p.wrap_unsharded(dst.view(p.shape))
             for p in self.params:
@@ -193,17 +247,14 @@ class ParamGroup:
         for p in self.params:
             p.install(p.unsharded)
 
-    def _post_all_gather(self, i: int, p: FSDPParam, gathered: list[torch.Tensor]) -> None:
-        world = self.info.shard_size
-        outputs = tuple(g.reshape(world * p.pad_rows, *rest)[:p.rows]
-                        for g, (_, rest, _, _) in zip(gathered, self._pieces[i]))
-        for t, nbytes in zip(p.inner, p.inner_nbytes):
-            if t.untyped_storage().nbytes() == 0:
-                t.untyped_storage().resize_(nbytes)
-        fresh = p.unsharded is None
-        p.post_all_gather(outputs, self._meta.pop(i))
-        if fresh:
-            p.inner_nbytes = [t.untyped_storage().nbytes() for t in p.inner]
+    def _post_all_gather(self, i: int, p: FSDPParam, rows_of_ranks: torch.Tensor) -> None:
+        """Copy an extension parameter's gathered pieces (padding dropped) into its
+        persistent outputs and let the subclass build (or refresh) its unsharded tensor."""
+        kinds = [(dtype, rest, self.device) for dtype, rest, _, _ in self._pieces[i]]
+        for out, (dtype, rest, off, n) in zip(p.gather_outputs(kinds), self._pieces[i]):
+            _from_ranks(out.view(1, p.rows, prod(rest)), rows_of_ranks[:, off:off + n].view(dtype), p.pad_rows)
+        self._kept_meta[i] = self._meta.pop(i)
+        p.post_all_gather(self._kept_meta[i])
 
     def _unsharded_view(self, p: FSDPParam) -> torch.Tensor:
         """``p``'s unsharded tensor in ``unsharded_flat``, seen as (pre, rows, post)."""
@@ -211,19 +262,44 @@ class ParamGroup:
         flat = self.unsharded_flat[p.unsharded_offset:p.unsharded_offset + nbytes]
         return flat.view(p.param_dtype).view(p.pre, p.rows, p.post)
 
-    @staticmethod
-    def _unshard_replica(p: FSDPParam) -> None:
-        """A replicated parameter's unsharded form: its local block itself (a cast copy
-        under ``param_dtype``), rebuilt only when the local block was replaced."""
+    def _unshard_replica(self, p: FSDPParam) -> None:
+        """A replicated parameter's unsharded form: its local block itself (a copy in
+        ``param_dtype``, or on the compute device when offloaded), rebuilt only when the
+        local block was replaced."""
         local = p.sharded._local_tensor
         if p.unsharded is None or p.replica_src is not local:
             p.replica_src = local
-            p.unsharded = p.wrap_unsharded(local if local.dtype == p.param_dtype else local.to(p.param_dtype))
-        elif local.dtype != p.param_dtype:  # replicated parameters are TP DTensors
-            p.unsharded._local_tensor.copy_(local)
+            p.unsharded = p.wrap_unsharded(local.to(device=self.device, dtype=p.param_dtype))
+        elif local.dtype != p.param_dtype or local.device != self.device:  # a copy: refresh it
+            p.unsharded._local_tensor.copy_(local)  # (replicated parameters are TP DTensors)
+
+    def reshard_post_forward(self) -> None:
+        """Reshard after forward: fully, or (``reshard_after_forward=k``) keeping this rank's
+        ``world / k`` rows of the all-gather so that backward gathers over the k ranks of
+        its subgroup only; the kept rows are rebuilt from the unsharded parameters."""
+        if self.post_forward_comm is None or not self.is_unsharded or not self.gathered:
+            self.reshard()
+            return
+        k, world = self.post_forward_comm.size, self.info.shard_size
+        first = self.post_forward_comm.rank * (world // k)
+        kept = accounting.track_buffer(
+            torch.empty((world // k, self._gather_nbytes), dtype=torch.uint8, device=self.device))
+        with torch.no_grad():
+            for i, p in enumerate(self.gathered):
+                if p.extension:
+                    sources = [(out.view(1, p.rows, prod(rest)), dtype, off, n)
+                               for out, (dtype, rest, off, n) in zip(p.outputs, self._pieces[i])]
+                else:
+                    dtype, _, off, n = self._pieces[i][0]
+                    sources = [(self._unsharded_view(p), dtype, off, n)]
+                for src, dtype, off, n in sources:
+                    _rank_rows(kept[:, off:off + n].view(dtype), src, p.pad_rows, first)
+        self.reshard()
+        self._kept = kept.view(-1)
 
     def reshard(self) -> None:
         """Put the sharded parameters back and free the unsharded storage."""
+        self._kept = None
         if self._gather is not None:  # a prefetch nobody used
             self._gather.wait()
             self._gather = None
@@ -232,8 +308,7 @@ class ParamGroup:
             return
         for p in self.params:
             p.install(p.sharded)
-            for t in p.inner:
-                t.untyped_storage().resize_(0)
+            p.free_gathered()
         if self.unsharded_flat is not None:
             self.unsharded_flat.untyped_storage().resize_(0)
             accounting.track_resize(self.unsharded_flat)
@@ -252,63 +327,103 @@ class ParamGroup:
                 if g.placements != p.tp_spec.placements:
                     g = g.redistribute(p.tp_spec.mesh, p.tp_spec.placements)
                 g = g._local_tensor
+            g = _plain_grad(g, p)
             grads.append(g if p.grad_acc is None else g + p.grad_acc)
             p.grad_acc = None
-        if not self.requires_gradient_sync:
-            for p, g in zip(params, grads):
+        # HSDP without the all-reduce: replicated parameters' gradients wait unreduced
+        skip_all_reduce = not self.requires_all_reduce and self.info.replicate_comm is not None
+        hold = not self.requires_gradient_sync or skip_all_reduce
+        for p, g in zip(params, grads):
+            if p.replicated and hold or not self.requires_gradient_sync:
                 p.grad_acc = g
-        elif params:
-            self._start_reduce(params, grads)
+        if self.requires_gradient_sync and params:
+            self.finish_reduce()  # a reduction left running (set_is_last_backward(False)) ends first
+            self._start_reduce([(p, g) for p, g in zip(params, grads) if not (p.replicated and hold)])
         if self.reshard_after_backward:
             self.reshard()
 
-    def _start_reduce(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
+    def _start_reduce(self, params: list[tuple[FSDPParam, torch.Tensor]]) -> None:
         """One reduce-scatter for the sharded parameters' gradients, one all-reduce for
         the replicated ones'."""
         world = self.info.shard_size
-        sharded = [(p, g) for p, g in zip(params, grads) if not p.replicated]
-        replicated = [(p, g) for p, g in zip(params, grads) if p.replicated]
+        sharded = [(p, g) for p, g in params if not p.replicated]
+        replicated = [(p, g) for p, g in params if p.replicated]
+        pre, _, _ = self._factors()
         scatter = reduce = None
         with torch.no_grad():
             if sharded:
                 total = sum(p.shard_numel for p, _ in sharded)
-                send = accounting.track_buffer(torch.empty(world * total, dtype=self.reduce_dtype, device=grads[0].device))
+                device = sharded[0][1].device
+                send = comms.allocate(self.custom_reduce_scatter, (world * total,), self.reduce_dtype, device)
                 per_rank, offset = send.view(world, total), 0
                 for p, g in sharded:
-                    _to_ranks(per_rank[:, offset:offset + p.shard_numel], g.reshape(p.pre, p.rows, p.post), p)
+                    _to_ranks(per_rank[:, offset:offset + p.shard_numel], g.reshape(p.pre, p.rows, p.post), p.pad_rows)
                     offset += p.shard_numel
-                scatter = ireduce_scatter(send, self.info.shard_comm, "sum")
+                comms.divide(send, pre)
+                out = comms.allocate(self.custom_reduce_scatter, (total,), self.reduce_dtype, device)
+                scatter = comms.start_reduce_scatter(self.custom_reduce_scatter, send, self.info.shard_comm, out)
             if replicated:
                 flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for _, g in replicated])
+                comms.divide(flat, pre)
                 reduce = iall_reduce(flat, self.info.mesh.comm_for(tuple(range(self.info.mesh.ndim))), "sum", inplace=True)
         self._pending = (scatter, [p for p, _ in sharded], reduce, [p for p, _ in replicated])
 
+    def _factors(self) -> tuple[float | None, float | None, float | None]:
+        return comms.divide_factors(self.info.dp_size, self.gradient_divide_factor, self.reduce_dtype,
+                                    self.force_sum_reduction)
+
     def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter (and HSDP's all-reduce); add the averaged shards to
-        the sharded parameters' ``.grad``."""
+        """Wait for the reduce-scatter and (HSDP) the all-reduce over the replicate dim,
+        scale, run the all-reduce hook, and add the shards to the parameters' ``.grad``.
+        Under HSDP with ``requires_all_reduce`` off, the reduce-scattered sum is kept
+        (summed over backwards) and all-reduced by the next backward that has it on."""
         if self._pending is None:
             return
         scatter, sharded, reduce, replicated = self._pending
         self._pending = None
-        pieces: list[tuple[FSDPParam, torch.Tensor]] = []
+        _, with_comm, post = self._factors()
+        outputs: list[tuple[torch.Tensor, list[FSDPParam], list[int]]] = []
         if scatter is not None:
             out = scatter.wait()
-            if self.info.replicate_comm is not None:
-                iall_reduce(out, self.info.replicate_comm, "sum", inplace=True).wait()
-            offset = 0
-            for p in sharded:
-                pieces.append((p, out[offset:offset + p.local_numel].view(p.local_shape)))
-                offset += p.shard_numel
-        if reduce is not None:
-            flat = reduce.wait()
-            for p, part in zip(replicated, flat.split([p.numel for p in replicated])):
-                pieces.append((p, part.view(p.local_shape)))
-        for p, piece in pieces:
-            local = piece.div_(self.info.dp_size).to(p.orig_dtype)
-            if p.sharded.grad is None:
-                p.sharded.grad = DTensor(local, p.spec, requires_grad=False)
+            if self.info.replicate_comm is not None and not self.requires_all_reduce:
+                self._partial = out if self._partial is None else self._partial.add_(out)
             else:
-                p.sharded.grad._local_tensor.add_(local)
+                if self._partial is not None:
+                    out, self._partial = out.add_(self._partial), None
+                if self.info.replicate_comm is not None:
+                    iall_reduce(out, self.info.replicate_comm, "sum", inplace=True).wait()
+                outputs.append((out, sharded, [p.shard_numel for p in sharded]))
+        if reduce is not None:
+            outputs.append((reduce.wait(), replicated, [p.numel for p in replicated]))
+        for flat, params, sizes in outputs:
+            comms.divide(flat, with_comm)
+            if self.all_reduce_hook is not None:
+                self.all_reduce_hook(flat)
+            comms.divide(flat, post)
+            offset = 0
+            for p, size in zip(params, sizes):
+                piece = flat[offset:offset + p.local_numel].view(p.local_shape)
+                offset += size
+                local = piece.to(device=self.offload_to or piece.device, dtype=p.orig_dtype)
+                if p.sharded.grad is None:
+                    p.sharded.grad = DTensor(local, p.spec, requires_grad=False)
+                else:
+                    p.sharded.grad._local_tensor.add_(local)
+
+    def reset(self) -> None:
+        """Back to the state between iterations, after an exception: finish and drop any
+        collective in flight, drop held gradients (no_sync and HSDP partial sums), reshard."""
+        if self._pending is not None:
+            for handle in (self._pending[0], self._pending[2]):
+                if handle is not None:
+                    handle.wait()
+            self._pending = None
+        self._partial = None
+        for p in self.params:
+            p.grad_acc = None
+            if p.unsharded is not None:
+                p.unsharded.grad = None
+        self.reshard()
 
     @property
     def reducing(self) -> bool:
@@ -319,6 +434,20 @@ class ParamGroup:
     def has_pending_grads(self) -> bool:
         """Some unsharded gradients arrived that ``post_backward`` has not taken yet."""
         return any(p.unsharded is not None and p.unsharded.grad is not None for p in self.params)
+
+
+def _plain_grad(grad: torch.Tensor, p: FSDPParam) -> torch.Tensor:
+    """``grad`` as a plain tensor: a gradient that came back as a tensor subclass (a
+    quantized weight's autograd may return its own type) is dequantized, or unwrapped
+    if it is a plain tensor underneath; the reduce-scatter packs plain values."""
+    if type(grad) is torch.Tensor:
+        return grad
+    if hasattr(grad, "dequantize"):
+        return grad.dequantize()
+    if not is_traceable_wrapper_subclass(grad):
+        return grad.as_subclass(torch.Tensor)
+    raise TypeError(f"the gradient of {p.users[0][1]!r} is a {type(grad).__name__} without dequantize(): "
+                    "FSDP cannot reduce-scatter it; return a plain gradient from the subclass's backward")
 
 
 class _NoGather:
@@ -332,14 +461,15 @@ class _NoGather:
 _NO_GATHER = _NoGather()
 
 
-def _to_ranks(dst: torch.Tensor, src: torch.Tensor, p: FSDPParam) -> None:
+def _to_ranks(dst: torch.Tensor, src: torch.Tensor, pad: int) -> None:
     """Copy ``src`` (pre, rows, post) into ``dst`` (world, >= padded piece): row ``r`` gets
-    rank r's chunk of dim 1 as a contiguous (pre, its rows, post) block, zero-padded.
-    Two strided copies at most: the full chunks together, then the one short chunk."""
-    world, (pre, pad, post) = dst.size(0), (p.pre, p.pad_rows, p.post)
+    rank r's chunk of dim 1 (``pad`` rows, the last ones short) as a contiguous (pre, its
+    rows, post) block, zero-padded. Two strided copies at most: the full chunks together,
+    then the one short chunk."""
+    world, (pre, rows, post) = dst.size(0), src.shape
     if pad == 0:
         return
-    full, rem = divmod(p.rows, pad)
+    full, rem = divmod(rows, pad)
     if full:
         dst[:full, :pre * pad * post].view(full, pre, pad, post).copy_(
             src[:, :full * pad].view(pre, full, pad, post).transpose(0, 1))
@@ -350,12 +480,24 @@ def _to_ranks(dst: torch.Tensor, src: torch.Tensor, p: FSDPParam) -> None:
         dst[full + 1:].zero_()
 
 
-def _from_ranks(dst: torch.Tensor, src: torch.Tensor, p: FSDPParam) -> None:
-    """The inverse of ``_to_ranks``: rank chunks in ``src`` rows into ``dst`` (pre, rows, post)."""
-    pre, pad, post = p.pre, p.pad_rows, p.post
+def _rank_rows(dst: torch.Tensor, src: torch.Tensor, pad: int, first: int) -> None:
+    """Rows ``first, first + 1, ...`` of ``_to_ranks``'s layout (one per row of ``dst``),
+    built from ``src`` (pre, rows, post): those ranks' chunks, zero-padded."""
+    pre, rows, post = src.shape
+    for i in range(dst.size(0)):
+        lo, hi = min((first + i) * pad, rows), min((first + i + 1) * pad, rows)
+        n = pre * (hi - lo) * post
+        dst[i, :n].view(pre, hi - lo, post).copy_(src[:, lo:hi])
+        dst[i, n:].zero_()
+
+
+def _from_ranks(dst: torch.Tensor, src: torch.Tensor, pad: int) -> None:
+    """The inverse of ``_to_ranks``: rank chunks of ``pad`` rows in ``src`` rows into
+    ``dst`` (pre, rows, post)."""
+    pre, rows, post = dst.shape
     if pad == 0:
         return
-    full, rem = divmod(p.rows, pad)
+    full, rem = divmod(rows, pad)
     if full:
         dst[:, :full * pad].view(pre, full, pad, post).copy_(
             src[:full, :pre * pad * post].view(full, pre, pad, post).transpose(0, 1))

@@ -12,7 +12,10 @@ function on the module's inputs signals when the module's backward is done, and 
 last such signal of a module called several times (every forward call with gradients
 counts) starts the group's one reduce-scatter, so the gradient is the sum of all uses.
 The root queues a final callback that reduces whatever is left (modules whose inputs
-need no gradient), waits for every reduce-scatter, and reshards.
+need no gradient), waits for every reduce-scatter (unless ``set_is_last_backward(False)``),
+and reshards. A registered forward method (``register_fsdp_forward_method``) runs the
+pre/post-forward hooks around itself; the module's own forward calls inside it are
+nested (``method_depth``) and leave the parameters gathered.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class FSDPState:
         self._call_index = 0  # of the running forward call in the forward order
         self._post_forward_indices: list[int] = []  # one per forward call since the root's
         self._uses = 0  # forward calls with gradients whose backward has not ended
+        self.method_depth = 0  # inside a registered forward method (its own forward calls are nested)
         # root only
         self.states: list[FSDPState] = []
         self.forward_order: list[FSDPState] = []
@@ -51,6 +55,8 @@ class FSDPState:
         self._recording = True
         self._callback_queued = False
         self._reducing: list[ParamGroup] = []
+        self.is_last_backward = True
+        self.post_optim_event: Any = None
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
 
@@ -70,9 +76,10 @@ class FSDPState:
             if state.group is not None and state.group.has_pending_grads:
                 state._reduce()
             state._uses = 0
-        for group in self._reducing:
-            group.finish_reduce()
-        self._reducing.clear()
+        if self.is_last_backward:
+            for group in self._reducing:
+                group.finish_reduce()
+            self._reducing.clear()
         for state in self.states:
             if state.group is not None and state.group.reshard_after_backward:
                 state.group.reshard()
@@ -86,12 +93,28 @@ class FSDPState:
             earlier.finish_reduce()
         self._reducing = [group]
 
+    def reset_iter_state(self) -> None:
+        """The root's recovery after an exception (``FSDPModule.reset_iter_state``)."""
+        if self.is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        for state in self.states or [self]:
+            if state.group is not None:
+                state.group.reset()
+            state._uses, state.method_depth, state._post_forward_indices = 0, 0, []
+        self._reducing, self._kept, self.post_forward_order = [], [], []
+        self._forward_index, self._callback_queued = 0, False
+
     # --- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.method_depth:  # forward called by a registered forward method: already gathered
+            return args, kwargs
         if self.is_root is None:
             self._lazy_init()
         root = self.root
         if self.is_root:
+            if root.post_optim_event is not None:
+                root.post_optim_event.synchronize()
+                root.post_optim_event = None
             root.post_forward_order = []
             root._forward_index = 0
             for state in root.states:
@@ -120,13 +143,15 @@ class FSDPState:
         return not self.root._recording and index < len(order) and order[index] is self
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.method_depth:
+            return output
         root = self.root
         grad = torch.is_grad_enabled()
         if self.group is not None and self.group.reshard_after_forward and not (self.is_root and grad):
             if self._in_order(self._call_index) and root.last_call[id(self)] > self._call_index:
                 root._kept.append(self)  # called again later in this forward
             else:
-                self.group.reshard()
+                self.group.reshard_post_forward()
         self._post_forward_indices.append(len(root.post_forward_order))
         root.post_forward_order.append(self)
         if self.is_root:
@@ -176,12 +201,13 @@ class FSDPState:
         if not root._callback_queued:
             Variable._execution_engine.queue_callback(root._final_callback)
             root._callback_queued = True
-        if self.group is not None:
+        if self.group is not None and self.group.unshard_in_backward:
             self.group.finish_unshard()
         # of its last forward call not yet met: backward meets the calls in reverse
         i = self._post_forward_indices.pop() if self._post_forward_indices else 0
         for target in self._next(self.backward_prefetch, root.post_forward_order[i - 1:i] if i > 0 else []):
-            target.group.start_unshard()
+            if target.group.unshard_in_backward:
+                target.group.start_unshard()
 
 
 class _PostBackward(torch.autograd.Function):

@@ -1,0 +1,88 @@
+"""The collectives of one FSDP group, replaceable as in torch, and the gradient scaling.
+
+``set_custom_all_gather(comm)`` / ``set_custom_reduce_scatter(comm)`` take objects of the
+shape of torch's ``AllGather`` / ``ReduceScatter`` (``torch.distributed.fsdp``'s ``Comm``
+classes, or any object with the same two methods): ``allocate(size, *, dtype, device)``
+returns the buffer a collective reads or writes, and ``comm(output_tensor=...,
+input_tensor=..., group=..., [op=...,] async_op=True)`` runs it. mpidtensor has no
+ProcessGroup: ``group`` is the mpi4py communicator of the mesh's shard dim, and the
+reduce-scatter's ``op`` is ``"sum"`` (FSDP scales separately, see ``divide_factors``).
+The call may return an object with ``wait()`` (a started collective) or ``None`` (done).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from mpi4py import MPI
+
+from ..mesh import accounting
+from ..mesh.nonblocking import Handle, iall_gather, ireduce_scatter
+
+
+class _Done:
+    """A custom collective's work (``wait()``-able, or ``None`` if it already finished)
+    and the tensor it fills, behind the ``Handle`` interface."""
+
+    def __init__(self, work: Any, result: torch.Tensor) -> None:
+        self._work, self._result = work, result
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._result
+
+
+def check_comm(comm: Any, kind: str) -> None:
+    """Raise ``TypeError`` unless ``comm`` has ``allocate`` and is callable, as torch's ``Comm``."""
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(f"a custom {kind} needs allocate(size, *, dtype, device) and __call__ (torch's "
+                        f"{kind} interface), got {type(comm).__name__}")
+
+
+def allocate(custom: Any, size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A communication buffer: from the custom comm's ``allocate`` if there is one."""
+    if custom is None:
+        return accounting.track_buffer(torch.empty(tuple(size), dtype=dtype, device=device))
+    return custom.allocate(tuple(size), dtype=dtype, device=device)
+
+
+def start_all_gather(custom: Any, send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor) -> Handle | _Done:
+    """Start gathering every rank's ``send`` into ``out``; ``wait()`` returns ``out``."""
+    if custom is None:
+        return iall_gather(send, comm, out=out)
+    return _Done(custom(output_tensor=out, input_tensor=send, group=comm, async_op=True), out)
+
+
+def start_reduce_scatter(custom: Any, send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor) -> Handle | _Done:
+    """Start summing ``send`` over ``comm``, this rank's piece into ``out``."""
+    if custom is None:
+        return ireduce_scatter(send, comm, "sum", out=out)
+    return _Done(custom(output_tensor=out, input_tensor=send, group=comm, op="sum", async_op=True), out)
+
+
+def divide_factors(dp_size: int, factor: float | None, reduce_dtype: torch.dtype,
+                   force_sum: bool) -> tuple[float | None, float | None, float | None]:
+    """``(pre, with_comm, post)``: the gradient sum over the data-parallel ranks is divided
+    by ``factor`` (default ``dp_size``) as torch's FSDP2 splits it. ``pre`` divides before
+    the reduce-scatter, ``with_comm`` right after the collectives (torch's AVG / PREMUL_SUM
+    reductions: the all-reduce hook sees averaged gradients), ``post`` after the hook. In
+    float32/bfloat16 without ``force_sum`` the whole factor goes with the collective; in
+    other dtypes about its square root goes before the sum and the rest after (less
+    overflow); with ``force_sum`` in float32/bfloat16, all of it after the hook."""
+    overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    if not overflow_risk and not force_sum:
+        return None, float(dp_size if factor is None else factor), None
+    factor = float(dp_size if factor is None else factor)
+    if not overflow_risk:
+        return None, None, factor
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre), None, factor / pre
+
+
+def divide(tensor: torch.Tensor, factor: float | None) -> None:
+    if factor is not None and factor != 1:
+        tensor.div_(factor)

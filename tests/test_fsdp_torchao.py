@@ -1,0 +1,152 @@
+"""torchao's quantized-training tensor subclasses under fully_shard (per block + root).
+
+Each rank trains on its own slice of the batch; one process trains the same quantized
+model (torchao's own single-process path) on the whole batch. The INT8 weights are
+gathered through their ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (int8 rows +
+scales), so every all-gather must refill the tensors the unsharded weight is built on.
+
+Tolerances. Step 0 is deterministic: its loss and gradients match to float rounding
+(1e-5). Later steps are not bit-comparable: torchao writes every optimizer update back
+into the INT8 weight with *stochastic* rounding, drawing ``torch.rand_like`` for the
+tensor it rounds, which is the whole weight in one process and one shard per rank; so
+each step may put an element on a neighbouring level (one quantization step, ``lsb =
+absmax / 127``). The weights then differ slightly, so do the gradients, and AdamW's
+normalized update (about ``lr`` in size whatever the gradient's) may point the other
+way for an element whose gradient is near zero: ``2 * lr`` more per step. Parameters
+are compared to ``STEPS * (2 * LR + lsb)`` (absolute), losses to 2e-2. (Measured at 4
+ranks: weights 5.5e-3 of 1.8e-2 allowed, the float parameters 1.4e-5, losses 4.6e-4.)
+BitNet and INT8 mixed precision keep float weights and quantize deterministically in
+forward: they match to 1e-5 throughout (measured: 3e-8).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+from helpers import assert_all_ranks, assert_close, global_tensor
+from mpidtensor.fsdp import MixedPrecisionPolicy, fully_shard
+
+torchao_quant = pytest.importorskip("torchao.quantization")
+qt = pytest.importorskip("torchao.prototype.quantized_training")
+
+WORLD = MPI.COMM_WORLD
+STEPS = 3
+LR = 2e-3
+PER_RANK = 2
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+
+class Net(nn.Module):
+    """Quantizable layers whose dim 0 (20, 10) does not divide by 3 (and 10 not by 4), and a float head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 20), nn.Linear(20, 10)])
+        self.head = nn.Linear(10, 5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        return self.head(x)
+
+
+def _model(config) -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    torchao_quant.quantize_(net.layers, config())
+    return net
+
+
+def _batch():
+    x = global_tensor((PER_RANK * WORLD.size, 16), seed=5)
+    target = torch.randint(0, 5, (PER_RANK * WORLD.size,), generator=torch.Generator().manual_seed(6))
+    return x, target
+
+
+def _dequantized(t: torch.Tensor) -> torch.Tensor:
+    return t.dequantize() if hasattr(t, "dequantize") else t
+
+
+def _train(net, x, target, *, losses_over_world: bool, before_forward=None):
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0)  # torchao INT8 has no mul_
+    losses, grads0 = [], None
+    for step in range(STEPS):
+        torch.manual_seed(100 + step)  # the stochastic rounding draws
+        if before_forward is not None:
+            before_forward(net)
+        loss = F.cross_entropy(net(x), target)
+        loss.backward()
+        if step == 0:
+            grads0 = [p.grad.full_tensor() if losses_over_world else p.grad.clone() for p in net.parameters()]
+        opt.step()
+        opt.zero_grad()
+        losses.append(WORLD.allreduce(loss.item()) / WORLD.size if losses_over_world else loss.item())
+    return torch.tensor(losses), grads0
+
+
+def _full(p) -> torch.Tensor:
+    """A sharded parameter's global value, dequantized (gathered by its local pieces: the
+    INT8 subclass has no ``full_tensor`` path of its own)."""
+    local = _dequantized(p._local_tensor).detach().float()
+    pieces = WORLD.allgather(local)
+    return torch.cat(pieces, dim=0)
+
+
+def _compare(config, mp_policy=None, before_forward=None, stochastic=False):
+    x, target = _batch()
+    ref = _model(config)
+    ref_losses, ref_grads = _train(ref, x, target, losses_over_world=False)
+
+    net = _model(config)
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for layer in net.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(net, **kwargs)
+    rows = slice(WORLD.rank * PER_RANK, (WORLD.rank + 1) * PER_RANK)
+    losses, grads = _train(net, x[rows], target[rows], losses_over_world=True, before_forward=before_forward)
+
+    finite = all(bool(torch.isfinite(g).all()) for g in grads)
+    assert_all_ranks(finite, "non-finite step-0 gradient under fully_shard")
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, atol=1e-5, rtol=1e-4)
+    assert_close(losses[0], torch.tensor(ref_losses[0]), atol=1e-5, rtol=1e-5)
+    assert_close(losses, ref_losses, atol=2e-2 if stochastic else 1e-5, rtol=0)
+    for (name, p), r in zip(net.named_parameters(), ref.parameters()):
+        local = p._local_tensor
+        assert_all_ranks(type(local) is type(r.detach()), f"{name}: {type(local).__name__} != {type(r).__name__}")
+        flatten = getattr(local, "__tensor_flatten__", None)
+        inner = [getattr(local, n) for n in flatten()[0]] if flatten is not None else []
+        owned = all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in inner)
+        assert_all_ranks(owned, f"{name}: the shard keeps a larger tensor alive")
+        expected = _dequantized(r.detach()).float()
+        lsb = float(expected.abs().amax()) / 127 if hasattr(r, "dequantize") else 0.0
+        assert_close(_full(p), expected, atol=STEPS * (2 * LR + lsb) if stochastic else 1e-5, rtol=0)
+
+
+def test_int8_weight_only_training_matches_one_process():
+    _compare(qt.int8_weight_only_quantized_training, stochastic=True)
+
+
+def test_int8_weight_only_training_reduce_dtype():
+    """Gradients reduced in float64 (a dtype neither the weight nor its gathered pieces have)."""
+    _compare(qt.int8_weight_only_quantized_training, MixedPrecisionPolicy(reduce_dtype=torch.float64), stochastic=True)
+
+
+def _bitnet_scales(net) -> None:
+    """What torchao's ``precompute_bitnet_scale_for_fsdp`` does for torch's DTensor (and
+    its ``fsdp_pre_all_gather`` otherwise does with ``torch.distributed``): give each
+    sharded BitNet weight the abs-mean of the whole weight, here from one all-reduce."""
+    weights = [p for p in net.parameters() if isinstance(p._local_tensor, qt.BitNetTrainingLinearWeight)]
+    sums = torch.stack([w._local_tensor._data.float().abs().sum() for w in weights])
+    totals = torch.from_numpy(WORLD.allreduce(sums.numpy()))
+    for w, total in zip(weights, totals):
+        w._local_tensor._precomputed_scale = total / w.numel()
+
+
+def test_bitnet_training_matches_one_process():
+    _compare(qt.bitnet_training, before_forward=_bitnet_scales)
+
+
+def test_int8_mixed_precision_training_matches_one_process():
+    _compare(qt.int8_mixed_precision_training)
