@@ -66,3 +66,15 @@ def raises_everywhere(exc: type, fn, match: str = "", comm=WORLD) -> None:
     except Exception as err:  # noqa: BLE001 (the wrong kind is a failure to report)
         verdict = f"raised {type(err).__name__}: {err}"
     assert_all_ranks(verdict is None, verdict or "", comm)
+
+
+def bcast_after_rank0(value, comm: MPI.Comm = WORLD):
+    """Rank 0's ``value`` on every rank, the others waiting for rank 0 in a polled
+    nonblocking barrier (sleeping, not spinning in MPI: a subprocess that rank 0 runs
+    meanwhile gets the cores)."""
+    import time
+
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.05)
+    return comm.bcast(value, root=0)

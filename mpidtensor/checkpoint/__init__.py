@@ -1,14 +1,20 @@
-"""Distributed checkpoints, with the call shape of ``torch.distributed.checkpoint``.
+"""Distributed checkpoints, with the module layout and call shape of
+``torch.distributed.checkpoint``.
 
-``save``/``load`` write and read nested state dicts of DTensors, tensors and values
-(any layout in, any layout out; one data file per writing rank); ``state_dict`` has
-the ``get_``/``set_`` helpers for models and optimizers; ``plain`` reads or writes a
-checkpoint in one process without MPI; ``convert`` goes to and from ``torch.save``
-files. The format: docs/checkpoint-format.md.
+``save``/``load``/``async_save`` write and read nested state dicts of DTensors, tensors,
+values and ``Stateful`` objects (any layout in, any layout out; one data file per
+writing rank), through a storage writer/reader (the native format by default);
+``stateful`` has the ``Stateful`` protocol; ``state_dict`` the ``get_``/``set_``
+helpers for models and optimizers; ``format_utils`` converts to and from
+``torch.save`` files; ``plain`` reads a checkpoint in one process. The format:
+docs/checkpoint-format.md.
 """
 from .api import load, save
-from .convert import from_torch_save, to_torch_save
+from .async_saver import AsyncCheckpointerType, HostStager, async_save
 from .format import CheckpointError
+from .convert import dcp_to_torch_save, from_torch_save, to_torch_save, torch_save_to_dcp
+from .huggingface import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from .native import NativeReader, NativeWriter
 from .plain import load_plain
 from .state_dict import (
     StateDictOptions,
@@ -19,10 +25,26 @@ from .state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from .stateful import Stateful
+from .storage import StorageReader, StorageWriter
+from .torch_format import FileSystemReader, FileSystemWriter
 
 __all__ = [
+    "AsyncCheckpointerType",
     "CheckpointError",
+    "FileSystemReader",
+    "FileSystemWriter",
+    "HostStager",
+    "HuggingFaceStorageReader",
+    "HuggingFaceStorageWriter",
+    "NativeReader",
+    "NativeWriter",
     "StateDictOptions",
+    "Stateful",
+    "StorageReader",
+    "StorageWriter",
+    "async_save",
+    "dcp_to_torch_save",
     "from_torch_save",
     "get_model_state_dict",
     "get_optimizer_state_dict",
@@ -34,4 +56,5 @@ __all__ = [
     "set_optimizer_state_dict",
     "set_state_dict",
     "to_torch_save",
+    "torch_save_to_dcp",
 ]

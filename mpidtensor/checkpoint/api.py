@@ -1,299 +1,126 @@
-"""``save`` / ``load``: nested state dicts of DTensors, tensors and values.
+"""``save`` / ``load``: torch.distributed.checkpoint's call shape over MPI.
 
-Both are collective over ``comm`` (``COMM_WORLD``) and take every decision from data
-all ranks share: one ``allgather`` of the leaves' metadata (keys, global shapes,
-dtypes, the box each rank holds) comes before any data moves, and errors found
-there are raised on every rank.
+Both are collective over the process group (an MPI communicator; ``COMM_WORLD`` by
+default). They resolve ``Stateful`` objects (:mod:`.stateful`), then hand the plain
+nested state dict to a storage writer or reader (:mod:`.storage`): the native format
+(:mod:`.native`) unless one is given, or, for ``load``, the format the directory holds
+(a native ``index.json``, else torch DCP's ``.metadata``).
 
-save: every distinct non-empty box of a tensor is written once, by one of the ranks
-holding it (the one with the fewest bytes to write so far, so replicas spread over
-the ranks), straight from the local tensor into that rank's own new data file (one
-``pwritev`` batch, one fsync); then rank 0 gathers where each block went, with its
-CRC-32, and commits the index (see :mod:`.format`), so a save that dies midway
-leaves the previous checkpoint as it was. ``Partial`` DTensors are reduced first.
-
-load: each rank reads the box of the target layout it holds from the saved blocks
-that overlap it, whatever layout was saved (resharding is box intersection). Each
-saved block's CRC-32 is checked once: by a rank whose target box is that block, else
-by a rank that reads it for the check.
+Without a launcher (``python script.py``) MPI starts as a one-process job
+(``COMM_WORLD`` of size 1), so both work as torch's non-distributed mode does.
+``no_dist=True`` makes every process act alone (``COMM_SELF``): ``save`` writes the
+process's own full tensors (a DTensor must be replicated; give each process its own
+directory, or call it on one), ``load`` fills each process's targets, DTensors'
+shards included, from the files without communicating.
 """
 from __future__ import annotations
 
 import os
-from math import prod
 from typing import Any
 
-import numpy as np
-import torch
 from mpi4py import MPI
 
-from ..dtensor import DTensor
-from ..placements import Replicate
-from . import format as fmt
-from . import io
+from . import async_saver, stateful
+from .arguments import check_planner, communicator, refuse_sharded, storage
+from .native import NativeReader, NativeWriter
+from .storage import StorageReader, StorageWriter
 
 
-def _box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(start, shape) of the part of ``t``'s global tensor that this rank holds."""
-    if isinstance(t, DTensor):
-        shape, start = t._spec.local_shape_and_offset()
-        return tuple(start), tuple(shape)
-    return (0,) * t.ndim, tuple(t.shape)
+def save(
+    state_dict: Any,
+    checkpoint_id: str | os.PathLike | None = None,
+    *,
+    storage_writer: StorageWriter | None = None,
+    planner: Any = None,
+    process_group: MPI.Intracomm | None = None,
+    no_dist: bool = False,
+    comm: MPI.Intracomm | None = None,
+) -> None:
+    """Write ``state_dict`` (nested dicts/lists of DTensors, tensors, values and
+    ``Stateful`` objects) to ``checkpoint_id`` or through ``storage_writer`` (default:
+    the native format). Collective over ``process_group`` (``comm``: its older name).
+
+    ``planner``: None or torch's ``DefaultSavePlanner()`` (the same behaviour); others
+    raise ``ValueError``: torch's planners rewrite torch's write items, and the storage
+    writers plan their own (each distinct box once, replicas spread over the ranks).
+    Waits for this process's ``async_save`` in flight first.
+    """
+    group = communicator(process_group, comm, no_dist)
+    writer = storage(checkpoint_id, storage_writer, NativeWriter, "writer")
+    check_planner(planner, "save")
+    async_saver.wait_for_async_saves()
+    plain = stateful.resolve(state_dict, group)
+    if no_dist:
+        refuse_sharded(plain)
+    writer.write(plain, group)
 
 
-def _leaf_meta(path: tuple, leaf: Any) -> tuple:
-    """(key, None) for a value; (key, (global shape, dtype name, box)) for a tensor."""
-    key = fmt.fqn(path)
-    if not isinstance(leaf, torch.Tensor):
-        return (key, None)
-    dtype = fmt.DTYPE_NAMES.get(leaf.dtype, str(leaf.dtype))
-    return (key, (tuple(leaf.shape), dtype, _box(leaf)))
+def reader_class(path: str) -> type[StorageReader] | None:
+    """The reader of the checkpoint format at ``path`` (looking at the file system only):
+    native when it holds an ``index.json``, else torch DCP's when it holds a
+    ``.metadata``; None when neither."""
+    from .torch_format import FileSystemReader
+
+    for reader in (NativeReader, FileSystemReader):
+        if reader.recognizes(path):
+            return reader
+    return None
 
 
-def _local_bytes(t: torch.Tensor) -> np.ndarray:
-    """This rank's block of ``t`` as contiguous CPU bytes (no copy when it already is)."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    local = local.detach().cpu().contiguous()
-    return local.reshape(-1).view(torch.uint8).numpy()
+def no_checkpoint(path: str) -> FileNotFoundError:
+    return FileNotFoundError(f"no checkpoint at {path!r}: it holds neither an mpidtensor index.json "
+                             "nor a torch.distributed.checkpoint .metadata")
 
 
-def _raise_if(errors: list[str], cls: type = fmt.CheckpointError) -> None:
-    if errors:
-        raise cls("; ".join(dict.fromkeys(errors)))
-
-
-def _check_same_leaves(gathered: list[list[tuple]]) -> None:
-    """All ranks must pass state dicts with the same keys, global shapes and dtypes."""
-    first = [(key, meta and meta[:2]) for key, meta in gathered[0]]
-    _raise_if([f"{key!r} has dtype {meta[1]}, which cannot be checkpointed"
-               for key, meta in gathered[0] if meta is not None and meta[1] not in fmt.DTYPES], TypeError)
-    for rank, metas in enumerate(gathered[1:], 1):
-        if [(key, meta and meta[:2]) for key, meta in metas] != first:
-            raise ValueError(f"the state dict on rank {rank} differs from rank 0's in keys, shapes or dtypes")
-    keys = [key for key, _ in gathered[0]]
-    if len(set(keys)) != len(keys):
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        raise ValueError(f"state dict has leaves with the same dotted name: {dup}")
-
-
-def _to_write(all_metas: list[list[tuple]], tensor_ids: list[int], rank: int) -> set[int]:
-    """The tensors whose box ``rank`` writes: per distinct non-empty box, of the ranks
-    holding it, the one with the fewest bytes assigned so far (then the lowest). Every
-    rank computes the same from the gathered metadata."""
-    assigned, mine = [0] * len(all_metas), set()
-    for i in tensor_ids:
-        holders: dict[tuple, list[int]] = {}
-        for r, metas in enumerate(all_metas):
-            holders.setdefault(metas[i][1][2], []).append(r)
-        itemsize = fmt.DTYPES[all_metas[0][i][1][1]].itemsize
-        for (_, shape), ranks in holders.items():
-            nbytes = prod(shape) * itemsize
-            if nbytes:
-                writer = min(ranks, key=lambda r: (assigned[r], r))
-                assigned[writer] += nbytes
-                if writer == rank:
-                    mine.add(i)
-    return mine
-
-
-def save(state_dict: Any, checkpoint_id: str | os.PathLike, *, comm: MPI.Intracomm | None = None) -> None:
-    """Write ``state_dict`` to the checkpoint directory ``checkpoint_id``. Collective."""
-    comm = MPI.COMM_WORLD if comm is None else comm
-    directory = os.fspath(checkpoint_id)
-    leaves = list(fmt.flatten(state_dict))
-    token, setup_error = None, None
+def detect_reader(path: str, comm: MPI.Intracomm) -> StorageReader:
+    """The reader for the checkpoint at ``path`` (:func:`reader_class`): rank 0 looks,
+    all ranks agree; ``FileNotFoundError`` on every rank when there is none."""
+    found = error = None
     if comm.rank == 0:
         try:
-            os.makedirs(directory, exist_ok=True)
-            token = fmt.new_token()
-        except OSError as err:
-            setup_error = err
-    metas = [_leaf_meta(p, v) for p, v in leaves]
-    gathered = comm.allgather((metas, token, setup_error))
-    token, setup_error = gathered[0][1], gathered[0][2]
-    if setup_error is not None:
-        raise setup_error
-    all_metas = [g[0] for g in gathered]
-    _check_same_leaves(all_metas)
-    tensor_ids = [i for i, (_, meta) in enumerate(metas) if meta is not None]
-    mine = _to_write(all_metas, tensor_ids, comm.rank)
-
-    todo = []
-    for i in tensor_ids:  # every rank reduces the Partial DTensors, in the same order
-        t = leaves[i][1]
-        if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
-            t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
-        if i in mine:
-            todo.append((i, t))
-    blocks, error = {}, None
-    path = os.path.join(directory, fmt.data_name(token, comm.rank))
-    try:
-        raws = [(i, _local_bytes(t)) for i, t in todo]
-        offsets = fmt.layout([raw.nbytes for _, raw in raws])
-        for (i, raw), offset in zip(raws, offsets):
-            start, shape = metas[i][1][2]
-            blocks[i] = {"start": list(start), "shape": list(shape), "offset": offset, "crc32": fmt.crc32(raw)}
-        if raws:
-            io.write_file(path, [(offset, raw) for (_, raw), offset in zip(raws, offsets)])
-    except Exception as err:  # noqa: BLE001  (raised on every rank below)
-        error = err
-    results = comm.gather((blocks, error), root=0)
-    stale = []
-    if comm.rank == 0:
-        error = next((e for _, e in results if e is not None), None)
-        if error is None:
-            try:
-                stale = _commit(directory, token, leaves, metas, results)
-            except Exception as err:  # noqa: BLE001  (raised on every rank below)
-                error = err
-    error, stale = comm.bcast((error, stale), root=0)
-    if error is not None:
-        if todo and os.path.exists(path):
-            os.remove(path)  # this save's data file: no index will name it
-        raise error
-    if stale:  # the superseded files, removed by all ranks in parallel (unlinking is slow)
-        fmt.remove_files(directory, stale[comm.rank::comm.size])
-        comm.Barrier()
-
-
-def _commit(directory: str, token: str, leaves: list, metas: list, results: list) -> list[str]:
-    """Rank 0: the index from every rank's written blocks, committed; the files it
-    supersedes (see format.commit_index)."""
-    data_files, by_leaf = [], {}
-    for rank, (rank_blocks, _) in enumerate(results):
-        if rank_blocks:
-            for i, block in rank_blocks.items():
-                by_leaf.setdefault(i, []).append({**block, "file": len(data_files)})
-            data_files.append(fmt.data_name(token, rank))
-    entries = []
-    for i, (path, value) in enumerate(leaves):
-        meta = None
-        if metas[i][1] is not None:
-            shape = metas[i][1][0]
-            saved = sorted(by_leaf.get(i, []), key=lambda b: b["start"])
-            covered, numel = sum(prod(b["shape"]) for b in saved), prod(shape)
-            if covered != numel:
-                raise fmt.CheckpointError(f"the saved blocks of {metas[i][0]!r} cover {covered} of {numel} elements")
-            meta = fmt.tensor_meta(shape, value.dtype, saved)
-        entries.append(fmt.make_entry(path, meta, value))
-    return fmt.commit_index(directory, fmt.make_index(data_files, entries))
-
-
-# --- load ----------------------------------------------------------------------------------------------
-def _check_target(index_entries: dict, gathered: list[list[tuple]]) -> None:
-    errors = []
-    for metas in gathered:
-        for key, meta in metas:
-            entry = index_entries.get(key)
-            if entry is None:
-                errors.append(f"missing key {key!r} in the checkpoint")
-            elif (meta is None) != ("tensor" not in entry):
-                kinds = ("a value", "a tensor")
-                errors.append(f"{key!r} is {kinds[meta is not None]} in the state dict but "
-                              f"{kinds['tensor' in entry]} in the checkpoint")
-            elif meta is not None:
-                saved = entry["tensor"]
-                if list(meta[0]) != saved["shape"]:
-                    errors.append(f"shape mismatch for {key!r}: checkpoint {tuple(saved['shape'])}, "
-                                  f"state dict {tuple(meta[0])}")
-                if meta[1] != saved["dtype"]:
-                    errors.append(f"dtype mismatch for {key!r}: checkpoint {saved['dtype']}, state dict {meta[1]}")
-    _raise_if(errors)
-
-
-def _destination(t: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, bool]:
-    """The local tensor to fill, a byte buffer to read into, and whether the buffer is it."""
-    local = (t._local_tensor if isinstance(t, DTensor) else t).detach()
-    if local.device.type == "cpu" and local.is_contiguous():
-        return local, local.reshape(-1).view(torch.uint8).numpy(), True
-    return local, np.empty(local.numel() * local.element_size(), np.uint8), False
-
-
-def _load_tensor(reader: io.Reader, index: dict, saved: dict, key: str, t: torch.Tensor, i: int,
-                 boxes: list, comm: MPI.Intracomm) -> list[str]:
-    """Fill this rank's part of ``t`` (leaf ``i``; ``boxes``: every rank's box of it) from
-    the saved tensor, check the CRC-32s this rank is in charge of; the mismatches found."""
-    stored, box = fmt.chunks(index, saved), boxes[comm.rank]
-    local, buf, direct = _destination(t)
-    if buf.size:
-        io.read_box(reader, stored, box, buf, local.dtype)
-        if not direct:
-            local.copy_(torch.from_numpy(buf).view(local.dtype).reshape(local.shape))
-    bad = []
-    for b, block in enumerate(saved["blocks"]):
-        check = (tuple(block["start"]), tuple(block["shape"]))
-        if (boxes.index(check) if check in boxes else (i + b) % comm.size) != comm.rank:
-            continue
-        if check == box:
-            raw = buf
-        else:
-            chunk = next((c for c in stored if c.box == check), None)
-            if chunk is not None:  # a block stored as it was saved: checked in the file's map
-                raw = reader.array(chunk.file, chunk.offset, chunk.nbytes)
-            else:  # format version 1: the block is a box of the whole stored tensor
-                raw = np.empty(prod(check[1]) * local.dtype.itemsize, np.uint8)
-                io.read_box(reader, stored, check, raw, local.dtype)
-        if fmt.crc32(raw) != block["crc32"]:
-            bad.append(f"checksum mismatch in tensor {key!r} (block at {block['start']})")
-    return bad
-
-
-def load(state_dict: Any, checkpoint_id: str | os.PathLike, *, comm: MPI.Intracomm | None = None) -> None:
-    """Fill ``state_dict`` in place from the checkpoint ``checkpoint_id``: tensors are
-    copied into (each rank's part of its layout), other values replaced. Collective."""
-    comm = MPI.COMM_WORLD if comm is None else comm
-    directory = os.fspath(checkpoint_id)
-    leaves = list(fmt.flatten(state_dict))
-    index = error = None
-    if comm.rank == 0:
-        try:
-            index = fmt.read_index(directory)
+            found = reader_class(path)
         except Exception as err:  # noqa: BLE001  (raised on every rank below)
             error = err
-    index, error = comm.bcast((index, error), root=0)
+    found, error = comm.bcast((found, error), root=0)
     if error is not None:
         raise error
-    entries = {e["key"]: e for e in index["entries"]}
-    metas = [_leaf_meta(p, v) for p, v in leaves]
-    gathered = comm.allgather(metas)
-    _check_target(entries, gathered)
-    for (path, t), (key, _) in zip(leaves, metas):
-        if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
-            raise fmt.CheckpointError(f"cannot load into {key!r}: its placements {t.placements} hold Partial values")
-
-    reader, bad, error = io.Reader(directory), [], None
-    try:
-        for i, ((_, t), (key, meta)) in enumerate(zip(leaves, metas)):
-            if meta is not None:
-                boxes = [g[i][1][2] for g in gathered]
-                bad += _load_tensor(reader, index, entries[key]["tensor"], key, t, i, boxes, comm)
-    except Exception as err:  # noqa: BLE001  (raised on every rank below)
-        error = err
-    finally:
-        reader.close()
-    outcomes = comm.allgather((bad, error))
-    error = next((e for _, e in outcomes if e is not None), None)
-    if error is not None:
-        raise error
-    _raise_if([msg for rank_bad, _ in outcomes for msg in rank_bad])
-    values = {path: fmt.decode_value(entries[key]) for (path, _), (key, meta) in zip(leaves, metas) if meta is None}
-    if values:
-        _fill_values(state_dict, (), values)
+    if found is None:
+        raise no_checkpoint(path)
+    return found(path)
 
 
-def _fill_values(node: Any, path: tuple, values: dict) -> Any:
-    """``node`` with the leaves at the paths of ``values`` replaced; dicts and lists are
-    updated in place, tuples rebuilt."""
-    if isinstance(node, dict) and node:
-        for key in list(node):
-            kind = "d" if isinstance(key, str) else "i"
-            node[key] = _fill_values(node[key], path + ((kind, key),), values)
-        return node
-    if isinstance(node, (list, tuple)) and node:
-        kind = "l" if isinstance(node, list) else "t"
-        items = [_fill_values(v, path + ((kind, i),), values) for i, v in enumerate(node)]
-        if isinstance(node, list):
-            node[:] = items
-            return node
-        return tuple(items)
-    return values.get(path, node)
+def load(
+    state_dict: Any,
+    checkpoint_id: str | os.PathLike | None = None,
+    *,
+    storage_reader: StorageReader | None = None,
+    planner: Any = None,
+    process_group: MPI.Intracomm | None = None,
+    no_dist: bool = False,
+    comm: MPI.Intracomm | None = None,
+) -> None:
+    """Fill ``state_dict`` in place from ``checkpoint_id`` or ``storage_reader``: tensors
+    and DTensors are copied into (each rank its part of its own layout, whatever layout
+    and world size saved them), other values replaced; a ``Stateful`` gets its filled
+    ``state_dict()`` through ``load_state_dict()``. Without a reader the format is the
+    directory's (native, or torch DCP). Collective over ``process_group`` (``comm``).
+
+    ``planner``: None or torch's ``DefaultLoadPlanner()`` (the same behaviour); others
+    raise ``ValueError`` (the readers plan their reads by box intersection). A missing key, a shape or dtype mismatch (found before any
+    data moves) or a corrupt file raises ``CheckpointError`` naming it on every rank.
+    """
+    group = communicator(process_group, comm, no_dist)
+    if storage_reader is None and checkpoint_id is None:
+        raise ValueError("give checkpoint_id (a directory) or storage_reader")
+    check_planner(planner, "load")
+    async_saver.wait_for_async_saves()
+    if storage_reader is None:
+        reader = detect_reader(os.fspath(checkpoint_id), group)
+    else:
+        reader = storage(checkpoint_id, storage_reader, NativeReader, "reader")
+    targets = stateful.resolve(state_dict, group)
+    reader.read(targets, group)
+    stateful.restore(state_dict, targets, group)
+
+
+__all__ = ["load", "save"]

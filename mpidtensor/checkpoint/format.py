@@ -167,9 +167,9 @@ def commit_index(directory: str, index: dict) -> list[str]:
         f.write(json.dumps(index))  # one string: json.dump streams through the pure-Python encoder
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(directory)
+    fsync_dir(directory)
     os.replace(tmp, os.path.join(directory, INDEX))
-    _fsync_dir(directory)
+    fsync_dir(directory)
     named = set(index["data_files"])
     return sorted(name for name in os.listdir(directory)
                   if (name.startswith("data-") and name not in named) or name.startswith(f".{INDEX}.tmp-"))
@@ -184,7 +184,7 @@ def remove_files(directory: str, names: list[str]) -> None:
             pass
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

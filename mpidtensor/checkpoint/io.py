@@ -15,7 +15,7 @@ import errno
 import os
 from collections import deque
 from math import prod
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +54,19 @@ def run_offset(box: Box, outer: Box) -> int | None:
     return sum((s - o) * prod(outer[1][d + 1:]) for d, (s, o) in enumerate(zip(box[0], outer[0])))
 
 
+def runs(box: Box, outer: Box) -> Iterator[tuple[int, int, int]]:
+    """The contiguous runs of ``box`` in the row-major elements of ``outer`` (which
+    contains it): ``(offset in outer, offset in box, length)``, in order."""
+    start, shape = box
+    split = next((d for d in range(len(shape), 0, -1) if shape[d - 1] != outer[1][d - 1]), 0)
+    split = max(split - 1, 0)  # dims from ``split`` on form one run per index of the dims before
+    length = prod(shape[split:])
+    strides = [prod(outer[1][d + 1:]) for d in range(len(shape))]
+    base = sum((s - o) * st for s, o, st in zip(start, outer[0], strides))
+    for n, index in enumerate(np.ndindex(*shape[:split])):
+        yield base + sum(i * st for i, st in zip(index, strides)), n * length, length
+
+
 # --- writing -------------------------------------------------------------------------------------------
 def write_call(fd: int, buffers: list[memoryview], offset: int) -> int:
     """One ``pwritev`` (a separate function so that tests can make it fail or write short)."""
@@ -71,16 +84,16 @@ def write_file(path: str, parts: Sequence[tuple[int, np.ndarray]]) -> None:
         pos = offset + raw.nbytes
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _write_all(fd, views, path)
+        write_at(fd, views, 0, path)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_all(fd: int, views: list[memoryview], path: str) -> None:
-    """Write ``views`` back to back from offset 0, at most ``MAX_CHUNK_BYTES`` and
-    ``IOV_MAX`` buffers per call, resuming after short writes."""
-    left, offset = deque(v for v in views if len(v)), 0
+def write_at(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    """Write ``views`` back to back from byte ``offset`` of ``fd`` (the file ``path``), at
+    most ``MAX_CHUNK_BYTES`` and ``IOV_MAX`` buffers per call, resuming after short writes."""
+    left = deque(v for v in views if len(v))
     limit = max(1, MAX_CHUNK_BYTES)
     while left:
         batch, total = [], 0

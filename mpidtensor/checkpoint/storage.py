@@ -5,7 +5,11 @@
 state dict (DTensors, tensors and other values) to a writer or reader. Each format is
 one pair of classes: the native format (the default), torch DCP's file layout and
 Hugging Face safetensors. Both methods are collective over ``comm`` and must raise
-the same error on every rank.
+the same error on every rank. ``async_save`` calls ``write`` from a background thread
+with a duplicate of the caller's communicator and a staged state dict (host copies,
+no ``Partial`` DTensors left), while the caller's thread runs the training's
+collectives: a writer must communicate over ``comm`` only, never over the meshes of
+the DTensors it is given.
 """
 from __future__ import annotations
 

@@ -1,0 +1,251 @@
+"""The native checkpoint format's writer and reader (the default of ``save``/``load``).
+
+Both are collective over ``comm`` and take every decision from data all ranks share:
+one ``allgather`` of the leaves' metadata (keys, global shapes, dtypes, the box each
+rank holds) comes before any data moves, and errors found there are raised on every
+rank.
+
+save: every distinct non-empty box of a tensor is written once, by one of the ranks
+holding it (the one with the fewest bytes to write so far, so replicas spread over
+the ranks), straight from the local tensor into that rank's own new data file (one
+``pwritev`` batch, one fsync); then rank 0 gathers where each block went, with its
+CRC-32, and commits the index (see :mod:`.format`), so a save that dies midway
+leaves the previous checkpoint as it was. ``Partial`` DTensors are reduced first.
+
+load: each rank reads the box of the target layout it holds from the saved blocks
+that overlap it, whatever layout was saved (resharding is box intersection). Each
+saved block's CRC-32 is checked once: by a rank whose target box is that block, else
+by a rank that reads it for the check.
+"""
+from __future__ import annotations
+
+import os
+from math import prod
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import format as fmt
+from . import io, shards
+from .storage import StorageReader, StorageWriter
+
+
+def _leaf_meta(path: tuple, leaf: Any) -> tuple:
+    """(key, None) for a value; (key, (global shape, dtype name, box)) for a tensor."""
+    return shards.leaf_meta(fmt.fqn(path), leaf)
+
+
+class NativeWriter(StorageWriter):
+    """Writes mpidtensor's own format (docs/checkpoint-format.md) to the directory ``path``."""
+
+    def write(self, state_dict: Any, comm: MPI.Intracomm) -> None:
+        _save(state_dict, self.path, comm)
+
+
+class NativeReader(StorageReader):
+    """Reads mpidtensor's own format (both versions) from the directory ``path``."""
+
+    @classmethod
+    def recognizes(cls, path: str | os.PathLike) -> bool:
+        return os.path.isfile(os.path.join(os.fspath(path), fmt.INDEX))
+
+    def read(self, state_dict: Any, comm: MPI.Intracomm) -> None:
+        _load(state_dict, self.path, comm)
+
+
+def _save(state_dict: Any, directory: str, comm: MPI.Intracomm) -> None:
+    """Write ``state_dict`` to the checkpoint directory ``directory``. Collective."""
+    leaves = list(fmt.flatten(state_dict))
+    token, setup_error = None, None
+    if comm.rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            token = fmt.new_token()
+        except OSError as err:
+            setup_error = err
+    metas = [_leaf_meta(p, v) for p, v in leaves]
+    gathered = comm.allgather((metas, token, setup_error))
+    token, setup_error = gathered[0][1], gathered[0][2]
+    if setup_error is not None:
+        raise setup_error
+    all_metas = [g[0] for g in gathered]
+    shards.check_same_leaves(all_metas)
+    tensor_ids = [i for i, (_, meta) in enumerate(metas) if meta is not None]
+    mine = shards.to_write(all_metas, tensor_ids, comm.rank)
+
+    todo = []
+    for i in tensor_ids:  # every rank reduces the Partial DTensors, in the same order
+        t = shards.reduced(leaves[i][1])
+        if i in mine:
+            todo.append((i, t))
+    blocks, error = {}, None
+    path = os.path.join(directory, fmt.data_name(token, comm.rank))
+    try:
+        raws = [(i, shards.local_bytes(t)) for i, t in todo]
+        offsets = fmt.layout([raw.nbytes for _, raw in raws])
+        for (i, raw), offset in zip(raws, offsets):
+            start, shape = metas[i][1][2]
+            blocks[i] = {"start": list(start), "shape": list(shape), "offset": offset, "crc32": fmt.crc32(raw)}
+        if raws:
+            io.write_file(path, [(offset, raw) for (_, raw), offset in zip(raws, offsets)])
+    except Exception as err:  # noqa: BLE001  (raised on every rank below)
+        error = err
+    results = comm.gather((blocks, error), root=0)
+    stale = []
+    if comm.rank == 0:
+        error = next((e for _, e in results if e is not None), None)
+        if error is None:
+            try:
+                stale = _commit(directory, token, leaves, metas, results)
+            except Exception as err:  # noqa: BLE001  (raised on every rank below)
+                error = err
+    error, stale = comm.bcast((error, stale), root=0)
+    if error is not None:
+        if todo and os.path.exists(path):
+            os.remove(path)  # this save's data file: no index will name it
+        raise error
+    if stale:  # the superseded files, removed by all ranks in parallel (unlinking is slow)
+        fmt.remove_files(directory, stale[comm.rank::comm.size])
+        comm.Barrier()
+
+
+def _commit(directory: str, token: str, leaves: list, metas: list, results: list) -> list[str]:
+    """Rank 0: the index from every rank's written blocks, committed; the files it
+    supersedes (see format.commit_index)."""
+    data_files, by_leaf = [], {}
+    for rank, (rank_blocks, _) in enumerate(results):
+        if rank_blocks:
+            for i, block in rank_blocks.items():
+                by_leaf.setdefault(i, []).append({**block, "file": len(data_files)})
+            data_files.append(fmt.data_name(token, rank))
+    entries = []
+    for i, (path, value) in enumerate(leaves):
+        meta = None
+        if metas[i][1] is not None:
+            shape = metas[i][1][0]
+            saved = sorted(by_leaf.get(i, []), key=lambda b: b["start"])
+            covered, numel = sum(prod(b["shape"]) for b in saved), prod(shape)
+            if covered != numel:
+                raise fmt.CheckpointError(f"the saved blocks of {metas[i][0]!r} cover {covered} of {numel} elements")
+            meta = fmt.tensor_meta(shape, value.dtype, saved)
+        entries.append(fmt.make_entry(path, meta, value))
+    return fmt.commit_index(directory, fmt.make_index(data_files, entries))
+
+
+# --- load ----------------------------------------------------------------------------------------------
+def _check_target(index_entries: dict, gathered: list[list[tuple]]) -> None:
+    errors = []
+    for metas in gathered:
+        for key, meta in metas:
+            entry = index_entries.get(key)
+            if entry is None:
+                errors.append(f"missing key {key!r} in the checkpoint")
+            elif (meta is None) != ("tensor" not in entry):
+                kinds = ("a value", "a tensor")
+                errors.append(f"{key!r} is {kinds[meta is not None]} in the state dict but "
+                              f"{kinds['tensor' in entry]} in the checkpoint")
+            elif meta is not None:
+                saved = entry["tensor"]
+                if list(meta[0]) != saved["shape"]:
+                    errors.append(f"shape mismatch for {key!r}: checkpoint {tuple(saved['shape'])}, "
+                                  f"state dict {tuple(meta[0])}")
+                if meta[1] != saved["dtype"]:
+                    errors.append(f"dtype mismatch for {key!r}: checkpoint {saved['dtype']}, state dict {meta[1]}")
+    shards.raise_if(errors)
+
+
+def _destination(t: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, bool]:
+    """The local tensor to fill, a byte buffer to read into, and whether the buffer is it."""
+    local = shards.local_tensor(t)
+    if local.device.type == "cpu" and local.is_contiguous():
+        return local, local.reshape(-1).view(torch.uint8).numpy(), True
+    return local, np.empty(local.numel() * local.element_size(), np.uint8), False
+
+
+def _load_tensor(reader: io.Reader, index: dict, saved: dict, key: str, t: torch.Tensor, i: int,
+                 boxes: list, comm: MPI.Intracomm) -> list[str]:
+    """Fill this rank's part of ``t`` (leaf ``i``; ``boxes``: every rank's box of it) from
+    the saved tensor, check the CRC-32s this rank is in charge of; the mismatches found."""
+    stored, box = fmt.chunks(index, saved), boxes[comm.rank]
+    local, buf, direct = _destination(t)
+    if buf.size:
+        io.read_box(reader, stored, box, buf, local.dtype)
+        if not direct:
+            local.copy_(torch.from_numpy(buf).view(local.dtype).reshape(local.shape))
+    bad = []
+    for b, block in enumerate(saved["blocks"]):
+        check = (tuple(block["start"]), tuple(block["shape"]))
+        if (boxes.index(check) if check in boxes else (i + b) % comm.size) != comm.rank:
+            continue
+        if check == box:
+            raw = buf
+        else:
+            chunk = next((c for c in stored if c.box == check), None)
+            if chunk is not None:  # a block stored as it was saved: checked in the file's map
+                raw = reader.array(chunk.file, chunk.offset, chunk.nbytes)
+            else:  # format version 1: the block is a box of the whole stored tensor
+                raw = np.empty(prod(check[1]) * local.dtype.itemsize, np.uint8)
+                io.read_box(reader, stored, check, raw, local.dtype)
+        if fmt.crc32(raw) != block["crc32"]:
+            bad.append(f"checksum mismatch in tensor {key!r} (block at {block['start']})")
+    return bad
+
+
+def _load(state_dict: Any, directory: str, comm: MPI.Intracomm) -> None:
+    """Fill ``state_dict`` in place from the checkpoint ``directory``: tensors are
+    copied into (each rank's part of its layout), other values replaced. Collective."""
+    leaves = list(fmt.flatten(state_dict))
+    index = error = None
+    if comm.rank == 0:
+        try:
+            index = fmt.read_index(directory)
+        except Exception as err:  # noqa: BLE001  (raised on every rank below)
+            error = err
+    index, error = comm.bcast((index, error), root=0)
+    if error is not None:
+        raise error
+    entries = {e["key"]: e for e in index["entries"]}
+    metas = [_leaf_meta(p, v) for p, v in leaves]
+    gathered = comm.allgather(metas)
+    _check_target(entries, gathered)
+    for (_, t), (key, _) in zip(leaves, metas):
+        shards.check_loadable(key, t)
+
+    reader, bad, error = io.Reader(directory), [], None
+    try:
+        for i, ((_, t), (key, meta)) in enumerate(zip(leaves, metas)):
+            if meta is not None:
+                boxes = [g[i][1][2] for g in gathered]
+                bad += _load_tensor(reader, index, entries[key]["tensor"], key, t, i, boxes, comm)
+    except Exception as err:  # noqa: BLE001  (raised on every rank below)
+        error = err
+    finally:
+        reader.close()
+    outcomes = comm.allgather((bad, error))
+    error = next((e for _, e in outcomes if e is not None), None)
+    if error is not None:
+        raise error
+    shards.raise_if([msg for rank_bad, _ in outcomes for msg in rank_bad])
+    values = {path: fmt.decode_value(entries[key]) for (path, _), (key, meta) in zip(leaves, metas) if meta is None}
+    if values:
+        _fill_values(state_dict, (), values)
+
+
+def _fill_values(node: Any, path: tuple, values: dict) -> Any:
+    """``node`` with the leaves at the paths of ``values`` replaced; dicts and lists are
+    updated in place, tuples rebuilt."""
+    if isinstance(node, dict) and node:
+        for key in list(node):
+            kind = "d" if isinstance(key, str) else "i"
+            node[key] = _fill_values(node[key], path + ((kind, key),), values)
+        return node
+    if isinstance(node, (list, tuple)) and node:
+        kind = "l" if isinstance(node, list) else "t"
+        items = [_fill_values(v, path + ((kind, i),), values) for i, v in enumerate(node)]
+        if isinstance(node, list):
+            node[:] = items
+            return node
+        return tuple(items)
+    return values.get(path, node)
