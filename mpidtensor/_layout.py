@@ -66,3 +66,37 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def strides_like(shape: Sequence[int], like_shape: Sequence[int], like_stride: Sequence[int]) -> tuple[int, ...]:
+    """Strides for a tensor of ``shape`` laid out like one of ``like_shape`` / ``like_stride``
+    (a local block and its global tensor, either way round): the dims in the same memory
+    order, each dim as far from the dims inside it as there (dense where dense, the same
+    gap ratio where a slice left gaps), expanded (stride 0) where expanded. A later
+    ``view`` or ``reshape`` then decides alike on both: a global tensor said contiguous
+    over a transposed local block would let a ``view`` through that the block refuses."""
+    n = len(shape)
+    if n == 0:
+        return ()
+    # memory order, innermost first; a size-1 dim (its place is free) goes just inside its
+    # outer neighbour, dim 0 outermost
+    order = sorted((d for d in range(n) if like_shape[d] != 1), key=lambda d: (like_stride[d], -d))
+    for d in range(n):
+        if like_shape[d] == 1:
+            order.insert(order.index(d - 1) if d > 0 else len(order), d)
+    strides = [0] * n
+    inner, extent = 1, 1  # the like tensor's and the new one's extent of the dims placed so far
+    for d in order:
+        step = like_stride[d]
+        if step == 0 and like_shape[d] != 1:
+            continue  # expanded
+        if like_shape[d] == 1 or step == inner:
+            strides[d] = extent
+        elif step > inner and step % inner == 0:
+            strides[d] = extent * (step // inner)
+        else:  # an overlap or an odd gap: keep the dims apart (no view may merge them)
+            strides[d] = extent + 1
+        if like_shape[d] != 1:
+            inner = step * like_shape[d]
+        extent = strides[d] * max(shape[d], 1)
+    return tuple(strides)

@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from ._layout import contiguous_strides
+from ._layout import contiguous_strides, strides_like
 from . import validate
 from .mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, normalize_placements
@@ -132,7 +133,8 @@ class DTensor(torch.Tensor):
             key = (id(device_mesh), tuple(placements), tuple(shape), None if stride is None else tuple(stride),
                    local_tensor.dtype)
             known = _FROM_LOCAL.get(key)
-            if known is not None and local_tensor.shape == known[1]:  # a cache hit: checked before
+            if known is not None and local_tensor.shape == known[1] and local_tensor.stride() == known[2]:
+                # a cache hit: checked before
                 if torch.is_grad_enabled() and local_tensor.requires_grad:
                     return _FromLocal.apply(local_tensor, known[0])
                 return DTensor(local_tensor, known[0])
@@ -146,11 +148,12 @@ class DTensor(torch.Tensor):
         shape = torch.Size(shape)
         # Shard(-1) means the same dim on every rank: the global rank decides, never a local one.
         placements = normalize_placements(placements, device_mesh.ndim, len(shape))
-        stride = contiguous_strides(shape) if stride is None else tuple(stride)
-        spec = DTensorSpec(device_mesh, placements, shape, stride, local_tensor.dtype)
+        if stride is None:  # the global tensor laid out as the local one (as torch infers it)
+            stride = _global_strides(shape, local_tensor)
+        spec = DTensorSpec(device_mesh, placements, shape, tuple(stride), local_tensor.dtype)
         validate.check_local_shape(local_tensor, spec)
         if key is not None:
-            _FROM_LOCAL[key] = (spec, local_tensor.shape)
+            _FROM_LOCAL[key] = (spec, local_tensor.shape, local_tensor.stride())
         return _FromLocal.apply(local_tensor, spec)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -223,6 +226,16 @@ def to_dtensor(
     return DTensor.from_local(self, device_mesh, placements, run_check=run_check, shape=shape, stride=stride)
 
 
+def _global_strides(shape: torch.Size, local: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a global tensor of ``shape`` whose block ``local`` is: laid out alike, so
+    ops deciding from the global strides (a ``view``, ``reshape``'s view-or-copy) decide
+    what the local tensor allows. A gradient handed to ``to_local``'s backward is often
+    transposed or expanded (the backward of a transpose, of a sum)."""
+    if local.is_contiguous():
+        return contiguous_strides(shape)
+    return strides_like(shape, local.shape, local.stride())
+
+
 def _settled(placements) -> list[Placement]:
     """``placements`` with every Partial replaced by Replicate."""
     return [Replicate() if p.is_partial() else p for p in placements]
@@ -275,7 +288,12 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec
         placements = ctx.grad_placements or spec.placements
-        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, contiguous_strides(spec.shape), grad.dtype)
+        # Autograd may hand a transposed gradient: the global strides follow it. An expanded
+        # one (a sum's backward) is made whole first, as a leaf's ``.grad`` would be copied
+        # anyway (AccumulateGrad's layout contract) and an in-place update needs it whole.
+        if not grad.is_contiguous() and not is_non_overlapping_and_dense_or_false(grad):
+            grad = grad.contiguous()
+        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, _global_strides(spec.shape, grad), grad.dtype)
         return DTensor(grad, grad_spec, requires_grad=False), None
 
 

@@ -16,9 +16,10 @@ merged into a single collective over the flattened communicator of their mesh di
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
 
 from ._layout import chunk_sizes, chunk_span, local_span, nested_sizes
 from .mesh import collectives
@@ -77,14 +78,17 @@ class ReduceScatter:
 class Chunk:
     """Keep this rank's chunk of a replicated tensor: no communication. The chunk is
     made contiguous (a copy only when it is not already), as a shard held on its own
-    would be, so that local views match the global tensor's."""
+    would be, so that local views match the global tensor's; with ``contiguous=False``
+    a ``Restride`` that follows lays it out instead (a transposed global tensor)."""
 
     dim: int
     offset: int
     size: int
+    contiguous: bool = True
 
     def run(self, t, mesh):
-        return t.narrow(self.dim, self.offset, self.size).contiguous()
+        t = t.narrow(self.dim, self.offset, self.size)
+        return t.contiguous() if self.contiguous else t
 
 
 @dataclass(frozen=True)
@@ -127,20 +131,20 @@ def plan(src: DTensorSpec, dst: DTensorSpec) -> tuple[Step, ...]:
     if steps is None:
         steps = _merge(_plan(src, dst))
         order = _memory_order(dst.shape, dst.stride)
-        if order != tuple(range(len(order))) and any(not isinstance(s, (Chunk, ToPartial)) for s in steps):
+        if order != tuple(range(len(order))) and any(not isinstance(s, ToPartial) for s in steps):
+            steps = tuple(replace(s, contiguous=False) if isinstance(s, Chunk) else s for s in steps)
             steps += (Restride(order, tuple(order.index(d) for d in range(len(order)))),)
         _PLANS[key] = steps
     return steps
 
 
 def _memory_order(shape, stride) -> tuple[int, ...]:
-    """Dims from the largest stride to the smallest; size-1 dims, whose stride means
-    nothing, keep their place when the others are in order and go last otherwise."""
-    big = [d for d in range(len(shape)) if shape[d] > 1]
-    ordered = sorted(big, key=lambda d: (-stride[d], d))
-    if ordered == big:
-        return tuple(range(len(shape)))
-    return tuple(ordered + [d for d in range(len(shape)) if shape[d] <= 1])
+    """Dims from outermost to innermost in memory, as torch orders a dense copy of the
+    tensor (``clone``, ``empty_like``): size-1 and expanded (stride 0) dims, whose stride
+    says nothing, keep their logical place."""
+    order, _ = compute_elementwise_output_logical_to_physical_perm(
+        torch.empty_strided(shape, stride, device="meta"))
+    return tuple(order)
 
 
 def clear_plans() -> None:

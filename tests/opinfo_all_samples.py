@@ -1,7 +1,8 @@
 """Every sample input of every op the OpInfo sweep covers, on DTensors, against plain torch.
 
 ``tests/test_opinfo.py`` checks a few samples per op to stay quick; this script checks
-them all (forward, and gradients where the op supports autograd), under each layout
+them all (forward, and gradients where the op supports autograd; values and local
+layouts), under each layout
 given (default: ``S0,S-1,R``; see ``opinfo_support``), and prints the failures::
 
     mpiexec -n 3 python tests/opinfo_all_samples.py [--ops a,b] [--start I --stop J]

@@ -8,6 +8,12 @@ it, the others zeros), the rest ``Shard(0)``; ``2d``: ``[Shard(0), Shard(1)]`` o
 ``run_case`` returns an error message or ``None``; the verdict is agreed by every
 rank (one small allgather), so one rank's failure cannot leave the others waiting.
 References (outputs and gradients of plain torch) are computed once per process.
+
+Besides values, layouts: a DTensor result's global strides must be torch's (run on plain
+inputs with the DTensor arguments' global strides), and its local tensor must be laid out
+as torch lays out the op's result on the local inputs (``layout_mismatch``), since a later
+op decides from the global strides what it may do (a ``view`` above all), then runs on the
+local tensor. A layout verdict is a rank's own: it is taken after every collective of the case.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import warnings
 
 import torch
 from mpi4py import MPI
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
@@ -48,8 +55,6 @@ NOT_CHECKED = {
     "jiterator_binary_return_by_ref": "CUDA only (no sample inputs on CPU)",
     "jiterator_2inputs_2outputs": "CUDA only (no sample inputs on CPU)",
     "linalg.eig": "the reference gradient itself is ill-defined (eigenvector phase) and raises",
-    "tensor_split": "torch reads a tensor of split indices through its data pointer before dispatch; "
-    "a DTensor has none (pass the indices as a plain tensor or a list)",
 }
 # Distributed reductions sum in another order: float32 rounding differs slightly.
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)
@@ -152,22 +157,36 @@ def _loss_terms(outputs) -> list[torch.Tensor]:
     return terms
 
 
-def _reference(op, sample, grad: bool):
+class _SubclassPath(TorchDispatchMode):
+    """Runs every op as is. Under a dispatch mode torch takes the code paths it takes for
+    tensor subclasses such as DTensor (some backward formulas, e.g. ormqr's, then build
+    their result out of place, in another layout), so the reference layouts are those
+    torch gives a subclass."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _reference(op, sample, grad: bool, inputs: list | None = None):
+    """Outputs and input gradients of plain torch on the sample (on ``inputs``, the sample's
+    tensors in ``_call`` order, when given)."""
     leaves = []
+    given = iter(inputs) if inputs is not None else None
 
     def fresh(t):
-        c = t.detach().clone()
+        c = (t if given is None else next(given)).detach().clone()
         if t.requires_grad:
             c.requires_grad_(True)
             leaves.append(c)
         return c
 
-    outputs = _flat(_call(op, sample, fresh))
-    grads = None
-    if grad and leaves:
-        terms = _loss_terms(outputs)
-        if terms:
-            grads = torch.autograd.grad(sum(terms), leaves, allow_unused=True)
+    with _SubclassPath():
+        outputs = _flat(_call(op, sample, fresh))
+        grads = None
+        if grad and leaves:
+            terms = _loss_terms(outputs)
+            if terms:
+                grads = torch.autograd.grad(sum(terms), leaves, allow_unused=True)
     outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
     return outputs, grads
 
@@ -185,8 +204,9 @@ def placements_for(layout: str, t: torch.Tensor, mesh_ndim: int) -> list:
     return [Shard(0)]
 
 
-def _distribute(layout: str, mesh, leaves: list):
-    """A converter from sample tensors to DTensors (recording the gradient leaves)."""
+def _distribute(layout: str, mesh, leaves: list, twins: list | None = None):
+    """A converter from sample tensors to DTensors (recording the gradient leaves, and in
+    ``twins`` each DTensor's global value as a plain tensor with the DTensor's strides)."""
     state = {"first": True}
 
     def convert(t: torch.Tensor):
@@ -200,6 +220,8 @@ def _distribute(layout: str, mesh, leaves: list):
             d = DTensor.from_local(local, mesh, [Partial()], shape=data.shape, stride=data.stride())
         else:
             d = distribute_tensor(data, mesh, placements_for(layout, t, mesh.ndim))
+        if twins is not None:
+            twins.append(torch.empty_strided(data.shape, d.stride(), dtype=data.dtype).copy_(data))
         if wants_grad:
             d.requires_grad_(True)
             leaves.append(d)
@@ -219,7 +241,101 @@ def _full(x):
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
+# --- layouts of local results ---------------------------------------------------------------
+
+
+def _dense_order(shape, stride) -> list[int] | None:
+    """The dims of size > 1, outermost first, when the layout is non-overlapping and dense
+    (a permutation of a contiguous one); None otherwise."""
+    dims = sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: -stride[d])
+    step = 1
+    for d in reversed(dims):
+        if stride[d] != step:
+            return None
+        step *= shape[d]
+    return dims
+
+
+def _differing_strides(shape, stride, expected) -> bool:
+    """torch's ``check_significant_strides``: only dims of size > 1 count."""
+    return any(n > 1 and s != e for n, s, e in zip(shape, stride, expected))
+
+
+def layout_mismatch(local: torch.Tensor, shape, stride) -> str | None:
+    """Why ``local``, this rank's block of a result plain torch lays out as ``(shape, stride)``,
+    is laid out unlike torch's result, or None.
+
+    A block of a dense result (the whole result included) must be dense in the same dim
+    order: torch's strides on every dim of size > 1 (``check_significant_strides``), what
+    torch gives for the op on the local inputs. A block of a strided view (gaps, overlaps,
+    zero strides), whose stride values depend on the base it views, must behave alike for
+    every later op: the same dim order in memory, the same zero-stride dims, contiguous
+    where the whole is, and each pair of neighbouring dims that merges in the whole (so a
+    ``view`` may flatten them) merges in the block."""
+    lshape, lstride = tuple(local.shape), local.stride()
+    if local.numel() <= 1:
+        return None
+    order = _dense_order(shape, stride)
+    if order is None:
+        return _view_mismatch(local, shape, stride)
+    expected, step = list(lstride), 1
+    for d in reversed(order):
+        expected[d] = step
+        step *= lshape[d]
+    if _differing_strides(lshape, lstride, expected):
+        return f"local strides {lstride} of shape {lshape}, torch's {tuple(expected)}"
+    return None
+
+
+def _view_mismatch(local: torch.Tensor, shape, stride) -> str | None:
+    lshape, lstride = local.shape, local.stride()
+    where = f"local strides {tuple(lstride)} of shape {tuple(lshape)}, whole {tuple(stride)} of {tuple(shape)}"
+    both = [d for d in range(len(shape)) if lshape[d] > 1]
+    if any((stride[d] == 0) != (lstride[d] == 0) for d in both):
+        return f"{where}: other zero-stride (expanded) dims"
+    if sorted(both, key=lambda d: (-stride[d], d)) != sorted(both, key=lambda d: (-lstride[d], d)):
+        return f"{where}: other dim order in memory"
+    if torch.empty_strided(shape, stride, device="meta").is_contiguous() and not local.is_contiguous():
+        return f"{where}: not contiguous"
+    dims = [d for d in range(len(shape)) if shape[d] > 1]
+    for a, b in zip(dims, dims[1:]):
+        if stride[a] == stride[b] * shape[b] and lshape[a] > 1 and lshape[b] > 1 \
+                and lstride[a] != lstride[b] * lshape[b]:
+            return f"{where}: dims {a} and {b} do not merge"
+    return None
+
+
+def _layout_problem(got: torch.Tensor, laid_out: torch.Tensor) -> str | None:
+    """A DTensor's global strides and local layout, or a plain result's strides, against torch's."""
+    if isinstance(got, DTensor):
+        if _differing_strides(got.shape, got.stride(), laid_out.stride()) and laid_out.numel() > 1:
+            return f"global strides {got.stride()}, torch's {laid_out.stride()}"
+        return layout_mismatch(got._local_tensor, laid_out.shape, laid_out.stride())
+    return layout_mismatch(got, laid_out.shape, laid_out.stride())
+
+
+def _layouts(results, laid_out, what: str) -> str | None:
+    """The first result whose layout differs from torch's (``_layout_problem``), or None."""
+    for i, (got, lay) in enumerate(zip(results, laid_out)):
+        if isinstance(got, torch.Tensor) and isinstance(lay, torch.Tensor) and got.shape == lay.shape:
+            msg = _layout_problem(got, lay)
+            if msg:
+                return f"{what} {i}: {msg}"
+    return None
+
+
+def _laid_out_reference(op, sample, twins: list, ref_out, ref_grads):
+    """torch's outputs and gradients on plain inputs with the DTensor arguments' global
+    strides (``twins``): the cached reference when those are the strides it ran on."""
+    fresh: list = []
+    _map((sample.input, sample.args, sample.kwargs), lambda t: fresh.append(t.detach().clone().stride()))
+    if all(s == t.stride() for s, t in zip(fresh, twins)):
+        return ref_out, ref_grads
+    return _reference(op, sample, ref_grads is not None, twins)
+
+
 def _compare(key: str, ref, got, what: str) -> str | None:
+    """Why ``got`` differs from ``ref`` (values), or None. The same on every rank."""
     if isinstance(ref, torch.Tensor):
         if not isinstance(got, torch.Tensor):
             return f"{what}: got {type(got).__name__}, expected a tensor"
@@ -240,10 +356,12 @@ def _compare(key: str, ref, got, what: str) -> str | None:
 
 def _random_check(op, sample, ref_out, mesh, layout) -> str | None:
     """Shape, dtype, the same global values under two layouts, and rough statistics."""
-    results = []
+    results, twins = [], []
     for lay in (layout, "R"):
         torch.manual_seed(5)
-        out = _flat(_call(op, sample, _distribute(lay, mesh, [])))
+        out = _flat(_call(op, sample, _distribute(lay, mesh, [], twins if lay == layout else None)))
+        if lay == layout:
+            laid_out, raw = _laid_out_reference(op, sample, twins, ref_out, None)[0], out
         results.append([_full(o).detach() if isinstance(o, torch.Tensor) else o for o in out])
     for i, (r, a, b) in enumerate(zip(ref_out, *results)):
         if not isinstance(r, torch.Tensor):
@@ -257,7 +375,7 @@ def _random_check(op, sample, ref_out, mesh, layout) -> str | None:
             spread = r.float().std().item() + 1e-3
             if math.isfinite(rm) and abs(rm - am) > 0.5 * spread:
                 return f"output {i}: mean {am:.3g} far from the reference's {rm:.3g}"
-    return None
+    return _layouts(raw, laid_out, "output")
 
 
 def run_case(op, key: str, sample, ref_out, ref_grads, mesh, layout: str) -> str | None:
@@ -274,17 +392,20 @@ def run_case(op, key: str, sample, ref_out, ref_grads, mesh, layout: str) -> str
             return f"torch raised ({ref_out[:200]}), DTensor did not"
         if key in RANDOM or sample.kwargs.get("dropout_p", 0) > 0:  # SDPA's dropout samples are random
             return _random_check(op, sample, ref_out, mesh, layout)
+        twins: list = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = _flat(_call(op, sample, _distribute(layout, mesh, leaves)))
+            out = _flat(_call(op, sample, _distribute(layout, mesh, leaves, twins)))
+            laid_out, laid_out_grads = _laid_out_reference(op, sample, twins, ref_out, ref_grads)
         if len(out) != len(ref_out):
             return f"{len(out)} outputs, expected {len(ref_out)}"
         for i, (r, g) in enumerate(zip(ref_out, out)):
             msg = _compare(key, r, g, f"output {i}")
             if msg:
                 return msg
+        out_layout = _layouts(out, laid_out, "output")  # this rank's own verdict: after every collective
         if ref_grads is None:
-            return None
+            return out_layout
         terms = _loss_terms([_full(o) for o in out])
         if not terms:
             return "no differentiable output"
@@ -297,7 +418,7 @@ def run_case(op, key: str, sample, ref_out, ref_grads, mesh, layout: str) -> str
             msg = _compare(key, r, g, f"grad {i}")
             if msg:
                 return msg
-        return None
+        return out_layout or _layouts(grads, laid_out_grads or (), "grad")
     except _Unsupported as err:
         return f"unsupported: {err}"
     except Exception as err:  # noqa: BLE001 - any error is a verdict

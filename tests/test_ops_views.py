@@ -9,7 +9,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from helpers import assert_all_ranks, global_tensor
+from helpers import assert_all_ranks, global_tensor, raises_everywhere
 from helpers import CollectiveLog as Collectives
 from op_check import check_op
 from mpidtensor import Partial, Replicate, Shard, distribute_tensor
@@ -270,3 +270,17 @@ def test_chain_like_attention_heads(request, mesh_name):
         request, mesh_name, global_tensor((3, 5, 12)),
         lambda x: x.view(3, 5, 4, 3).transpose(1, 2).reshape(3, 4, 15).unsqueeze(0)[0, :, 1:].flatten(1),
     )
+
+
+@pytest.mark.parametrize("as_dtensor", [True, False], ids=["dtensor indices", "plain indices"])
+def test_tensor_split_by_a_tensor_of_indices(mesh1d, as_dtensor):
+    """torch's kernel reads the indices through a data pointer a DTensor lacks: mpidtensor's
+    reads their values (1-D: split points, 0-d: a section count), forward and gradients."""
+    def wrap(t):
+        return distribute_tensor(t, mesh1d, [Shard(0)] if t.ndim else [Replicate()]) if as_dtensor else t
+
+    for indices, dim in ((torch.tensor([1, 4, 4]), 1), (torch.tensor(3), 0), (torch.tensor([2, 6]), 0)):
+        check_op(lambda x: torch.tensor_split(x, wrap(indices), dim), [global_tensor((7, 6))], [[Shard(0)]], mesh1d)
+    x = distribute_tensor(global_tensor((7, 6)), mesh1d, [Shard(0)])
+    raises_everywhere(RuntimeError, lambda: torch.tensor_split(x, wrap(torch.tensor([1.0, 2.0]))), "dtype of long")
+    raises_everywhere(RuntimeError, lambda: torch.tensor_split(x, wrap(torch.tensor([[1, 2]]))), "one-dimensional")

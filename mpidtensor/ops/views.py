@@ -12,6 +12,7 @@ linear and move elements around, so ``Partial`` inputs stay ``Partial``.
 from __future__ import annotations
 
 import itertools
+import warnings
 from math import prod
 from typing import Callable, Sequence
 
@@ -530,3 +531,43 @@ def cat_rule(call: OpCall) -> Sharding:
     best = cheapest(call, candidates)
     layout = best.outputs[0]
     return Sharding(best.inputs, [_renumber(layout, {d: d + (stack and d >= dim) for d in range(in_ndim)})])
+
+
+# --- tensor_split by a tensor of indices ------------------------------------------------------------
+
+
+def _tensor_split_by_tensor(self: torch.Tensor, tensor_indices_or_sections: torch.Tensor, dim: int = 0):
+    """``aten::tensor_split.tensor_indices_or_sections``. torch's own kernel runs before any
+    tensor subclass is dispatched and reads the indices through their data pointer, which a
+    DTensor lacks; this one reads their values (a DTensor's whole value: every rank calls
+    the op, so the small gather is collective) and splits by ``tensor_split.indices`` or
+    ``.sections``, as torch's does, with torch's checks and messages."""
+    from ..dtensor import DTensor  # dtensor imports the rules
+
+    split = tensor_indices_or_sections
+    if split.device.type != "cpu":
+        raise RuntimeError(f"tensor_split expected tensor_indices_or_sections to be on cpu, but it's on {split.device}")
+    if split.dtype != torch.long:
+        name = torch.empty(0, dtype=split.dtype).type().removeprefix("torch.").removesuffix("Tensor")  # c10's name
+        raise RuntimeError(f"tensor_split expected tensor_indices_or_sections to have dtype of long, but got {name}")
+    if split.dim() > 1:
+        raise RuntimeError("tensor_split expected tensor_indices_or_sections to be a zero-dimensional or "
+                           f"one-dimensional tensor, but got a tensor with {split.dim()} dims")
+    if isinstance(split, DTensor):
+        split = split.full_tensor()
+    if split.dim() == 0:
+        return aten.tensor_split.sections(self, split.item(), dim)
+    return aten.tensor_split.indices(self, split.tolist(), dim)
+
+
+def _register_tensor_split() -> torch.library.Library:
+    """Replace torch's composite kernel (for every tensor: the one dispatch key that runs
+    before a subclass is seen); the warning that a kernel is overridden is expected."""
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid")
+        library.impl("tensor_split.tensor_indices_or_sections", _tensor_split_by_tensor, "CompositeImplicitAutograd")
+    return library
+
+
+_TENSOR_SPLIT_LIBRARY = _register_tensor_split()  # kept alive: dropping it restores torch's kernel
