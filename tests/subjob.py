@@ -19,6 +19,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from helpers import bcast_after_rank0
 from mpidtensor import launcher
 
 WORLD = MPI.COMM_WORLD
@@ -57,13 +58,8 @@ def run_job(script: str, tmp_dir: Path, *, ranks: int = 2, env: dict[str, str] |
     Importing torch alone can take many seconds on loaded shared cores: scripts print a
     time mark (see ``Result.seconds_after``) to time what matters, and ``timeout`` is generous.
     """
-    result = None
-    if WORLD.rank == 0:
-        result = _launch(script, tmp_dir, ranks, env or {}, timeout)
-    request = WORLD.Ibarrier()  # wait by sleeping: the inner job needs the cores
-    while not request.Test():
-        time.sleep(0.02)
-    return WORLD.bcast(result, root=0)
+    result = _launch(script, tmp_dir, ranks, env or {}, timeout) if WORLD.rank == 0 else None
+    return bcast_after_rank0(result)  # the others sleep: the inner job needs the cores
 
 
 def _launch(script: str, tmp_dir: Path, ranks: int, extra: dict[str, str], timeout: float) -> Result:
