@@ -17,7 +17,6 @@ save into a fresh directory):
 The caller waits for nothing else meanwhile (no training runs), so "to result()" is
 the whole save as seen from the caller. Blocked / save is the figure of merit.
 """
-import argparse
 import os
 import shutil
 import statistics
@@ -27,7 +26,7 @@ import tempfile
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_checkpoint import local_blocks, remove, shapes, vectors  # noqa: E402
+from bench_checkpoint import local_blocks, remove, state_args, state_bytes, vectors  # noqa: E402
 
 world = MPI.COMM_WORLD
 n, rank = world.size, world.rank
@@ -68,14 +67,9 @@ def bench(args, directory):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=float, default=1024.0, help="MiB of matrices in the state dict")
-    parser.add_argument("--tensors", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    args = parser.parse_args()
+    args = state_args(__doc__)
     directory = world.bcast(tempfile.mkdtemp(prefix="bench-async-", dir=args.dir) if rank == 0 else None)
-    nbytes = sum(r * c * 4 for r, c in shapes(args)) + args.tensors * 4096 * 4
+    nbytes = state_bytes(args)
     try:
         sync, (first, later) = bench(args, directory)
     finally:

@@ -52,6 +52,22 @@ def remove(path):
     world.Barrier()
 
 
+def state_args(doc: str) -> argparse.Namespace:
+    """The command line of the checkpoint benchmarks: the state dict's size and shape,
+    repetitions, and where to write."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--mib", type=float, default=1024.0, help="MiB of matrices in the state dict")
+    parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    return parser.parse_args()
+
+
+def state_bytes(args) -> int:
+    """Bytes of the state dict: the matrices plus one 4096-element vector each."""
+    return sum(r * c * 4 for r, c in shapes(args)) + args.tensors * 4096 * 4
+
+
 def shapes(args):
     rows = int(args.mib * 2**20 / 4 / 4096 / args.tensors)
     rows -= rows % n
@@ -129,14 +145,9 @@ def bench_dcp(args, directory):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=float, default=1024.0, help="MiB of matrices in the state dict")
-    parser.add_argument("--tensors", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    args = parser.parse_args()
+    args = state_args(__doc__)
     directory = world.bcast(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir) if rank == 0 else None)
-    nbytes = sum(r * c * 4 for r, c in shapes(args)) + args.tensors * 4096 * 4
+    nbytes = state_bytes(args)
     try:
         md = bench_mpidtensor(args, directory)
         ts = bench_torch_save(args, directory)
