@@ -31,6 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if tier.TIER not in tier.TIERS:  # the same on every rank: all stop here
         raise pytest.UsageError(f"MPIDTENSOR_TEST_TIER={tier.TIER!r}: use one of {', '.join(tier.TIERS)}")
     config.addinivalue_line("markers", "exhaustive: runs in the full tier only (make test-all)")
+    config.addinivalue_line("markers", "every_case: the quick tier runs all its cases (it samples inside)")
     if WORLD.rank != 0:  # stderr stays: the abort hook reports there
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
@@ -38,13 +39,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The quick tier skips the tests marked exhaustive and runs a fixed sample of each
+    heavily parametrized test (``tier.sample``): the same items on every rank."""
     import tier
 
-    if tier.QUICK:
-        skip = pytest.mark.skip(reason="exhaustive: runs under make test-all")
-        for item in items:
-            if "exhaustive" in item.keywords:
-                item.add_marker(skip)
+    if not tier.QUICK:
+        return
+    skip = pytest.mark.skip(reason="exhaustive: runs under make test-all")
+    for item in items:
+        if "exhaustive" in item.keywords:
+            item.add_marker(skip)
+    kept = tier.sample(items, WORLD.size)
+    if len(kept) < len(items):
+        ids = set(map(id, kept))
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in ids])
+        items[:] = kept
 
 
 @pytest.hookimpl(hookwrapper=True)

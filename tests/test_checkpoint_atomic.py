@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, global_tensor
 import mpidtensor.checkpoint as dcp
-from mpidtensor import Shard, distribute_tensor
+from mpidtensor import Shard, distribute_tensor, launcher
 from mpidtensor.checkpoint import format as fmt
 from mpidtensor.checkpoint import io as ckpt_io
 
@@ -115,10 +115,9 @@ def test_killed_save_keeps_previous_checkpoint(mesh1d, ckpt_dir):
         for seed in (1, 2):
             full = {"w": global_tensor((64, 8), seed=seed), "b": global_tensor((5,), seed=seed + 1), "step": seed}
             torch.save(full, os.path.join(base, f"state{seed}.pt"))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_"))}
         proc = subprocess.run(
             [sys.executable, "-c", KILLED_SAVE, ckpt_dir, *(os.path.join(base, f"state{s}.pt") for s in (1, 2))],
-            env=env, capture_output=True, text=True, timeout=120,
+            env=launcher.nested_env(), capture_output=True, text=True, timeout=120,
         )
         leftovers = [n for n in os.listdir(ckpt_dir) if n.startswith("data-")]
         result = (proc.returncode, proc.stderr[-2000:], len(leftovers))

@@ -17,7 +17,7 @@ from torch import nn
 
 from helpers import assert_all_ranks, bcast_after_rank0
 import mpidtensor.checkpoint as dcp
-from mpidtensor import DTensor, init_device_mesh
+from mpidtensor import DTensor, init_device_mesh, launcher
 from mpidtensor.checkpoint.format_utils import torch_save_to_dcp
 from mpidtensor.checkpoint.state_dict import get_state_dict, set_state_dict
 from mpidtensor.checkpoint.stateful import Stateful
@@ -218,11 +218,6 @@ PLAIN_PROCESS = textwrap.dedent("""
 """)
 
 
-def clean_env() -> dict:
-    """This environment without the launcher's variables: a child is an MPI singleton."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_"))}
-
-
 def test_plain_process_without_launcher(ckpt_dir):
     """In ``python -c`` with no mpiexec (MPI's singleton start: a world of one process,
     MPI_THREAD_MULTIPLE): the job's checkpoint loads into a plain model (the recipe's
@@ -239,7 +234,7 @@ def test_plain_process_without_launcher(ckpt_dir):
     if WORLD.rank == 0:
         torch.save(expected, os.path.join(base, "expected.pt"))
         proc = subprocess.run([sys.executable, "-c", PLAIN_PROCESS, ckpt_dir, os.path.join(base, "expected.pt"), base],
-                              env=clean_env(), capture_output=True, text=True, timeout=240)
+                              env=launcher.nested_env(), capture_output=True, text=True, timeout=240)
         if proc.returncode != 0 or "plain process ok" not in proc.stdout:
             verdict = f"the plain process failed ({proc.returncode}): {proc.stderr[-3000:]}"
         elif not (os.path.exists(os.path.join(base, "last", "index.json"))

@@ -89,6 +89,7 @@ def fallback_allowed(monkeypatch):
 _COUNTS: dict[str, dict] = {}
 
 
+@pytest.mark.every_case  # the quick tier samples the ops instead (QUICK_SHARE)
 @pytest.mark.parametrize("part", range(PARTS))
 @pytest.mark.parametrize("layout", ["S0", "S-1", "R", "P", "2d"])
 def test_opinfo(layout, part, meshes, fallback_allowed):
