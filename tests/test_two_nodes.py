@@ -3,8 +3,8 @@ by a veth pair, each process with its node's hostname), so that what only a mult
 job exercises is tested: node-local ranks and GPU binding, meshes whose outer dim
 crosses nodes, TCP between the nodes, the per-host memory table.
 
-Needs root, network namespaces and MPICH's Hydra (it starts the remote proxy through the
-script instead of ssh); skipped otherwise. Runs at one rank: the jobs start their own.
+Needs root, network namespaces and MPICH's Hydra or Open MPI's PRRTE (each starts its
+remote daemon through the script instead of ssh); skipped otherwise. Runs at one rank: the jobs start their own.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def _problem() -> str | None:
         return "the two-node jobs start their own ranks: run at one rank"
     if os.geteuid() != 0:
         return "building network namespaces needs root"
-    if MPI.get_vendor()[0] != "MPICH":
-        return "the simulated nodes use MPICH Hydra's -launcher-exec (not wired up for other launchers)"
+    if launcher.mpi_family() == "other" or MPI.get_vendor()[0] not in ("MPICH", "Open MPI"):
+        return "the simulated nodes are wired up for MPICH's Hydra and Open MPI's PRRTE only"
     probe = subprocess.run(["ip", "netns", "add", "mdt-probe"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"cannot create network namespaces here: {probe.stderr.strip()}"

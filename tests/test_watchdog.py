@@ -1,6 +1,8 @@
 """MPIDTENSOR_TIMEOUT: a rank stuck in a collective reports where and ends the job."""
 from __future__ import annotations
 
+import pytest
+
 from helpers import assert_all_ranks
 from mpidtensor.mesh import watchdog
 from subjob import run_job
@@ -21,6 +23,7 @@ HANG = """
 """
 
 
+@pytest.mark.own_job
 def test_watchdog_aborts_a_hung_collective(tmp_path):
     result = run_job(HANG, tmp_path, env={"MPIDTENSOR_TIMEOUT": "1"}, timeout=100)
     problems = [] if result.returncode not in (None, 0) else ["the job was not aborted"]
@@ -33,6 +36,7 @@ def test_watchdog_aborts_a_hung_collective(tmp_path):
     assert_all_ranks(after is not None and after < 6, f"ended {after} s after the hang began")
 
 
+@pytest.mark.own_job
 def test_no_false_alarm(tmp_path):
     """A job slower than the timeout between collectives, but never inside one, finishes."""
     script = """

@@ -6,11 +6,13 @@
 #   tests/two_nodes.sh run N ARGS...       mpiexec -n N ARGS with ranks 0..N/2-1 on mdt-node1
 #                                          and the rest on mdt-node2, every process in its
 #                                          node's network namespace and in a UTS namespace
-#                                          whose hostname is the node's name
+#                                          whose hostname is the node's name ($MPIEXEC: MPICH's
+#                                          Hydra or Open MPI's PRRTE; default the .venv's)
 #   tests/two_nodes.sh down                remove both namespaces and the /etc/hosts lines
-# MPICH's Hydra starts the remote proxy through this script itself (the `ssh` mode below)
-# instead of ssh: `ip netns exec` into the node, a new UTS namespace, the hostname set.
-# Between the nodes, MPI traffic goes over TCP on the veth pair (UCX_TLS=tcp,self).
+# The launcher starts its remote daemon (Hydra's proxy, PRRTE's prted) through this script
+# itself (the `ssh` mode below) instead of ssh: `ip netns exec` into the node, a new UTS
+# namespace, the hostname set. Between the nodes, MPI traffic goes over TCP on the veth
+# pair (MPICH: UCX_TLS=tcp,self; Open MPI picks its tcp BTL by itself).
 set -euo pipefail
 NODES=(mdt-node1 mdt-node2)
 ADDRS=(10.213.7.1 10.213.7.2)
@@ -43,16 +45,21 @@ case "${1:-}" in
   run)
     n=$2; shift 2
     half=$((n / 2))
-    # mpiexec itself runs on node 1 (-localhost names it so the remote proxy can call back).
+    # mpiexec itself runs on node 1 (Hydra: -localhost names it so the remote proxy can call back).
     export UCX_TLS=${UCX_TLS:-tcp,self}
-    cmd=$(printf '%q ' "$(dirname "$SELF")/../.venv/bin/mpiexec")
-    [ -n "${MPIEXEC:-}" ] && cmd=$(printf '%q ' "$MPIEXEC")
-    cmd+="-launcher ssh -launcher-exec $(printf '%q' "$SELF") -localhost ${NODES[0]} "
-    cmd+="-hosts ${NODES[0]}:$half,${NODES[1]}:$((n - half)) -n $n $(printf '%q ' "$@")"
+    mpiexec=${MPIEXEC:-$(dirname "$SELF")/../.venv/bin/mpiexec}
+    cmd=$(printf '%q ' "$mpiexec")
+    if "$mpiexec" --version 2>&1 | grep -q "Open MPI"; then
+      cmd+="--prtemca plm_ssh_agent $(printf '%q' "$SELF") --map-by slot "
+      cmd+="--host ${NODES[0]}:$half,${NODES[1]}:$((n - half)) -n $n $(printf '%q ' "$@")"
+    else
+      cmd+="-launcher ssh -launcher-exec $(printf '%q' "$SELF") -localhost ${NODES[0]} "
+      cmd+="-hosts ${NODES[0]}:$half,${NODES[1]}:$((n - half)) -n $n $(printf '%q ' "$@")"
+    fi
     on_node "${NODES[0]}" "$cmd"
     ;;
   -x|*)
-    # Called by Hydra as its ssh: [options] HOST COMMAND...
+    # Called by Hydra or PRRTE as their ssh: [options] HOST COMMAND...
     while [ $# -gt 0 ] && [[ $1 == -* ]]; do shift; done
     [ $# -ge 2 ] || { echo "usage: $0 up | down | run N ARGS..." >&2; exit 2; }
     node=$1; shift
