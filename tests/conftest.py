@@ -32,8 +32,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"MPIDTENSOR_TEST_TIER={tier.TIER!r}: use one of {', '.join(tier.TIERS)}")
     config.addinivalue_line("markers", "exhaustive: runs in the full tier only (make test-all)")
     config.addinivalue_line("markers", "every_case: the quick tier runs all its cases (it samples inside)")
-    config.addinivalue_line("markers", "own_job: the test's work is a separate MPI job whose size does not depend "
-                                       "on the test job's: the quick tier runs it at one world size only")
+    config.addinivalue_line("markers", "quick_at(n): the quick tier runs the test at world size n only (a costly "
+                                       "test whose other sizes add little: e.g. its work is a separate job)")
     if WORLD.rank != 0:  # stderr stays: the abort hook reports there
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
@@ -41,20 +41,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The quick tier skips the tests marked exhaustive, runs the ``own_job`` tests at one
-    world size (``tier.OWN_JOB_WORLD_SIZE``) and a fixed sample of each heavily
-    parametrized test (``tier.sample``): the same items on every rank."""
+    """The quick tier skips the tests marked exhaustive, runs those marked ``quick_at(n)``
+    at world size n only and a fixed sample of each heavily parametrized test
+    (``tier.sample``): the same items on every rank."""
     import tier
 
     if not tier.QUICK:
         return
     skip = pytest.mark.skip(reason="exhaustive: runs under make test-all")
-    elsewhere = pytest.mark.skip(reason=f"own_job: the quick tier runs it at {tier.OWN_JOB_WORLD_SIZE} rank(s)")
     for item in items:
+        only_at = item.get_closest_marker("quick_at")
         if "exhaustive" in item.keywords:
             item.add_marker(skip)
-        elif "own_job" in item.keywords and WORLD.size != tier.OWN_JOB_WORLD_SIZE:
-            item.add_marker(elsewhere)
+        elif only_at is not None and WORLD.size != only_at.args[0]:
+            item.add_marker(pytest.mark.skip(reason=f"the quick tier runs it at {only_at.args[0]} rank(s)"))
     kept = tier.sample(items, WORLD.size)
     if len(kept) < len(items):
         ids = set(map(id, kept))

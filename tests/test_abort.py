@@ -26,7 +26,7 @@ RAISE_ON_RANK_1 = """
 """
 
 
-@pytest.mark.own_job
+@pytest.mark.quick_at(2)  # a separate 2-rank job: the same at every size
 def test_uncaught_exception_aborts_the_job(tmp_path):
     result = run_job(RAISE_ON_RANK_1, tmp_path, timeout=120)
     problems = result.abort_problems(("RuntimeError: boom on rank one", "Traceback", "aborting the MPI job"),

@@ -108,6 +108,7 @@ KILLED_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.quick_at(2)  # a fresh process importing torch: the same at every size
 def test_killed_save_keeps_previous_checkpoint(mesh1d, ckpt_dir):
     result = None
     if WORLD.rank == 0:

@@ -218,6 +218,7 @@ PLAIN_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.quick_at(3)  # a fresh process importing torch; 3 ranks save uneven shards
 def test_plain_process_without_launcher(ckpt_dir):
     """In ``python -c`` with no mpiexec (MPI's singleton start: a world of one process,
     MPI_THREAD_MULTIPLE): the job's checkpoint loads into a plain model (the recipe's

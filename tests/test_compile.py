@@ -24,9 +24,10 @@ WORLD = MPI.COMM_WORLD
 TOL = dict(atol=1e-5, rtol=1e-5)
 BACKENDS = ["eager", "aot_eager"]
 
-pytestmark = pytest.mark.skipif(
-    WORLD.size > 2, reason="Dynamo compiles slowly on oversubscribed cores; run at 1 and 2 ranks"
-)
+pytestmark = [
+    pytest.mark.skipif(WORLD.size > 2, reason="Dynamo compiles slowly on oversubscribed cores; run at 1 and 2 ranks"),
+    pytest.mark.quick_at(2),  # compiling dominates; one rank adds no communication to trace
+]
 
 
 @pytest.fixture(autouse=True)

@@ -75,7 +75,7 @@ PLAIN_ON_ANOTHER_DEVICE_ON_RANK_1 = """
 """
 
 
-@pytest.mark.own_job
+@pytest.mark.quick_at(2)  # a separate 2-rank job: the same at every size
 @pytest.mark.parametrize("script, message", [
     (WRONG_SHARD_ON_RANK_1, "ValueError: local tensor of shape (3, 3) does not match the shard (2, 3)"),
     (PLAIN_ON_ANOTHER_DEVICE_ON_RANK_1, "TypeError: aten.add.Tensor: a plain meta tensor was mixed with DTensors"),

@@ -23,7 +23,7 @@ HANG = """
 """
 
 
-@pytest.mark.own_job
+@pytest.mark.quick_at(2)  # a separate 2-rank job: the same at every size
 def test_watchdog_aborts_a_hung_collective(tmp_path):
     result = run_job(HANG, tmp_path, env={"MPIDTENSOR_TIMEOUT": "1"}, timeout=100)
     problems = [] if result.returncode not in (None, 0) else ["the job was not aborted"]
@@ -36,7 +36,7 @@ def test_watchdog_aborts_a_hung_collective(tmp_path):
     assert_all_ranks(after is not None and after < 6, f"ended {after} s after the hang began")
 
 
-@pytest.mark.own_job
+@pytest.mark.quick_at(2)  # a separate 2-rank job: the same at every size
 def test_no_false_alarm(tmp_path):
     """A job slower than the timeout between collectives, but never inside one, finishes."""
     script = """

@@ -17,14 +17,10 @@ def count(full: int, quick: int) -> int:
     return quick if QUICK else full
 
 
-# The quick tier runs the tests marked ``own_job`` (their work is a separate MPI job of a
-# fixed size) at this world size only: at the others they would repeat the same job.
-OWN_JOB_WORLD_SIZE = 2
-
 # A test function with more parametrized cases than this runs this many of them (at
 # least) in the quick tier, or QUICK_SHARE of them if that is more.
-QUICK_CASES = 6
-QUICK_SHARE = 0.34
+QUICK_CASES = 4
+QUICK_SHARE = 0.25
 
 
 def sample(items: list, world_size: int) -> list:
