@@ -18,15 +18,14 @@ The caller waits for nothing else meanwhile (no training runs), so "to result()"
 the whole save as seen from the caller. Blocked / save is the figure of merit.
 """
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_checkpoint import local_blocks, remove, state_args, state_bytes, vectors  # noqa: E402
+from bench_checkpoint import local_blocks, remove, scratch_directory, state_args, state_bytes, vectors  # noqa: E402
+from text_table import print_table  # noqa: E402
 
 world = MPI.COMM_WORLD
 n, rank = world.size, world.rank
@@ -68,21 +67,16 @@ def bench(args, directory):
 
 def main():
     args = state_args(__doc__)
-    directory = world.bcast(tempfile.mkdtemp(prefix="bench-async-", dir=args.dir) if rank == 0 else None)
     nbytes = state_bytes(args)
-    try:
+    with scratch_directory("bench-async-", args.dir) as directory:
         sync, (first, later) = bench(args, directory)
-    finally:
-        world.Barrier()
-        if rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
     if rank == 0:
         print(f"\nasync_save of {nbytes / 2**30:.2f} GiB on {n} ranks ({args.tensors} matrices + vectors), "
               f"median of {args.reps}, slowest rank; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        print(f"{'':28} {'blocked s':>10} {'/ save':>7} {'to result() s':>14}")
-        print(f"{'save (synchronous)':28} {sync:10.3f} {1:7.0%} {sync:14.3f}")
-        for name, (blocked, total) in (("async_save, first call", first), ("async_save, later calls", later)):
-            print(f"{name:28} {blocked:10.3f} {blocked / sync:7.1%} {total:14.3f}")
+        rows = [("save (synchronous)", sync, sync), ("async_save, first call", *first),
+                ("async_save, later calls", *later)]
+        print_table(["", "blocked s", "/ save", "to result() s"],
+                    [[name, f"{blocked:.3f}", f"{blocked / sync:.1%}", f"{total:.3f}"] for name, blocked, total in rows])
 
 
 if __name__ == "__main__":

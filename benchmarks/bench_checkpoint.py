@@ -21,35 +21,50 @@ import shutil
 import statistics
 import sys
 import tempfile
+from contextlib import contextmanager
 
 import torch
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_redistribute import init_gloo  # noqa: E402
+from text_table import print_table, time_and_rate  # noqa: E402
 
 world = MPI.COMM_WORLD
 n, rank = world.size, world.rank
 
 
-def timed(fn, reps):
+def timed(fn, reps, comm=world):
     """Median over reps of the slowest rank's seconds for ``fn()``, after one untimed call."""
-    world.Barrier()
+    comm.Barrier()
     fn()
     times = []
     for _ in range(reps):
-        world.Barrier()
+        comm.Barrier()
         start = MPI.Wtime()
         fn()
-        times.append(world.allreduce(MPI.Wtime() - start, op=MPI.MAX))
+        times.append(comm.allreduce(MPI.Wtime() - start, op=MPI.MAX))
     return statistics.median(times)
 
 
-def remove(path):
-    """The previous checkpoint at ``path`` removed (by rank 0; the others wait)."""
-    if rank == 0:
+def remove(path, comm=world):
+    """The previous checkpoint at ``path`` removed (by rank 0 of ``comm``; the others wait)."""
+    if comm.rank == 0:
         shutil.rmtree(path, ignore_errors=True)
-    world.Barrier()
+    comm.Barrier()
+
+
+@contextmanager
+def scratch_directory(prefix: str, parent: str | None):
+    """A new directory under ``parent`` (default: the temporary one), made by rank 0 and
+    known to every rank; removed once every rank is done with it."""
+    directory = world.bcast(tempfile.mkdtemp(prefix=prefix, dir=parent) if rank == 0 else None)
+    try:
+        yield directory
+    finally:
+        world.Barrier()
+        if rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def state_args(doc: str) -> argparse.Namespace:
@@ -146,26 +161,20 @@ def bench_dcp(args, directory):
 
 def main():
     args = state_args(__doc__)
-    directory = world.bcast(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir) if rank == 0 else None)
     nbytes = state_bytes(args)
-    try:
+    with scratch_directory("bench-ckpt-", args.dir) as directory:
         md = bench_mpidtensor(args, directory)
         ts = bench_torch_save(args, directory)
         tg = bench_dcp(args, directory)
-    finally:
-        world.Barrier()
-        if rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
     if rank == 0:
         rows = [("mpidtensor.checkpoint", md[0], md[1]), ("  save over the previous one", md[3], None),
                 ("  load into Shard(1)", None, md[2]),
                 ("torch.save / torch.load (rank 0)", *ts), ("torch DCP on gloo", *tg)]
         print(f"\ncheckpoint of {nbytes / 2**30:.2f} GiB on {n} ranks ({args.tensors} matrices + vectors), "
               f"median of {args.reps}, slowest rank")
-        print(f"{'':34} {'save s':>8} {'GB/s':>7} {'load s':>8} {'GB/s':>7}")
-        for name, save, load in rows:
-            cells = [f"{t:8.3f} {nbytes / t / 1e9:7.2f}" if t else f"{'-':>8} {'-':>7}" for t in (save, load)]
-            print(f"{name:34} {cells[0]} {cells[1]}")
+        print_table(["", "save s", "GB/s", "load s", "GB/s"],
+                    [[name, *time_and_rate(save, nbytes, 1e9, "{:.2f}"), *time_and_rate(load, nbytes, 1e9, "{:.2f}")]
+                     for name, save, load in rows])
 
 
 if __name__ == "__main__":

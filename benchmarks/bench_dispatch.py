@@ -9,8 +9,6 @@ Each figure is the median over repeats of the mean time per call, max over ranks
 """
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import time
 
@@ -18,6 +16,7 @@ import torch
 from mpi4py import MPI
 
 import mpidtensor as md
+from mpidtensor.testing.gloo import init_gloo_process_group
 
 COMM = MPI.COMM_WORLD
 REPEATS, CALLS = 7, 300
@@ -49,18 +48,10 @@ def ops(x, w):
 def gloo_dtensor():
     """torch.distributed.tensor on gloo in this MPI job, or None if it cannot start."""
     try:
-        import torch.distributed as dist
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
     except ImportError:
         return None
-    port = None
-    if COMM.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = COMM.bcast(port)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=COMM.rank, world_size=COMM.size)
+    init_gloo_process_group(COMM)
     mesh = init_device_mesh("cpu", (COMM.size,))
     return lambda t, w: (distribute_tensor(t, mesh, [Shard(0)]), distribute_tensor(w, mesh, [Replicate()]))
 

@@ -21,9 +21,7 @@ load average (``uptime``) is printed before and after: the cores may be shared.
 """
 import argparse
 import os
-import shutil
-import statistics
-import tempfile
+import sys
 
 import torch
 import transformers
@@ -32,27 +30,12 @@ from mpi4py import MPI
 import mpidtensor
 from mpidtensor.checkpoint.huggingface import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_checkpoint import remove, scratch_directory, timed  # noqa: E402
+from text_table import print_table, time_and_rate  # noqa: E402
+
 world = MPI.COMM_WORLD
 n, rank = world.size, world.rank
-
-
-def timed(fn, reps, comm=world):
-    """Median over reps of the slowest rank's seconds for ``fn()``, after one untimed call."""
-    comm.Barrier()
-    fn()
-    times = []
-    for _ in range(reps):
-        comm.Barrier()
-        start = MPI.Wtime()
-        fn()
-        times.append(comm.allreduce(MPI.Wtime() - start, op=MPI.MAX))
-    return statistics.median(times)
-
-
-def remove(path, comm=world):
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-    comm.Barrier()
 
 
 def config(args):
@@ -114,16 +97,11 @@ def main():
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    directory = world.bcast(tempfile.mkdtemp(prefix="bench-hf-", dir=args.dir) if rank == 0 else None)
     full = model(args).state_dict()
     nbytes = sum(t.nbytes for t in full.values())
-    try:
+    with scratch_directory("bench-hf-", args.dir) as directory:
         md = bench_mpidtensor(args, directory, full)
         tf = bench_transformers(args, directory) if n == 1 or args.transformers else None
-    finally:
-        world.Barrier()
-        if rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
     if rank == 0:
         print(f"\nLlama {args.layers} layers, hidden {args.hidden}: {nbytes / 1e6:.0f} MB float32 on {n} ranks, "
               f"median of {args.reps}, slowest rank; load average before {load_before[0]:.1f}, "
@@ -132,10 +110,9 @@ def main():
                 ("mpidtensor <- save_pretrained's model.safetensors", None, md[2])]
         if tf:
             rows.append(("transformers save_pretrained (+fsync) / from_pretrained", *tf))
-        print(f"{'':52} {'save s':>8} {'MB/s':>7} {'load s':>8} {'MB/s':>7}")
-        for name, save, load in rows:
-            cells = [f"{t:8.3f} {nbytes / t / 1e6:7.0f}" if t else f"{'-':>8} {'-':>7}" for t in (save, load)]
-            print(f"{name:52} {cells[0]} {cells[1]}")
+        print_table(["", "save s", "MB/s", "load s", "MB/s"],
+                    [[name, *time_and_rate(save, nbytes, 1e6, "{:.0f}"), *time_and_rate(load, nbytes, 1e6, "{:.0f}")]
+                     for name, save, load in rows])
 
 
 if __name__ == "__main__":

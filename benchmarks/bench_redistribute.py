@@ -8,14 +8,13 @@ after warm-up, of the slowest rank, with a barrier before each repetition.
 ratio = mpidtensor / mpi4py. A column that cannot run here prints "-".
 """
 import argparse
-import datetime
-import logging
-import socket
 import statistics
 
 import numpy as np
 import torch
 from mpi4py import MPI
+
+import text_table
 
 world = MPI.COMM_WORLD
 n, rank = world.size, world.rank
@@ -46,28 +45,15 @@ def timed(setup, reps, warmup=3):
 
 
 def init_gloo():
-    """torch.distributed on gloo over the same ranks; the rendezvous port comes by MPI."""
+    """torch.distributed on gloo over the same ranks (``mpidtensor.testing.gloo``) and
+    torch's ``init_device_mesh``; None (that column skipped) where it cannot start."""
     try:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # fallback notices
-        if not dist.is_available() or not dist.is_gloo_available():
-            raise RuntimeError("torch.distributed with gloo is not available")
-        host, port = None, None
-        if rank == 0:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                host, port = socket.gethostname(), s.getsockname()[1]
-        host, port = world.bcast((host, port))
-        one_node = len(set(world.allgather(socket.gethostname()))) == 1
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{'127.0.0.1' if one_node else host}:{port}",
-            rank=rank,
-            world_size=n,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        from mpidtensor.testing.gloo import init_gloo_process_group
+
+        init_gloo_process_group(world, timeout_s=60)
         return dist, init_device_mesh
     except Exception as err:
         if rank == 0:
@@ -171,9 +157,7 @@ def print_table(results, n, block):
         moves_data = name != "R -> S(0)"
         ratio = f"{md / mp:.2f}" if md is not None and mp is not None and moves_data else "-"
         rows.append([name] + [f"{t:.3f}" if t is not None else "-" for t in (md, mp, tg)] + [ratio])
-    widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
-    for row in [header, ["-" * w for w in widths]] + rows:
-        print(" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    text_table.print_table(header, rows)
     print("ratio = mpidtensor / mpi4py (R -> S(0) moves no data, so no ratio)")
 
 

@@ -3,14 +3,10 @@ torch writes (its DTensors over all ranks, or one process with no_dist) and mpid
 reads into other layouts on meshes over fewer ranks and 2x2; mpidtensor writes from
 fewer ranks and torch reads over all; model + AdamW state; a failed save keeps the
 previous checkpoint; missing, corrupt and mismatching checkpoints fail on every rank."""
-import datetime
-import logging
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as tdcp
 import torch.distributed.tensor as tdt
 from mpi4py import MPI
@@ -21,6 +17,7 @@ from helpers import assert_all_ranks, global_tensor, raises_everywhere
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from mpidtensor.checkpoint import CheckpointError, get_state_dict, set_state_dict
 from mpidtensor.checkpoint.torch_format import FileSystemReader, FileSystemWriter, torch_leaves
+from mpidtensor.testing.gloo import init_gloo_process_group
 
 WORLD = MPI.COMM_WORLD
 R = Replicate()
@@ -29,17 +26,8 @@ SHAPES = {"w": (13, 6), "v": (7,), "m": (5, 9)}
 
 @pytest.fixture(scope="module")
 def gloo():
-    """torch.distributed on gloo over the MPI ranks (rank 0 picks the port)."""
-    if not dist.is_initialized():
-        logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-        port = None
-        if WORLD.rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        port = WORLD.bcast(port)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=WORLD.rank,
-                                world_size=WORLD.size, timeout=datetime.timedelta(seconds=120))
+    """torch.distributed on gloo over the MPI ranks (rank 0 picks the port): torch's mesh."""
+    init_gloo_process_group(WORLD)
     return torch_mesh("cpu", (WORLD.size,))
 
 

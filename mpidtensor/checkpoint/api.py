@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from . import async_saver, stateful
 from .arguments import check_planner, communicator, refuse_sharded, storage
+from .collective import on_rank0
 from .native import NativeReader, NativeWriter
 from .storage import StorageReader, StorageWriter
 
@@ -75,15 +76,7 @@ def no_checkpoint(path: str) -> FileNotFoundError:
 def detect_reader(path: str, comm: MPI.Intracomm) -> StorageReader:
     """The reader for the checkpoint at ``path`` (:func:`reader_class`): rank 0 looks,
     all ranks agree; ``FileNotFoundError`` on every rank when there is none."""
-    found = error = None
-    if comm.rank == 0:
-        try:
-            found = reader_class(path)
-        except Exception as err:  # noqa: BLE001  (raised on every rank below)
-            error = err
-    found, error = comm.bcast((found, error), root=0)
-    if error is not None:
-        raise error
+    found = on_rank0(comm, reader_class, path)
     if found is None:
         raise no_checkpoint(path)
     return found(path)

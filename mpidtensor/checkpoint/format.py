@@ -152,6 +152,12 @@ def new_token() -> str:
     return secrets.token_hex(8)
 
 
+def start_save(directory: str) -> str:
+    """Create ``directory`` if missing; a new token naming the files of this save."""
+    os.makedirs(directory, exist_ok=True)
+    return new_token()
+
+
 def data_name(token: str, rank: int) -> str:
     return f"data-{token}-{rank}.bin"
 

@@ -35,10 +35,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from . import collective, io, shards
 from . import format as fmt
-from . import io
 from . import safetensors_file as sf
-from . import shards
 from .storage import StorageReader, StorageWriter
 
 __all__ = ["HuggingFaceStorageWriter", "HuggingFaceStorageReader"]
@@ -77,16 +76,9 @@ class HuggingFaceStorageWriter(StorageWriter):
 
     def write(self, state_dict: Any, comm: MPI.Intracomm) -> None:
         leaves = [(fmt.fqn(path), value) for path, value in fmt.flatten(state_dict)]
-        token, error = None, None
-        if comm.rank == 0:
-            try:
-                os.makedirs(self.path, exist_ok=True)
-                token = fmt.new_token()
-            except Exception as err:  # noqa: BLE001  (raised on every rank below)
-                error = err
+        token = collective.on_rank0(comm, fmt.start_save, self.path)
         metas = [shards.leaf_meta(key, value) for key, value in leaves]
-        all_metas = shards.gather_metas(metas, comm, error)
-        token = comm.bcast(token, root=0)
+        all_metas = shards.gather_metas(metas, comm)
         files = self._files(leaves)  # the same on every rank: raises on all or none
         values = [shards.reduced(value) for _, value in leaves]  # collective, in the same order
         mine = shards.boxes_to_write(all_metas, comm.rank)
@@ -143,18 +135,9 @@ class HuggingFaceStorageWriter(StorageWriter):
             errors = comm.allgather(error)
         if any(e is not None for e in errors):
             fmt.remove_files(self.path, created)
-            shards.raise_first(errors)
-        stale, error = [], None
-        if comm.rank == 0:
-            try:
-                stale = self._commit(names, temp, layouts, leaves, files)
-            except Exception as err:  # noqa: BLE001  (raised on every rank below)
-                error = err
-        error, stale = comm.bcast((error, stale), root=0)
-        if error is not None:
-            raise error
-        fmt.remove_files(self.path, stale[comm.rank::comm.size])
-        comm.Barrier()
+            collective.raise_first(errors)
+        stale = collective.on_rank0(comm, self._commit, names, temp, layouts, leaves, files)
+        collective.remove_stale(comm, self.path, stale)
 
     def _commit(self, names: dict, temp: dict, layouts: dict, leaves: list, files: dict) -> list[str]:
         """Rank 0: the files under their names, then the index; the weights files it
@@ -200,7 +183,7 @@ class HuggingFaceStorageWriter(StorageWriter):
         errors = comm.allgather(error)
         if any(e is not None for e in errors):
             fmt.remove_files(self.path, [os.path.basename(tmp) for tmp, _ in written])
-            shards.raise_first(errors)
+            collective.raise_first(errors)
         for tmp, final in written:
             os.replace(tmp, final)
         kept = comm.gather([os.path.basename(final) for _, final in written], root=0)
@@ -327,18 +310,8 @@ class HuggingFaceStorageReader(StorageReader):
 
     def read(self, state_dict: Any, comm: MPI.Intracomm) -> None:
         leaves = [(fmt.fqn(path), value) for path, value in fmt.flatten(state_dict)]
-        tensors, error = None, None
-        if comm.rank == 0:
-            try:
-                tensors = scan(self.path)
-            except Exception as err:  # noqa: BLE001  (raised on every rank below)
-                error = err
-        tensors, error = comm.bcast((tensors, error), root=0)
-        if error is not None:
-            raise error
-        errors = [msg for rank_errors in comm.allgather(_target_errors(tensors, leaves)) for msg in rank_errors]
-        if errors:
-            raise fmt.CheckpointError("; ".join(dict.fromkeys(errors)))
+        tensors = collective.on_rank0(comm, scan, self.path)
+        collective.raise_found(comm, _target_errors(tensors, leaves))
         reader, error = io.Reader(self.path), None
         try:
             for key, target in leaves:
@@ -347,7 +320,7 @@ class HuggingFaceStorageReader(StorageReader):
             error = err
         finally:
             reader.close()
-        shards.raise_agreed(comm, error)
+        collective.raise_agreed(comm, error)
 
 
 def _read_box(reader: io.Reader, stored: Stored, target: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ import torch
 from mpi4py import MPI
 
 from . import format as fmt
-from . import io, shards
+from . import collective, io, shards
 from .storage import StorageReader, StorageWriter
 
 
@@ -58,64 +58,48 @@ class NativeReader(StorageReader):
 def _save(state_dict: Any, directory: str, comm: MPI.Intracomm) -> None:
     """Write ``state_dict`` to the checkpoint directory ``directory``. Collective."""
     leaves = list(fmt.flatten(state_dict))
-    token, setup_error = None, None
-    if comm.rank == 0:
-        try:
-            os.makedirs(directory, exist_ok=True)
-            token = fmt.new_token()
-        except OSError as err:
-            setup_error = err
+    token = collective.on_rank0(comm, fmt.start_save, directory)
     metas = [_leaf_meta(p, v) for p, v in leaves]
-    gathered = comm.allgather((metas, token, setup_error))
-    token, setup_error = gathered[0][1], gathered[0][2]
-    if setup_error is not None:
-        raise setup_error
-    all_metas = [g[0] for g in gathered]
-    shards.check_same_leaves(all_metas)
-    tensor_ids = [i for i, (_, meta) in enumerate(metas) if meta is not None]
-    mine = shards.to_write(all_metas, tensor_ids, comm.rank)
+    all_metas = shards.gather_metas(metas, comm)
+    mine = shards.boxes_to_write(all_metas, comm.rank)
 
     todo = []
-    for i in tensor_ids:  # every rank reduces the Partial DTensors, in the same order
-        t = shards.reduced(leaves[i][1])
-        if i in mine:
-            todo.append((i, t))
-    blocks, error = {}, None
+    for i, (_, value) in enumerate(leaves):  # every rank reduces the Partial DTensors, in the same order
+        if metas[i][1] is not None:
+            t = shards.reduced(value)
+            if i in mine:
+                todo.append((i, t))
     path = os.path.join(directory, fmt.data_name(token, comm.rank))
+    blocks, error = collective.attempt(_write_blocks, path, todo, metas)
     try:
-        raws = [(i, shards.local_bytes(t)) for i, t in todo]
-        offsets = fmt.layout([raw.nbytes for _, raw in raws])
-        for (i, raw), offset in zip(raws, offsets):
-            start, shape = metas[i][1][2]
-            blocks[i] = {"start": list(start), "shape": list(shape), "offset": offset, "crc32": fmt.crc32(raw)}
-        if raws:
-            io.write_file(path, [(offset, raw) for (_, raw), offset in zip(raws, offsets)])
-    except Exception as err:  # noqa: BLE001  (raised on every rank below)
-        error = err
-    results = comm.gather((blocks, error), root=0)
-    stale = []
-    if comm.rank == 0:
-        error = next((e for _, e in results if e is not None), None)
-        if error is None:
-            try:
-                stale = _commit(directory, token, leaves, metas, results)
-            except Exception as err:  # noqa: BLE001  (raised on every rank below)
-                error = err
-    error, stale = comm.bcast((error, stale), root=0)
-    if error is not None:
+        stale = collective.commit_on_rank0(comm, blocks, error,
+                                           lambda written: _commit(directory, token, leaves, metas, written))
+    except Exception:
         if todo and os.path.exists(path):
             os.remove(path)  # this save's data file: no index will name it
-        raise error
-    if stale:  # the superseded files, removed by all ranks in parallel (unlinking is slow)
-        fmt.remove_files(directory, stale[comm.rank::comm.size])
-        comm.Barrier()
+        raise
+    collective.remove_stale(comm, directory, stale)
 
 
-def _commit(directory: str, token: str, leaves: list, metas: list, results: list) -> list[str]:
+def _write_blocks(path: str, todo: list, metas: list) -> dict[int, dict]:
+    """Write this rank's boxes (``todo``: leaf index and tensor) into its new data file
+    ``path``; where each block went, with its CRC-32, by leaf index."""
+    raws = [(i, shards.local_bytes(t)) for i, t in todo]
+    offsets = fmt.layout([raw.nbytes for _, raw in raws])
+    blocks = {}
+    for (i, raw), offset in zip(raws, offsets):
+        start, shape = metas[i][1][2]
+        blocks[i] = {"start": list(start), "shape": list(shape), "offset": offset, "crc32": fmt.crc32(raw)}
+    if raws:
+        io.write_file(path, [(offset, raw) for (_, raw), offset in zip(raws, offsets)])
+    return blocks
+
+
+def _commit(directory: str, token: str, leaves: list, metas: list, written: list[dict]) -> list[str]:
     """Rank 0: the index from every rank's written blocks, committed; the files it
     supersedes (see format.commit_index)."""
     data_files, by_leaf = [], {}
-    for rank, (rank_blocks, _) in enumerate(results):
+    for rank, rank_blocks in enumerate(written):
         if rank_blocks:
             for i, block in rank_blocks.items():
                 by_leaf.setdefault(i, []).append({**block, "file": len(data_files)})
@@ -153,7 +137,7 @@ def _check_target(index_entries: dict, gathered: list[list[tuple]]) -> None:
                                   f"state dict {tuple(meta[0])}")
                 if meta[1] != saved["dtype"]:
                     errors.append(f"dtype mismatch for {key!r}: checkpoint {saved['dtype']}, state dict {meta[1]}")
-    shards.raise_if(errors)
+    collective.raise_if(errors)
 
 
 def _destination(t: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, bool]:
@@ -197,15 +181,7 @@ def _load(state_dict: Any, directory: str, comm: MPI.Intracomm) -> None:
     """Fill ``state_dict`` in place from the checkpoint ``directory``: tensors are
     copied into (each rank's part of its layout), other values replaced. Collective."""
     leaves = list(fmt.flatten(state_dict))
-    index = error = None
-    if comm.rank == 0:
-        try:
-            index = fmt.read_index(directory)
-        except Exception as err:  # noqa: BLE001  (raised on every rank below)
-            error = err
-    index, error = comm.bcast((index, error), root=0)
-    if error is not None:
-        raise error
+    index = collective.on_rank0(comm, fmt.read_index, directory)
     entries = {e["key"]: e for e in index["entries"]}
     metas = [_leaf_meta(p, v) for p, v in leaves]
     gathered = comm.allgather(metas)
@@ -224,10 +200,8 @@ def _load(state_dict: Any, directory: str, comm: MPI.Intracomm) -> None:
     finally:
         reader.close()
     outcomes = comm.allgather((bad, error))
-    error = next((e for _, e in outcomes if e is not None), None)
-    if error is not None:
-        raise error
-    shards.raise_if([msg for rank_bad, _ in outcomes for msg in rank_bad])
+    collective.raise_first([e for _, e in outcomes])
+    collective.raise_if([msg for rank_bad, _ in outcomes for msg in rank_bad])
     values = {path: fmt.decode_value(entries[key]) for (path, _), (key, meta) in zip(leaves, metas) if meta is None}
     if values:
         _fill_values(state_dict, (), values)

@@ -12,10 +12,11 @@ from mpi4py import MPI
 
 from ..dtensor import DTensor
 from ..placements import Replicate
+from . import collective
 from . import format as fmt
 
-__all__ = ["TensorMeta", "box", "leaf_meta", "local_bytes", "check_same_leaves", "gather_metas", "to_write",
-           "boxes_to_write", "reduced", "local_tensor", "check_loadable", "raise_if", "raise_first", "raise_agreed"]
+__all__ = ["TensorMeta", "box", "leaf_meta", "local_bytes", "check_same_leaves", "gather_metas",
+           "boxes_to_write", "reduced", "local_tensor", "check_loadable"]
 
 #: ``(global shape, dtype name, this rank's box)`` of a tensor leaf; None for a value.
 TensorMeta = tuple[tuple[int, ...], str, tuple[tuple[int, ...], tuple[int, ...]]]
@@ -36,16 +37,10 @@ def local_bytes(t: torch.Tensor) -> np.ndarray:
     return local.reshape(-1).view(torch.uint8).numpy()
 
 
-def raise_if(errors: list[str], cls: type = fmt.CheckpointError) -> None:
-    """Raise one ``cls`` naming every distinct problem in ``errors``, if any."""
-    if errors:
-        raise cls("; ".join(dict.fromkeys(errors)))
-
-
 def check_same_leaves(gathered: list[list[tuple]]) -> None:
     """All ranks must pass state dicts with the same keys, global shapes and dtypes."""
     first = [(key, meta and meta[:2]) for key, meta in gathered[0]]
-    raise_if([f"{key!r} has dtype {meta[1]}, which cannot be checkpointed"
+    collective.raise_if([f"{key!r} has dtype {meta[1]}, which cannot be checkpointed"
               for key, meta in gathered[0] if meta is not None and meta[1] not in fmt.DTYPES], TypeError)
     for rank, metas in enumerate(gathered[1:], 1):
         if [(key, meta and meta[:2]) for key, meta in metas] != first:
@@ -54,26 +49,6 @@ def check_same_leaves(gathered: list[list[tuple]]) -> None:
     if len(set(keys)) != len(keys):
         dup = sorted({k for k in keys if keys.count(k) > 1})
         raise ValueError(f"state dict has leaves with the same dotted name: {dup}")
-
-
-def to_write(all_metas: list[list[tuple]], tensor_ids: list[int], rank: int) -> set[int]:
-    """The tensors whose box ``rank`` writes: per distinct non-empty box, of the ranks
-    holding it, the one with the fewest bytes assigned so far (then the lowest). Every
-    rank computes the same from the gathered metadata."""
-    assigned, mine = [0] * len(all_metas), set()
-    for i in tensor_ids:
-        holders: dict[tuple, list[int]] = {}
-        for r, metas in enumerate(all_metas):
-            holders.setdefault(metas[i][1][2], []).append(r)
-        itemsize = fmt.DTYPES[all_metas[0][i][1][1]].itemsize
-        for (_, shape), ranks in holders.items():
-            nbytes = prod(shape) * itemsize
-            if nbytes:
-                writer = min(ranks, key=lambda r: (assigned[r], r))
-                assigned[writer] += nbytes
-                if writer == rank:
-                    mine.add(i)
-    return mine
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -88,23 +63,35 @@ def leaf_meta(key: str, leaf: Any) -> tuple[str, TensorMeta | None]:
     return key, (tuple(leaf.shape), fmt.DTYPE_NAMES.get(leaf.dtype, str(leaf.dtype)), box(leaf))
 
 
-def gather_metas(metas: list[tuple[str, TensorMeta | None]], comm: MPI.Intracomm,
-                 error: BaseException | None = None) -> list[list[tuple]]:
-    """Every rank's ``metas`` of the state dict to write (one ``allgather``, which also
-    carries a setup ``error`` found on any rank: raised on all), checked: every rank
-    passed the same keys, shapes and dtypes (checkpointable ones)."""
-    gathered = comm.allgather((metas, error))
-    raise_first([e for _, e in gathered])
-    all_metas = [m for m, _ in gathered]
+def gather_metas(metas: list[tuple[str, TensorMeta | None]], comm: MPI.Intracomm) -> list[list[tuple]]:
+    """Every rank's ``metas`` of the state dict to write (one ``allgather``), checked:
+    every rank passed the same keys, shapes and dtypes (checkpointable ones)."""
+    all_metas = comm.allgather(metas)
     check_same_leaves(all_metas)
     return all_metas
 
 
 def boxes_to_write(all_metas: list[list[tuple]], rank: int) -> set[int]:
-    """The tensor leaves whose box ``rank`` writes: each distinct non-empty box once,
-    replicas spread over the ranks holding them (the native writer's rule)."""
-    tensor_ids = [i for i, (_, meta) in enumerate(all_metas[0]) if meta is not None]
-    return to_write(all_metas, tensor_ids, rank)
+    """The tensor leaves whose box ``rank`` writes: per distinct non-empty box, of the
+    ranks holding it, the one with the fewest bytes assigned so far (then the lowest), so
+    that each box is written once and replicas spread over the ranks. Every rank
+    computes the same from the gathered metadata."""
+    assigned, mine = [0] * len(all_metas), set()
+    for i, (_, meta) in enumerate(all_metas[0]):
+        if meta is None:
+            continue
+        holders: dict[tuple, list[int]] = {}
+        for r, metas in enumerate(all_metas):
+            holders.setdefault(metas[i][1][2], []).append(r)
+        itemsize = fmt.DTYPES[meta[1]].itemsize
+        for (_, shape), ranks in holders.items():
+            nbytes = prod(shape) * itemsize
+            if nbytes:
+                writer = min(ranks, key=lambda r: (assigned[r], r))
+                assigned[writer] += nbytes
+                if writer == rank:
+                    mine.add(i)
+    return mine
 
 
 def reduced(t: torch.Tensor) -> torch.Tensor:
@@ -119,13 +106,3 @@ def check_loadable(key: str, t: torch.Tensor) -> None:
     if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
         raise fmt.CheckpointError(f"cannot load into {key!r}: its placements {t.placements} hold Partial values")
 
-
-def raise_first(errors: list[BaseException | None]) -> None:
-    error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise error
-
-
-def raise_agreed(comm: MPI.Intracomm, error: BaseException | None) -> None:
-    """Raise on every rank the first error any rank met (one ``allgather``)."""
-    raise_first(comm.allgather(error))

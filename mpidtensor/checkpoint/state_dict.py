@@ -19,6 +19,7 @@ from mpi4py import MPI
 from ..dtensor import DTensor
 from . import format as fmt
 from . import io
+from .collective import on_rank0
 
 WORLD = MPI.COMM_WORLD
 
@@ -110,20 +111,21 @@ def get_state_dict(model: torch.nn.Module, optimizers, *, options: StateDictOpti
 
 
 # --- setting ---------------------------------------------------------------------------------------------
+def _skeleton(leaves: list[tuple[tuple, Any]]) -> list[tuple]:
+    """``(path, (shape, dtype) or None, value or None)`` of each leaf of a full state
+    dict: what the other ranks need to receive it."""
+    dtensors = [fmt.fqn(p) for p, v in leaves if isinstance(v, DTensor)]
+    if dtensors:
+        raise ValueError(f"broadcast_from_rank0 needs a full state dict (plain tensors); got DTensors {dtensors}")
+    return [(p, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None,
+             None if isinstance(v, torch.Tensor) else v) for p, v in leaves]
+
+
 def broadcast_state(state: Any) -> Any:
     """Rank 0's nested ``state`` (plain tensors and values) on every rank; tensors go by
     ``Bcast`` in pieces of at most ``io.MAX_CHUNK_BYTES``."""
-    leaves, skeleton, error = [], None, None
-    if WORLD.rank == 0:
-        leaves = list(fmt.flatten(state))
-        skeleton = [(p, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None,
-                     None if isinstance(v, torch.Tensor) else v) for p, v in leaves]
-        dtensors = [fmt.fqn(p) for p, v in leaves if isinstance(v, DTensor)]
-        if dtensors:
-            error = f"broadcast_from_rank0 needs a full state dict (plain tensors); got DTensors {dtensors}"
-    skeleton, error = WORLD.bcast((skeleton, error), root=0)
-    if error:
-        raise ValueError(error)
+    leaves = list(fmt.flatten(state)) if WORLD.rank == 0 else []
+    skeleton = on_rank0(WORLD, _skeleton, leaves)
     out = []
     for i, (path, meta, value) in enumerate(skeleton):
         if meta is None:

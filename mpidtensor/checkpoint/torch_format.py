@@ -52,9 +52,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from . import collective, io, shards
 from . import format as fmt
-from . import io
-from . import shards
 from .storage import StorageReader, StorageWriter
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
@@ -135,15 +134,9 @@ class FileSystemWriter(StorageWriter):
 
     def write(self, state_dict: Any, comm: MPI.Intracomm) -> None:
         leaves = torch_leaves(state_dict)
-        generation, error = None, None
-        if comm.rank == 0:
-            try:
-                generation = self._prepare()
-            except Exception as err:  # noqa: BLE001  (raised on every rank below)
-                error = err
+        generation = collective.on_rank0(comm, self._prepare)
         metas = [shards.leaf_meta(leaf.fqn, leaf.value) for leaf in leaves]
-        all_metas = shards.gather_metas(metas, comm, error)
-        generation = comm.bcast(generation, root=0)
+        all_metas = shards.gather_metas(metas, comm)
         mine = shards.boxes_to_write(all_metas, comm.rank)
         todo = []
         for i, (_, _, _, value) in enumerate(leaves):
@@ -154,29 +147,14 @@ class FileSystemWriter(StorageWriter):
             elif comm.rank == 0:
                 todo.append((i, value))
         name = f"__{comm.rank}_{generation}.distcp"
-        written, error = [], None
+        written, error = collective.attempt(self._write_data, name, todo, metas) if todo else ([], None)
         try:
-            if todo:
-                written = self._write_data(name, todo, metas)
-        except Exception as err:  # noqa: BLE001  (raised on every rank below)
-            error = err
-        results = comm.gather((written, error), root=0)
-        stale = []
-        if comm.rank == 0:
-            error = next((e for _, e in results if e is not None), None)
-            if error is None:
-                try:
-                    stale = self._commit(leaves, metas, [w for w, _ in results])
-                except Exception as err:  # noqa: BLE001  (raised on every rank below)
-                    error = err
-        error, stale = comm.bcast((error, stale), root=0)
-        if error is not None:
+            stale = collective.commit_on_rank0(comm, written, error, lambda parts: self._commit(leaves, metas, parts))
+        except Exception:
             if todo and os.path.exists(os.path.join(self.path, name)):
                 os.remove(os.path.join(self.path, name))  # no committed metadata names it
-            raise error
-        if stale:
-            fmt.remove_files(self.path, stale[comm.rank::comm.size])
-        comm.Barrier()
+            raise
+        collective.remove_stale(comm, self.path, stale)
 
     def _prepare(self) -> int:
         """Rank 0: create the directory; the ``n`` of this save's data files (one the
@@ -307,15 +285,7 @@ class FileSystemReader(StorageReader):
 
     def read(self, state_dict: Any, comm: MPI.Intracomm) -> None:
         leaves = torch_leaves(state_dict)
-        metadata, error = None, None
-        if comm.rank == 0:
-            try:
-                metadata = _read_metadata(self.path)
-            except Exception as err:  # noqa: BLE001  (raised on every rank below)
-                error = err
-        metadata, error = comm.bcast((metadata, error), root=0)
-        if error is not None:
-            raise error
+        metadata = collective.on_rank0(comm, _read_metadata, self.path)
         metas = [shards.leaf_meta(leaf.fqn, leaf.value) for leaf in leaves]
         errors = _target_errors(metadata, metas)
         for _, _, fqn, value in leaves:
@@ -324,23 +294,25 @@ class FileSystemReader(StorageReader):
                     shards.check_loadable(fqn, value)
                 except fmt.CheckpointError as err:
                     errors.append(str(err))
-        errors = [msg for rank_errors in comm.allgather(errors) for msg in rank_errors]
-        if errors:
-            raise fmt.CheckpointError("; ".join(dict.fromkeys(errors)))
+        collective.raise_found(comm, errors)
 
-        values, error = [], None
-        try:
-            for keys, _, fqn, value in leaves:
-                if isinstance(value, torch.Tensor):
-                    _read_tensor(self.path, metadata, fqn, value)
-                else:
-                    info = _storage_info(metadata, MetadataIndex(fqn), fqn)
-                    values.append((keys, _load_saved(self.path, info, fqn, weights_only=False)))
-        except Exception as err:  # noqa: BLE001  (raised on every rank below)
-            error = err
-        shards.raise_agreed(comm, error)
+        values, error = collective.attempt(_read_leaves, self.path, metadata, leaves)
+        collective.raise_agreed(comm, error)
         for keys, value in values:
             _set_leaf(state_dict, keys, value)
+
+
+def _read_leaves(directory: str, metadata: Metadata, leaves: list[Leaf]) -> list[tuple]:
+    """Fill this rank's box of each tensor leaf from the files; ``(keys, value)`` of
+    each other leaf, as saved."""
+    values = []
+    for keys, _, fqn, value in leaves:
+        if isinstance(value, torch.Tensor):
+            _read_tensor(directory, metadata, fqn, value)
+        else:
+            info = _storage_info(metadata, MetadataIndex(fqn), fqn)
+            values.append((keys, _load_saved(directory, info, fqn, weights_only=False)))
+    return values
 
 
 def _storage_info(metadata: Metadata, index: MetadataIndex, fqn: str) -> _StorageInfo:

@@ -1,2 +1,2 @@
 """Sharding rules, one module per op family; importing this package registers them."""
-from . import indexing, matrix, nn, pointwise, random, reductions, registry, tensor_ops, views  # noqa: F401
+from . import indexing, losses, matrix, nn, pointwise, random, reductions, registry, tensor_ops, views  # noqa: F401

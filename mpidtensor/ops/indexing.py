@@ -222,6 +222,25 @@ def _bounded(call: OpCall, sharding: Sharding, checks: Sequence[tuple], error: t
     return Sharding(sharding.inputs, sharding.outputs, local, sharding.notes)
 
 
+def _at_index(call: OpCall, dims: Sequence[int], options: Callable[[int], list[_Option]], checks: Sequence[tuple],
+              local_for: Callable[[dict[int, tuple[int, int]]], Callable], inplace: bool = False,
+              error: type = RuntimeError) -> Sharding:
+    """The rule of an op on ``self`` at the positions its index tensors give along
+    ``dims``: the cheapest of ``options``; where that splits ``self`` along some of
+    ``dims``, the local op ``local_for(spans)``, ``spans`` giving this rank's block
+    ``(offset, size)`` along each split dim; the indices checked by ``checks`` against
+    ``self``'s global lengths (see :func:`_bounded`)."""
+    inputs, outputs = _choose(call, options, inplace)
+    spans = {k: _span(call.tensor_specs[0], inputs[0], k) for k in dims if _is_sharded(inputs[0], k)}
+    local = local_for(spans) if spans else None
+    return _bounded(call, Sharding(inputs, outputs, local), checks, error)
+
+
+def _on_dim(dim: int) -> list[tuple]:
+    """The check of an op whose index is argument 2 (tensor input 1), along ``dim``."""
+    return [(1, lambda a: a[2], dim, False)]
+
+
 # --- index_select -------------------------------------------------------------------------------
 
 
@@ -242,22 +261,22 @@ def index_select(call: OpCall) -> Sharding:
             opts.append(_Option((Shard(dim), R), (SUM,)))
         return opts
 
-    inputs, outputs = _choose(call, options)
-    checks = [(1, lambda a: a[2], dim, False)]
-    if not _is_sharded(inputs[0], dim):
-        return _bounded(call, Sharding(inputs, outputs), checks)
-    offset, size = _span(self, inputs[0], dim)
     ndim = self.ndim
 
-    def local(args, kwargs):
-        x, _, idx = args
-        pos, mask = _read_index(idx.reshape(-1), offset, size)
-        out = torch.index_select(_nonempty(x, dim), dim, pos)
-        shape = [1] * ndim
-        shape[dim] = -1
-        return out.masked_fill_(~mask.view(shape), 0)
+    def local_for(spans: dict) -> Callable:
+        offset, size = spans[dim]
 
-    return _bounded(call, Sharding(inputs, outputs, local), checks)
+        def local(args, kwargs):
+            x, _, idx = args
+            pos, mask = _read_index(idx.reshape(-1), offset, size)
+            out = torch.index_select(_nonempty(x, dim), dim, pos)
+            shape = [1] * ndim
+            shape[dim] = -1
+            return out.masked_fill_(~mask.view(shape), 0)
+
+        return local
+
+    return _at_index(call, (dim,), options, _on_dim(dim), local_for)
 
 
 # --- gather -------------------------------------------------------------------------------------
@@ -282,18 +301,17 @@ def gather(call: OpCall) -> Sharding:
             opts.append(_Option((Shard(dim), R), (SUM,)))
         return opts
 
-    inputs, outputs = _choose(call, options)
-    checks = [(1, lambda a: a[2], dim, False)]
-    if not _is_sharded(inputs[0], dim):
-        return _bounded(call, Sharding(inputs, outputs), checks)
-    offset, size = _span(self, inputs[0], dim)
+    def local_for(spans: dict) -> Callable:
+        offset, size = spans[dim]
 
-    def local(args, kwargs):
-        x, _, idx = args[:3]
-        pos, mask = _read_index(idx, offset, size)
-        return torch.gather(_nonempty(x, dim), dim, pos).masked_fill_(~mask, 0)
+        def local(args, kwargs):
+            x, _, idx = args[:3]
+            pos, mask = _read_index(idx, offset, size)
+            return torch.gather(_nonempty(x, dim), dim, pos).masked_fill_(~mask, 0)
 
-    return _bounded(call, Sharding(inputs, outputs, local), checks)
+        return local
+
+    return _at_index(call, (dim,), options, _on_dim(dim), local_for)
 
 
 # --- scatter family and index_add ---------------------------------------------------------------
@@ -352,21 +370,21 @@ def scatter(call: OpCall) -> Sharding:
         return opts
 
     inplace = _inplace(call)
-    inputs, outputs = _choose(call, options, inplace)
-    checks = [(1, lambda a: a[2], dim, False)]
-    if not _is_sharded(inputs[0], dim):
-        return _bounded(call, Sharding(inputs, outputs), checks)
-    offset, size = _span(self, inputs[0], dim)
-    op = getattr(aten, call.func._schema.name.split("::")[-1].rstrip("_") + "_")
-    overload = getattr(op, call.func._overloadname)
 
-    def local(args, kwargs):
-        x, _, idx = args[:3]
-        pos = _write_index(idx, offset, size)
-        out = overload(_padded(x, (dim,)), dim, pos, *args[3:], **kwargs)
-        return _finish(x, _unpadded(out, (dim,)), inplace)
+    def local_for(spans: dict) -> Callable:
+        offset, size = spans[dim]
+        op = getattr(aten, call.func._schema.name.split("::")[-1].rstrip("_") + "_")
+        overload = getattr(op, call.func._overloadname)
 
-    return _bounded(call, Sharding(inputs, outputs, local), checks)
+        def local(args, kwargs):
+            x, _, idx = args[:3]
+            pos = _write_index(idx, offset, size)
+            out = overload(_padded(x, (dim,)), dim, pos, *args[3:], **kwargs)
+            return _finish(x, _unpadded(out, (dim,)), inplace)
+
+        return local
+
+    return _at_index(call, (dim,), options, _on_dim(dim), local_for, inplace)
 
 
 @_register_on_dim(aten.index_add.default, aten.index_add_.default)
@@ -386,18 +404,18 @@ def index_add(call: OpCall) -> Sharding:
         return opts
 
     inplace = _inplace(call)
-    inputs, outputs = _choose(call, options, inplace)
-    checks = [(1, lambda a: a[2], dim, False)]
-    if not _is_sharded(inputs[0], dim):
-        return _bounded(call, Sharding(inputs, outputs), checks)
-    offset, size = _span(self, inputs[0], dim)
 
-    def local(args, kwargs):
-        x, _, idx, src = args[:4]
-        out = _padded(x, (dim,)).index_add_(dim, _write_index(idx, offset, size), src, *args[4:], **kwargs)
-        return _finish(x, _unpadded(out, (dim,)), inplace)
+    def local_for(spans: dict) -> Callable:
+        offset, size = spans[dim]
 
-    return _bounded(call, Sharding(inputs, outputs, local), checks)
+        def local(args, kwargs):
+            x, _, idx, src = args[:4]
+            out = _padded(x, (dim,)).index_add_(dim, _write_index(idx, offset, size), src, *args[4:], **kwargs)
+            return _finish(x, _unpadded(out, (dim,)), inplace)
+
+        return local
+
+    return _at_index(call, (dim,), options, _on_dim(dim), local_for, inplace)
 
 
 # --- advanced indexing --------------------------------------------------------------------------
@@ -463,29 +481,26 @@ def index(call: OpCall) -> Sharding:
             opts += [_Option((Shard(k),) + (R,) * n, (SUM,)) for k in lay.indexed]
         return opts
 
-    inputs, outputs = _choose(call, options)
-    checks = _index_checks(lay)
-    sharded = [k for k in lay.indexed if _is_sharded(inputs[0], k)]
-    if not sharded:
-        return _bounded(call, Sharding(inputs, outputs), checks, IndexError)
-    spans = {k: _span(self, inputs[0], k) for k in sharded}
-    lengths = {k: self.shape[k] for k in sharded}
     before, after = [1] * lay.bstart, [1] * (lay.result_ndim - lay.bstart - len(lay.bshape))
 
-    def local(args, kwargs):
-        x, idx = args[0], list(args[1])
-        keep = None
-        for k in sharded:
-            offset, size = spans[k]
-            pos, inside = _read_index(idx[k].remainder(lengths[k]), offset, size)
-            idx[k] = pos
-            keep = inside if keep is None else keep & inside
-            x = _nonempty(x, k)
-        out = aten.index.Tensor(x, idx)
-        bshape = torch.broadcast_shapes(*(t.shape for t in idx if t is not None))  # local: indices may be sharded
-        return out.masked_fill_(~keep.expand(bshape).reshape(before + list(bshape) + after), 0)
+    def local_for(spans: dict) -> Callable:
+        lengths = {k: self.shape[k] for k in spans}
 
-    return _bounded(call, Sharding(inputs, outputs, local), checks, IndexError)
+        def local(args, kwargs):
+            x, idx = args[0], list(args[1])
+            keep = None
+            for k, (offset, size) in spans.items():
+                pos, inside = _read_index(idx[k].remainder(lengths[k]), offset, size)
+                idx[k] = pos
+                keep = inside if keep is None else keep & inside
+                x = _nonempty(x, k)
+            out = aten.index.Tensor(x, idx)
+            bshape = torch.broadcast_shapes(*(t.shape for t in idx if t is not None))  # local: indices may be sharded
+            return out.masked_fill_(~keep.expand(bshape).reshape(before + list(bshape) + after), 0)
+
+        return local
+
+    return _at_index(call, lay.indexed, options, _index_checks(lay), local_for, error=IndexError)
 
 
 @register(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
@@ -520,22 +535,20 @@ def index_put(call: OpCall) -> Sharding:
         return opts
 
     inplace = _inplace(call)
-    inputs, outputs = _choose(call, options, inplace)
-    checks = _index_checks(lay)
-    sharded = [k for k in lay.indexed if _is_sharded(inputs[0], k)]
-    if not sharded:
-        return _bounded(call, Sharding(inputs, outputs), checks, IndexError)
-    spans = {k: _span(self, inputs[0], k) for k in sharded}
-    lengths = {k: self.shape[k] for k in sharded}
 
-    def local(args, kwargs):
-        x, idx = args[0], list(args[1])
-        for k in sharded:
-            idx[k] = _write_index(idx[k], *spans[k], lengths[k])
-        out = aten.index_put_.default(_padded(x, sharded), idx, args[2], accumulate)
-        return _finish(x, _unpadded(out, sharded), inplace)
+    def local_for(spans: dict) -> Callable:
+        sharded, lengths = list(spans), {k: self.shape[k] for k in spans}
 
-    return _bounded(call, Sharding(inputs, outputs, local), checks, IndexError)
+        def local(args, kwargs):
+            x, idx = args[0], list(args[1])
+            for k, (offset, size) in spans.items():
+                idx[k] = _write_index(idx[k], offset, size, lengths[k])
+            out = aten.index_put_.default(_padded(x, sharded), idx, args[2], accumulate)
+            return _finish(x, _unpadded(out, sharded), inplace)
+
+        return local
+
+    return _at_index(call, lay.indexed, options, _index_checks(lay), local_for, inplace, IndexError)
 
 
 def _is_mask(spec: DTensorSpec) -> bool:

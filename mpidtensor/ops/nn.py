@@ -1,7 +1,7 @@
 """Neural-network ops: softmax and log_softmax, layer_norm and fused rms_norm (what rms_norm
 reaches on CUDA; on CPU it decomposes into pointwise ops and a mean), embedding and its
-max_norm renorm, nll_loss (cross_entropy's second half), mse_loss and CPU flash attention,
-forward and backward. gelu and silu are pointwise (``pointwise.py``).
+max_norm renorm, and CPU flash attention, forward and backward; and the layout helpers
+that the loss rules (``losses.py``) share. gelu and silu are pointwise (``pointwise.py``).
 
 What each keeps sharded without communication:
 
@@ -14,15 +14,11 @@ What each keeps sharded without communication:
   Partial(sum)) or over the embedding dim (output sharded on its last dim); indices
   sharded on any dim (output sharded alike); max_norm renorms the weight in place in
   its own layout;
-* losses: the batch (and spatial) dims sharded, unevenly too; ``nll_loss`` also with the
-  class dim sharded (vocab-parallel loss). Sums are Partial(sum); means divide the local
-  sum by the GLOBAL count (mse) or the GLOBAL total weight (nll: one all-reduce of a
-  scalar, as ignore_index and class weights make it data dependent);
 * attention: q, k, v (and mask) sharded alike over batch or heads.
 
-Ops that are linear in one operand (softmax backward in its gradient, nll in its input,
-...) keep that operand's Partial(sum/avg) where the other operands are replicated; a
-backward whose forward operands are replicated follows a sharded gradient.
+Ops that are linear in one operand (softmax backward in its gradient, ...) keep that
+operand's Partial(sum/avg) where the other operands are replicated; a backward whose
+forward operands are replicated follows a sharded gradient.
 """
 from __future__ import annotations
 
@@ -35,26 +31,25 @@ from .._layout import local_span
 from ..mesh import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import OpCall, Placements, Sharding, register, replicate_all, transition_cost
+from .registry import OpCall, Placements, Sharding, register, transition_cost
 
 aten = torch.ops.aten
 
 _R = Replicate()
-_LINEAR = ("sum", "avg")  # Partial ops that commute with a linear op
-_NONE, _MEAN, _SUM = 0, 1, 2  # loss reductions (at::Reduction)
+LINEAR = ("sum", "avg")  # Partial ops that commute with a linear op
 
 
-# --- helpers -----------------------------------------------------------------------------------
+# --- helpers (the public ones shared with losses.py) -------------------------------------------
 
 
-def _arg(call: OpCall, index: int, default=None):
+def schema_arg(call: OpCall, index: int, default=None):
     """Argument ``index`` of the op's schema, passed positionally or by name."""
     if index < len(call.args):
         return call.args[index]
     return call.kwargs.get(call.func._schema.arguments[index].name, default)
 
 
-def _inputs(call: OpCall, targets: dict[str, Placements | None]) -> list[Placements | None]:
+def inputs_by_name(call: OpCall, targets: dict[str, Placements | None]) -> list[Placements | None]:
     """Sharding.inputs from target placements keyed by schema argument name (absent: keep)."""
     names = [a.name for a in call.func._schema.arguments]
     keys = [names[i] for i, a in enumerate(call.args) if isinstance(a, DTensorSpec)]
@@ -73,15 +68,15 @@ def _nbytes(t: DTensorSpec | torch.Tensor) -> int:
 
 def _localize(spec: DTensorSpec, keep_whole: set[int], avoid: set[int]) -> tuple[Placement, ...]:
     """Placements of ``spec`` in which no mesh dim shards a dim of ``keep_whole`` or is Partial;
-    such mesh dims move as :func:`_fill_free` says."""
+    such mesh dims move as :func:`fill_free` says."""
     target = [
         None if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim in keep_whole) else p
         for p in spec.placements
     ]
-    return _fill_free(spec, target, keep_whole | avoid)
+    return fill_free(spec, target, keep_whole | avoid)
 
 
-def _fill_free(spec: DTensorSpec, target: list[Placement | None], avoid: set[int]) -> tuple[Placement, ...]:
+def fill_free(spec: DTensorSpec, target: list[Placement | None], avoid: set[int]) -> tuple[Placement, ...]:
     """``target`` with each ``None`` replaced by a shard of the largest dim of ``spec`` not in
     ``avoid``, not sharded by another mesh dim and at least as long as the mesh dim (reached
     by one all-to-all or reduce-scatter), or by Replicate when there is none."""
@@ -96,7 +91,7 @@ def _fill_free(spec: DTensorSpec, target: list[Placement | None], avoid: set[int
     return tuple(target)
 
 
-def _follow_grad(target: Placements, grad: DTensorSpec, dims: range) -> tuple[Placement, ...]:
+def follow_grad(target: Placements, grad: DTensorSpec, dims: range) -> tuple[Placement, ...]:
     """In a backward, where the forward operands are whole (Replicate) but the gradient is
     sharded over one of ``dims``, shard the operands alike: a local chunk instead of a
     gather of the gradient."""
@@ -105,18 +100,18 @@ def _follow_grad(target: Placements, grad: DTensorSpec, dims: range) -> tuple[Pl
     )
 
 
-def _span(spec: DTensorSpec, placements: Placements, dim: int) -> tuple[int, int]:
+def block_span(spec: DTensorSpec, placements: Placements, dim: int) -> tuple[int, int]:
     """(global offset, size) along ``dim`` of this rank's block under ``placements``."""
     mesh = spec.mesh
     return local_span(spec.shape[dim], dim, placements, mesh.shape, mesh._coord)
 
 
-def _split_by(mesh, placements: Placements, dim: int) -> list[int]:
+def split_by(mesh, placements: Placements, dim: int) -> list[int]:
     """The mesh dims of more than one rank that shard tensor dim ``dim``."""
     return [m for m, p in enumerate(placements) if p == Shard(dim) and mesh.shape[m] > 1]
 
 
-def _comm(mesh, mesh_dims: list[int]):
+def mesh_comm(mesh, mesh_dims: list[int]):
     return mesh.comm_for(tuple(sorted(mesh_dims)))
 
 
@@ -136,14 +131,14 @@ def _softmax_placements(spec: DTensorSpec, dim: int) -> tuple[Placement, ...]:
 @register(aten._softmax, aten._log_softmax, aten._safe_softmax)
 def softmax(call: OpCall) -> Sharding:
     x = call.tensor_specs[0]
-    dim = _arg(call, 1) % max(x.ndim, 1)
+    dim = schema_arg(call, 1) % max(x.ndim, 1)
     target = _softmax_placements(x, dim)
-    split = _split_by(call.mesh, target, dim)
+    split = split_by(call.mesh, target, dim)
     local = None
     if split:
         name = call.func._schema.name
         local = _split_softmax(
-            _comm(call.mesh, split), dim, "log" in name, "safe" in name, call.out_metas()[0].dtype
+            mesh_comm(call.mesh, split), dim, "log" in name, "safe" in name, call.out_metas()[0].dtype
         )
     return Sharding([target], [target], local)
 
@@ -177,17 +172,17 @@ def softmax_backward(call: OpCall) -> Sharding:
     """grad_input from (grad_output, output): linear in grad_output, so its Partial(sum/avg)
     stays where the output is replicated."""
     grad, y = call.tensor_specs[0], call.tensor_specs[1]
-    dim = _arg(call, 2) % max(y.ndim, 1)
-    y_target = _follow_grad(_softmax_placements(y, dim), grad, range(y.ndim))
+    dim = schema_arg(call, 2) % max(y.ndim, 1)
+    y_target = follow_grad(_softmax_placements(y, dim), grad, range(y.ndim))
     g_target = tuple(
-        pg if isinstance(py, Replicate) and isinstance(pg, Partial) and pg.reduce_op in _LINEAR else py
+        pg if isinstance(py, Replicate) and isinstance(pg, Partial) and pg.reduce_op in LINEAR else py
         for pg, py in zip(grad.placements, y_target)
     )
-    split = _split_by(call.mesh, y_target, dim)
+    split = split_by(call.mesh, y_target, dim)
     local = None
     if split:
         log = "log" in call.func._schema.name
-        local = _split_softmax_backward(_comm(call.mesh, split), dim, log, call.out_metas()[0].dtype)
+        local = _split_softmax_backward(mesh_comm(call.mesh, split), dim, log, call.out_metas()[0].dtype)
     return Sharding([g_target, y_target], [g_target], local)
 
 
@@ -222,21 +217,21 @@ def _norm_placements(x: DTensorSpec, normalized: int) -> tuple[Placement, ...]:
 def _norm_rule(call: OpCall, params: tuple[str, ...]) -> Sharding:
     """Forward norms: input and its row statistics share the batch layout; params replicated."""
     x = call.tensor_specs[0]
-    target = _norm_placements(x, len(_arg(call, 1)))
+    target = _norm_placements(x, len(schema_arg(call, 1)))
     targets = {"input": target, **{p: (_R,) * call.ndim for p in params}}
-    return Sharding(_inputs(call, targets), [target] * len(call.out_metas()))
+    return Sharding(inputs_by_name(call, targets), [target] * len(call.out_metas()))
 
 
 def _norm_backward_rule(call: OpCall, stats: tuple[str, ...], params: tuple[str, ...], local=None) -> Sharding:
     """Backward norms: grad_input like the input; parameter gradients Partial(sum) over the
     mesh dims sharding the batch. A Partial grad_out stays (all outputs Partial) where the
     input is replicated: these gradients are linear in grad_out."""
-    grad, x = _arg(call, 0), _arg(call, 1)
-    normalized = len(_arg(call, 2))
-    x_target = _follow_grad(_norm_placements(x, normalized), grad, range(x.ndim - normalized))
+    grad, x = schema_arg(call, 0), schema_arg(call, 1)
+    normalized = len(schema_arg(call, 2))
+    x_target = follow_grad(_norm_placements(x, normalized), grad, range(x.ndim - normalized))
     g_target, param_grad = [], []
     for pg, px in zip(grad.placements, x_target):
-        if isinstance(px, Replicate) and isinstance(pg, Partial) and pg.reduce_op in _LINEAR:
+        if isinstance(px, Replicate) and isinstance(pg, Partial) and pg.reduce_op in LINEAR:
             g_target.append(pg)
             param_grad.append(pg)
         else:
@@ -247,7 +242,7 @@ def _norm_backward_rule(call: OpCall, stats: tuple[str, ...], params: tuple[str,
     targets.update({p: (_R,) * call.ndim for p in params})
     outputs = [g_target] + [param_grad] * (len(call.out_meta) - 1)
     present = [o for o, meta in zip(outputs, call.out_meta) if meta is not None]  # output_mask
-    return Sharding(_inputs(call, targets), present, local)
+    return Sharding(inputs_by_name(call, targets), present, local)
 
 
 @register(aten.native_layer_norm)
@@ -298,7 +293,7 @@ def embedding(call: OpCall) -> Sharding:
     for pw, pi in zip(w.placements, ids.placements):
         if isinstance(pi, Partial):
             pi = _R
-        if isinstance(pw, Partial) and pw.reduce_op not in _LINEAR:
+        if isinstance(pw, Partial) and pw.reduce_op not in LINEAR:
             pw = _R
         if isinstance(pi, Shard) and not isinstance(pw, Replicate):
             # Gathering the indices leaves a Partial output to reduce later, unless the
@@ -320,8 +315,8 @@ def embedding(call: OpCall) -> Sharding:
             out_target.append(pw)
     w_target = tuple(w_target)
     local = None
-    if _split_by(call.mesh, w_target, 0):
-        local = _vocab_lookup(call.func, *_span(w, w_target, 0))
+    if split_by(call.mesh, w_target, 0):
+        local = _vocab_lookup(call.func, *block_span(w, w_target, 0))
     return Sharding([w_target, tuple(ids_target)], [tuple(out_target)], local)
 
 
@@ -348,21 +343,21 @@ def embedding_renorm_(call: OpCall) -> Sharding:
     norms; Partial weights all-reduce the rows to measure them, then scale their parts.
     The ids are gathered."""
     w = call.tensor_specs[0]
-    norm_type = float(_arg(call, 3))
+    norm_type = float(schema_arg(call, 3))
     by_op: dict[str, list[int]] = {}
     for m, p in enumerate(w.placements):
         if isinstance(p, Partial) and call.mesh.shape[m] > 1:
             by_op.setdefault(p.reduce_op, []).append(m)
-    columns = _split_by(call.mesh, w.placements, 1)
+    columns = split_by(call.mesh, w.placements, 1)
     if "product" in by_op or (columns and not norm_type > 0):
         raise NotImplementedError(
             f"embedding_renorm_ of a weight with placements {w.placements} and norm_type {norm_type}"
         )
     local = None  # the weight is whole on this rank: the kernel
-    if by_op or columns or _split_by(call.mesh, w.placements, 0):
-        partial = [(op, _comm(call.mesh, dims)) for op, dims in by_op.items()]
-        offset, size = _span(w, w.placements, 0)
-        local = _renorm_rows(offset, size, partial, _comm(call.mesh, columns) if columns else None, norm_type)
+    if by_op or columns or split_by(call.mesh, w.placements, 0):
+        partial = [(op, mesh_comm(call.mesh, dims)) for op, dims in by_op.items()]
+        offset, size = block_span(w, w.placements, 0)
+        local = _renorm_rows(offset, size, partial, mesh_comm(call.mesh, columns) if columns else None, norm_type)
     return Sharding([None, (_R,) * call.ndim], [w.placements], local)
 
 
@@ -400,7 +395,7 @@ def embedding_backward(call: OpCall) -> Sharding:
     grad_output is Partial). ``scale_grad_by_freq`` counts ids globally, so it keeps the
     indices whole."""
     grad, ids = call.tensor_specs[0], call.tensor_specs[1]
-    scale_by_freq = bool(_arg(call, 4))
+    scale_by_freq = bool(schema_arg(call, 4))
     last = grad.ndim - 1
     g_target, ids_target, out_target = [], [], []
     for pg, pi in zip(grad.placements, ids.placements):
@@ -410,222 +405,13 @@ def embedding_backward(call: OpCall) -> Sharding:
             choice = (pg, _R, Shard(1))
         elif isinstance(pg, Shard) and not scale_by_freq:
             choice = (pg, pg, Partial())
-        elif isinstance(pg, Partial) and pg.reduce_op in _LINEAR:
+        elif isinstance(pg, Partial) and pg.reduce_op in LINEAR:
             choice = (pg, _R, pg)
         else:
             choice = (_R, _R, _R)
         for lst, p in zip((g_target, ids_target, out_target), choice):
             lst.append(p)
     return Sharding([tuple(g_target), tuple(ids_target)], [tuple(out_target)])
-
-
-# --- nll_loss (cross_entropy = log_softmax + nll_loss) -----------------------------------------
-
-
-def _nll_modes(x: DTensorSpec, target: DTensorSpec, values_used: bool = True) -> list[tuple]:
-    """Per mesh dim ``(mode, input, target, weight)`` placements, mode one of
-
-    * "class": the input's class dim is sharded: targets whole, class weights sharded alike;
-    * "batch": a batch or spatial dim is sharded, the target alike (the other one follows a
-      sharded side by a local chunk);
-    * "partial": the input is Partial(sum/avg) (the loss is linear in it), the rest whole;
-    * "whole": nothing sharded there.
-
-    ``values_used=False`` (backward: only the input's shape matters) keeps any Partial input.
-    """
-    class_dim = 1 if x.ndim > 1 else 0
-
-    def target_dim(d: int) -> int:
-        return d if d == 0 else d - 1
-
-    def input_dim(d: int) -> int:
-        return d if d == 0 else d + 1
-
-    modes = []
-    for px, pt in zip(x.placements, target.placements):
-        linear = isinstance(px, Partial) and (px.reduce_op in _LINEAR or not values_used)
-        if isinstance(px, Partial) and not linear:
-            px = _R
-        if px == Shard(class_dim):
-            modes.append(("class", px, _R, Shard(0)))
-        elif isinstance(px, Shard):
-            modes.append(("batch", px, Shard(target_dim(px.dim)), _R))
-        elif linear:
-            modes.append(("partial", px, _R, _R))
-        elif isinstance(pt, Shard):
-            modes.append(("batch", Shard(input_dim(pt.dim)), pt, _R))
-        else:
-            modes.append(("whole", _R, _R, _R))
-    return modes
-
-
-def _class_local_target(offset: int, size: int, ignore_index: int) -> Callable:
-    """Targets relative to this rank's classes [offset, offset + size); -1 (ignored) elsewhere."""
-
-    def relabel(t: torch.Tensor) -> torch.Tensor:
-        keep = (t >= offset) & (t < offset + size) & (t != ignore_index)
-        return torch.where(keep, t - offset, -1)
-
-    return relabel
-
-
-@register(aten.nll_loss_forward, aten.nll_loss2d_forward)
-def nll_loss(call: OpCall) -> Sharding:
-    x, target = _arg(call, 0), _arg(call, 1)
-    reduction, ignore_index = _arg(call, 3), _arg(call, 4)
-    modes = _nll_modes(x, target)
-    x_target = tuple(m[1] for m in modes)
-    split = [m for m, mode in enumerate(modes) if mode[0] in ("class", "batch") and call.mesh.shape[m] > 1]
-    out, total = [], []
-    for mode, px, pt, _ in modes:
-        if mode == "partial":
-            out.append(px)
-        elif mode == "class" or (mode == "batch" and reduction != _NONE):
-            out.append(Partial())
-        else:
-            out.append(pt)
-        total.append(Partial() if mode in ("class", "batch") and reduction == _SUM else _R)
-    targets = {"self": x_target, "target": tuple(m[2] for m in modes), "weight": tuple(m[3] for m in modes)}
-    class_dim = 1 if x.ndim > 1 else 0
-    relabel = None
-    if _split_by(call.mesh, x_target, class_dim):
-        relabel = _class_local_target(*_span(x, x_target, class_dim), ignore_index)
-    # unweighted, the mean's divisor counts the non-ignored targets, which every rank of a
-    # class-sharding mesh dim holds whole: counted locally, all-reduced over the batch only
-    count = reduction == _MEAN and _arg(call, 2) is None and any(modes[m][0] == "class" for m in split)
-    mean_split = [m for m in split if not (count and modes[m][0] == "class")] if reduction == _MEAN else []
-    local = None
-    if relabel is not None or mean_split:
-        local = _nll_local(call.func, relabel, _comm(call.mesh, mean_split) if mean_split else None, count)
-    return Sharding(_inputs(call, targets), [tuple(out), tuple(total)], local)
-
-
-def _nll_local(func, relabel: Callable | None, mean_comm, count: bool = False) -> Callable:
-    """The local nll_loss: class-sharded targets relabelled; with ``count``, the mean's
-    divisor is the local count of non-ignored (whole) targets; with ``mean_comm``, the
-    local sum divided by the total weight all-reduced over the ranks splitting the batch/classes."""
-
-    def local(args, kwargs):
-        x, t, w, reduction, ignore_index = args
-        counted = (t != ignore_index).sum() if count else None
-        if relabel is not None:
-            t, ignore_index = relabel(t), -1
-        if mean_comm is None and counted is None:
-            return func(x, t, w, reduction, ignore_index)
-        loss, total = func(x, t, w, _SUM, ignore_index)
-        if counted is not None:
-            total = counted.to(total.dtype)
-        if mean_comm is not None:
-            total = collectives.all_reduce(total, mean_comm, "sum")
-        return loss / total, total
-
-    return local
-
-
-@register(aten.nll_loss_backward, aten.nll_loss2d_backward)
-def nll_loss_backward(call: OpCall) -> Sharding:
-    """grad_input is linear in grad_output and does not read the input's values; a mean
-    divides by the forward's (global, replicated) total weight."""
-    grad, x, target = _arg(call, 0), _arg(call, 1), _arg(call, 2)
-    reduction, ignore_index = _arg(call, 4), _arg(call, 5)
-    modes = _nll_modes(x, target, values_used=False)
-    g_target, out = [], []
-    for (mode, px, pt, _), pg in zip(modes, grad.placements):
-        if mode == "class" or (mode == "batch" and reduction != _NONE):
-            g_target.append(_R)
-            out.append(px)
-        elif mode == "batch":
-            g_target.append(pt)
-            out.append(px)
-        elif isinstance(pg, Partial) and pg.reduce_op in _LINEAR:
-            g_target.append(pg)
-            out.append(pg)
-        else:
-            g_target.append(_R)
-            out.append(_R)
-    x_target = tuple(m[1] for m in modes)
-    targets = {
-        "grad_output": tuple(g_target), "self": x_target, "target": tuple(m[2] for m in modes),
-        "weight": tuple(m[3] for m in modes), "total_weight": (_R,) * call.ndim if reduction == _MEAN else None,
-    }
-    local = None
-    class_dim = 1 if x.ndim > 1 else 0
-    if _split_by(call.mesh, x_target, class_dim):
-        relabel = _class_local_target(*_span(x, x_target, class_dim), ignore_index)
-        func = call.func
-
-        def local(args, kwargs):
-            g, x_, t, w, red, _, total = args
-            return func(g, x_, relabel(t), w, red, -1, total)
-
-    return Sharding(_inputs(call, targets), [tuple(out)], local)
-
-
-# --- mse_loss ----------------------------------------------------------------------------------
-
-
-def _common_placements(*specs: DTensorSpec) -> tuple[Placement, ...]:
-    """One layout for same-shape operands of an elementwise loss: per mesh dim the first
-    operand's shard holds (the others follow by a local chunk, an all-to-all or a
-    reduce-scatter); Partial operands are reduced, onto a free dim where possible."""
-    target = []
-    for column in zip(*(s.placements for s in specs)):
-        shards = [p for p in column if isinstance(p, Shard)]
-        if shards:
-            target.append(shards[0])
-        else:
-            target.append(None if any(isinstance(p, Partial) for p in column) else _R)
-    return _fill_free(specs[0], target, set())
-
-
-@register(aten.mse_loss)
-def mse_loss(call: OpCall) -> Sharding:
-    """none: elementwise; sum: local sums, Partial(sum); mean: local sums over the GLOBAL count."""
-    x, y = _arg(call, 0), _arg(call, 1)
-    reduction = _arg(call, 2, _MEAN)
-    if x.shape != y.shape:
-        return replicate_all(call)
-    target = _common_placements(x, y)
-    if reduction == _NONE:
-        return Sharding([target, target], [target])
-    out = tuple(Partial() if isinstance(p, Shard) else _R for p in target)
-    local = None
-    if reduction == _MEAN and Partial() in out:
-        local = _sum_over(call.func, x.shape.numel(), 2)
-    return Sharding([target, target], [out], local)
-
-
-def _sum_over(func, count: int, n_tensors: int) -> Callable:
-    """``func`` with reduction sum on its ``n_tensors`` tensors, divided by the global
-    element count: an exact mean over uneven shards."""
-
-    def local(args, kwargs):
-        return func(*args[:n_tensors], _SUM) / count
-
-    return local
-
-
-@register(aten.mse_loss_backward)
-def mse_loss_backward(call: OpCall) -> Sharding:
-    """2 (x - y) g [/ count]: linear in g, whose Partial(sum/avg) stays where x and y are whole."""
-    grad, x, y = _arg(call, 0), _arg(call, 1), _arg(call, 2)
-    reduction = _arg(call, 3)
-    if x.shape != y.shape or (reduction == _NONE and grad.shape != x.shape):
-        return replicate_all(call)
-    target = _common_placements(x, y)
-    if reduction == _NONE:
-        target = _follow_grad(target, grad, range(x.ndim))
-    g_target = []
-    for pg, p in zip(grad.placements, target):
-        if isinstance(p, Replicate) and isinstance(pg, Partial) and pg.reduce_op in _LINEAR:
-            g_target.append(pg)
-        else:
-            g_target.append(p if reduction == _NONE else _R)
-    out = tuple(pg if isinstance(pg, Partial) else p for pg, p in zip(g_target, target))
-    local = None
-    if reduction == _MEAN and any(isinstance(p, Shard) for p in target):
-        local = _sum_over(call.func, x.shape.numel(), 3)
-    return Sharding([tuple(g_target), target, target], [out], local)
 
 
 # --- scaled dot product attention (CPU flash kernel) -------------------------------------------
@@ -666,7 +452,7 @@ def _attention_layout(q, k, v, mask, like_q=(), grad=None) -> tuple[list, list]:
             cost += 0 if mask is None else _cost(mask, m, mask_p)
             if grad is not None:
                 pg = grad.placements[m]
-                if qdim is None and isinstance(pg, Partial) and pg.reduce_op in _LINEAR:
+                if qdim is None and isinstance(pg, Partial) and pg.reduce_op in LINEAR:
                     placement = pg
                 else:
                     cost += _cost(grad, m, placement)
@@ -694,7 +480,7 @@ def flash_attention(call: OpCall) -> Sharding:
     layout, mask_layout = _attention_layout(q, k, v, mask)
     qkv = _placements(layout, False)
     targets = {"query": qkv, "key": qkv, "value": qkv, "attn_mask": tuple(mask_layout)}
-    return Sharding(_inputs(call, targets), [qkv, qkv], _skip_empty(call.func, call.out_metas()[1].dtype))
+    return Sharding(inputs_by_name(call, targets), [qkv, qkv], _skip_empty(call.func, call.out_metas()[1].dtype))
 
 
 @register(aten._scaled_dot_product_flash_attention_for_cpu_backward)
@@ -710,7 +496,7 @@ def flash_attention_backward(call: OpCall) -> Sharding:
         "logsumexp": qkv, "attn_mask": tuple(mask_layout),
     }
     grads = _placements(layout, True)
-    return Sharding(_inputs(call, targets), [grads] * 3, _skip_empty(call.func, None))
+    return Sharding(inputs_by_name(call, targets), [grads] * 3, _skip_empty(call.func, None))
 
 
 def _skip_empty(func, lse_dtype: torch.dtype | None) -> Callable:
