@@ -405,3 +405,20 @@ def test_cuda_aware_cupy_path(monkeypatch):
     if not all(WORLD.allgather(buffers.cuda_aware())):
         pytest.skip("MPI is not CUDA-aware")
     _check_cuda_matches_cpu()
+
+
+# ---------------------------------------------------------------- thresholds per MPI library
+
+
+def test_thresholds_follow_the_loaded_library():
+    """The regular-form thresholds are the loaded library's (MPICH's where a library was
+    not measured); Open MPI never packs or pads; MPICH pads and packs at large sizes."""
+    from mpidtensor.mesh.mpi_library import collective_thresholds
+
+    loaded = collective_thresholds()
+    assert_all_ranks((collectives.ALLTOALL_PACKED_MIN, collectives.ALLGATHER_PADDED_MIN)
+                     == (loaded["alltoall_packed"], loaded["allgather_padded"]))
+    assert_all_ranks(collective_thresholds("Intel MPI") == collective_thresholds("MPICH"))
+    big = 32 << 20
+    assert_all_ranks(not any(collectives._beyond(t, 4, 4 * big) for t in collective_thresholds("Open MPI").values()))
+    assert_all_ranks(all(collectives._beyond(t, 4, 4 * big) for t in collective_thresholds("MPICH").values()))

@@ -36,26 +36,20 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import guard, tracing, watchdog
 from .buffers import as_buffer, derived, empty, has_mpi_type, mpi_type, stage, unstage
+from .mpi_library import collective_thresholds
 
 ReduceOp = Literal["sum", "avg", "min", "max", "product"]
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAND}
 
-# Thresholds are ``((ranks, global bytes / ranks), ...)``: a choice applies from any pair on.
-#
-# Packing + Alltoall(v) + unpacking against one Alltoallw with subarray types. Measured here
-# (MPICH 5.0.2, float32 S(0)->S(1), time Alltoallw / packed; docs/performance.md): 2 ranks
-# 4K 0.53, 64K 1.22, 256K 1.88, 1M 0.37, 4M 0.40, 32M 0.45; 4 ranks 4K 0.85, 256K 0.47,
-# 1M 0.54, 4M 1.16 (uneven 2.56), 32M 2.59.
-ALLTOALL_PACKED_MIN: tuple[tuple[int, int], ...] = ((4, 4 << 20),)
-
-# An uneven all-gather padding the pieces to the largest for a regular Allgather (a copy
-# on each side) against Allgatherv. Measured (time Allgatherv / padded, leading dim, 4
-# ranks on 2 cores, load ~9): a 4-rank world 4K 1.16, 64K 0.99, 256K 7.0, 1M 20.6, 4M 35;
-# 2-rank sub-communicators of it, both busy 4K 0.54, 256K 1.06, 1M 3.3, 4M 3.7; a 2-rank
-# world 4K 0.34, 256K 1.08, 1M 1.32, 4M 3.0.
-ALLGATHER_PADDED_MIN: tuple[tuple[int, int], ...] = ((2, 1 << 20), (4, 256 << 10))
+# Thresholds are ``((ranks, global bytes / ranks), ...)``: a choice applies from any pair on;
+# per MPI library (``mpi_library.collective_thresholds``, measured: docs/mpi-settings.md).
+# ALLTOALL_PACKED_MIN: packing + Alltoall(v) + unpacking instead of one Alltoallw with
+# subarray types. ALLGATHER_PADDED_MIN: an uneven all-gather padding the pieces to the
+# largest for a regular Allgather (a copy on each side) instead of Allgatherv.
+ALLTOALL_PACKED_MIN: tuple[tuple[int, int], ...] = collective_thresholds()["alltoall_packed"]
+ALLGATHER_PADDED_MIN: tuple[tuple[int, int], ...] = collective_thresholds()["allgather_padded"]
 
 # The most elements one count or displacement of one MPI call may hold (None: no limit).
 MAX_COUNT: int | None = None if MPI.Get_version() >= (4, 0) else 2**31 - 1

@@ -97,6 +97,24 @@ def describe() -> MPILibrary:
     )
 
 
+# Where a collective's regular form beats its irregular one, per MPI library: for each choice
+# of ``mesh.collectives``, the ``(ranks, global bytes / ranks)`` pairs from which the regular
+# form is taken (any pair reached). Measured with benchmarks/bench_collectives.py on both
+# wheels (docs/mpi-settings.md): MPICH's Alltoallw and Allgatherv fall far behind a packed
+# Alltoall and a padded Allgather at large sizes; Open MPI's do not.
+_NEVER = ()  # the irregular form at every size
+_COLLECTIVE_THRESHOLDS: dict[str, dict[str, tuple[tuple[int, int], ...]]] = {
+    "MPICH": {"alltoall_packed": ((4, 4 << 20),), "allgather_padded": ((2, 1 << 20), (4, 256 << 10))},
+    "Open MPI": {"alltoall_packed": _NEVER, "allgather_padded": _NEVER},
+}
+
+
+def collective_thresholds(vendor: str | None = None) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The thresholds for ``vendor`` (default: the library in use); MPICH's for a library
+    not measured (Intel MPI, Cray MPICH and MVAPICH derive from MPICH)."""
+    return _COLLECTIVE_THRESHOLDS.get(vendor or MPI.get_vendor()[0], _COLLECTIVE_THRESHOLDS["MPICH"])
+
+
 def mpi4py_build() -> dict[str, str]:
     """How mpi4py was built: version, the MPI ABI its extension targets, the compiler config."""
     import mpi4py

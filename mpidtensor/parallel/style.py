@@ -7,7 +7,9 @@ the local shard of ``input_layouts``, redistributed to what the sharded module n
 and the output is redistributed to ``output_layouts`` (handed on as a local tensor with
 ``use_local_output``). Every style first checks, without changing anything, that it
 fits the module and the mesh (``_check``), so ``parallelize_module`` can validate a
-whole plan before applying any of it.
+whole plan before applying any of it. A plain ``nn.Linear`` gets a forward that runs
+on its local blocks with Megatron's collectives only (``local_linear``), falling back
+per call to that general path.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ..api import distribute_module, distribute_tensor
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
+from .local_linear import LocalLinearForward
 
 
 class ParallelStyle(ABC):
@@ -169,9 +172,16 @@ class _MatmulStyle(ParallelStyle):
             out = to_layout(out, wanted)
             return out.to_local() if local_out else out
 
-        return distribute_module(
-            module, device_mesh, partition, prepare_input, prepare_output, src_data_rank=self.src_data_rank
-        )
+        if not (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward):
+            return distribute_module(
+                module, device_mesh, partition, prepare_input, prepare_output, src_data_rank=self.src_data_rank
+            )
+        # A plain Linear runs on its local blocks with Megatron's collectives; its forward
+        # falls back to the hooks' work (prepare_input, DTensor forward, prepare_output).
+        distribute_module(module, device_mesh, partition, src_data_rank=self.src_data_rank)
+        module.forward = LocalLinearForward(module, device_mesh, isinstance(self, ColwiseParallel), given, wanted,
+                                            local_out, prepare_input, prepare_output)
+        return module
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,216 @@
+"""``ColwiseParallel`` / ``RowwiseParallel`` ``nn.Linear`` run on the local blocks, as Megatron does.
+
+The general path of a style (input hook, ``nn.Linear.forward`` on DTensors, output hook)
+sends every aten op of the forward and of its backward (``t``, ``addmm``, ``mm``, ``sum``,
+``view``, ``detach``: about ten per Linear and step) through DTensor dispatch, and adds
+``from_local`` / ``redistribute`` / ``to_local`` autograd nodes around them. The local work
+is Megatron's, the Python work per op is not. Here one autograd Function does a Linear's
+forward and backward on the local tensors, with only the collective its layout needs,
+on buffers it made (in place):
+
+* Colwise (input ``Replicate``): the local matmul forward; backward, the input gradient is
+  a partial sum, all-reduced (Megatron's ``f``) when the input came in as a plain tensor,
+  handed back as a ``Partial`` DTensor when it came as a DTensor (its producer settles it,
+  e.g. a sequence-parallel all-gather's backward by one reduce-scatter);
+* Rowwise (input sharded on its last dim): the local matmul, then one all-reduce
+  (output ``Replicate``, Megatron's ``g``) or reduce-scatter (output ``Shard(d)``,
+  sequence parallelism), then the bias; backward, the output gradient is all-gathered
+  first for a sharded output.
+
+Parameter gradients are DTensors with the parameters' specs, as the general path gives.
+The path is taken per call when nothing needs the general one: a plain ``nn.Linear``,
+its parameters still holding the style's placements on the style's mesh, the input a
+plain tensor or a DTensor on that mesh with the parameters' dtype, no autocast, not
+under ``torch.compile``. Inputs in another layout are first moved with the public
+(differentiable) ``from_local`` / ``redistribute``; outputs in another layout than the
+Function gives, or kept as DTensors, likewise. Every such decision reads facts all ranks
+share (placements, global shapes, dtypes), so all ranks take the same path.
+"""
+from __future__ import annotations
+
+import copy
+from math import prod
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._layout import chunk_sizes, contiguous_strides
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh, collectives
+from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
+from ..spec import DTensorSpec
+
+
+def _grad_spec(x: DTensor, placements: tuple[Placement, ...]) -> DTensorSpec:
+    """The spec of a C-contiguous gradient of ``x`` with ``placements``."""
+    s = x._spec
+    return DTensorSpec(s.mesh, placements, s.shape, contiguous_strides(s.shape), s.dtype)
+
+
+def _weight_grads(ctx, gy: torch.Tensor, x: torch.Tensor, weight: DTensor, bias: DTensor | None):
+    """(weight grad, bias grad) as DTensors of the parameters' specs, or None where unneeded."""
+    rows = prod(gy.shape[:-1])  # not -1: a rank's block may be empty
+    gy2 = gy.reshape(rows, gy.shape[-1])
+    gw = gb = None
+    if ctx.needs_input_grad[1]:
+        gw = DTensor(gy2.t().mm(x.reshape(rows, x.shape[-1])), weight._spec)
+    if bias is not None and ctx.needs_input_grad[2]:
+        gb = DTensor(gy2.sum(0), bias._spec)
+    return gw, gb
+
+
+class _ColwiseLinear(torch.autograd.Function):
+    """y = x W_r^T + b_r on this rank's output features; the input gradient is a partial sum."""
+
+    @staticmethod
+    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm) -> torch.Tensor:
+        local = x._local_tensor if isinstance(x, DTensor) else x
+        ctx.comm, ctx.x_spec = comm, _grad_spec(x, (Partial(),)) if isinstance(x, DTensor) else None
+        ctx.bias = bias
+        ctx.save_for_backward(local, weight)
+        return F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = gy.matmul(weight._local_tensor)
+            if ctx.x_spec is not None:
+                gx = DTensor(gx, ctx.x_spec)
+            elif ctx.comm.size > 1:
+                gx = collectives.all_reduce(gx, ctx.comm, "sum", inplace=True)
+        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None)
+
+
+class _RowwiseLinear(torch.autograd.Function):
+    """y = reduce(x_r W_r^T) + b over the mesh: all-reduce, or reduce-scatter on ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, dim: int | None) -> torch.Tensor:
+        local = x._local_tensor if isinstance(x, DTensor) else x
+        ctx.comm, ctx.dim, ctx.bias = comm, dim, bias
+        ctx.x_spec = _grad_spec(x, x._spec.placements) if isinstance(x, DTensor) else None
+        ctx.save_for_backward(local, weight)
+        y = F.linear(local, weight._local_tensor)
+        if comm.size > 1:
+            if dim is None:
+                y = collectives.all_reduce(y, comm, "sum", inplace=True)
+            else:
+                ctx.sizes = chunk_sizes(y.shape[dim], comm.size)
+                y = collectives.reduce_scatter(y, comm, "sum", dim=dim, sizes=ctx.sizes)
+        if bias is not None:
+            y += bias._local_tensor
+        return y
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        if ctx.dim is not None and ctx.comm.size > 1:
+            gy = collectives.all_gather(gy, ctx.comm, dim=ctx.dim, sizes=ctx.sizes)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = gy.matmul(weight._local_tensor)
+            if ctx.x_spec is not None:
+                gx = DTensor(gx, ctx.x_spec)
+        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None)
+
+
+class LocalLinearForward:
+    """``forward`` of a Colwise/Rowwise-parallel ``nn.Linear``: the local path when it
+    applies, else the style's general one (``prepare_input``, ``nn.Linear.forward`` on
+    DTensors, ``prepare_output``). An object, not a closure, so that ``copy.deepcopy``
+    of the model rebinds it to the copy (sharing the mesh, as the DTensors' specs do)."""
+
+    def __init__(self, module: nn.Linear, mesh: DeviceMesh, colwise: bool, given: Placement, wanted: Placement,
+                 local_out: bool, prepare_input: Callable, prepare_output: Callable) -> None:
+        self.module, self.mesh, self.colwise = module, mesh, colwise
+        self.given, self.wanted, self.local_out = given, wanted, local_out
+        self.prepare_input, self.prepare_output = prepare_input, prepare_output
+        self.placements = {"weight": (Shard(0),) if colwise else (Shard(1),),
+                           "bias": (Shard(0),) if colwise else (Replicate(),)}
+        self.checked: tuple = ()  # the parameter specs seen to fit, by identity
+        self.layouts: dict[int, tuple[Placement, Placement] | None] = {}  # by input ndim
+
+    def __deepcopy__(self, memo: dict) -> "LocalLinearForward":
+        twin = copy.copy(self)
+        twin.module = copy.deepcopy(self.module, memo)
+        twin.checked, twin.layouts = (), {}
+        return twin
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if x is None or not self._applies(x):
+            inputs = self.prepare_input(self.module, args, self.mesh)
+            return self.prepare_output(self.module, nn.Linear.forward(self.module, *inputs, **kwargs), self.mesh)
+        module = self.module
+        last = x.ndim - 1
+        given, wanted = self.layouts[x.ndim]
+        if self.colwise:
+            x = self._input(x, given, Replicate())
+            y = _ColwiseLinear.apply(x, module.weight, module.bias, self.mesh.comm_for((0,)))
+            natural = Shard(last)
+        else:
+            x = self._input(x, given, Shard(last))
+            natural = wanted  # Replicate, or Shard(d) of a leading dim (``_applies``)
+            y = _RowwiseLinear.apply(x, module.weight, module.bias, self.mesh.comm_for((0,)),
+                                     natural.dim if isinstance(natural, Shard) else None)
+        if self.local_out and wanted == natural:
+            return y
+        shape = (*x.shape[:-1], module.out_features)  # x's leading dims are whole here
+        out = DTensor.from_local(y, self.mesh, (natural,), shape=shape, stride=contiguous_strides(shape))
+        if wanted != natural:
+            out = out.redistribute(self.mesh, (wanted,))
+        return out.to_local() if self.local_out else out
+
+    def _applies(self, x: Any) -> bool:
+        """Whether this call may take the local path (see the module docstring)."""
+        if isinstance(x, DTensor):
+            if not self._on_mesh(x):
+                return False
+        elif type(x) is not torch.Tensor:
+            return False
+        if x.ndim == 0 or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+            return False
+        weight, bias = self.module.weight, self.module.bias
+        specs = (getattr(weight, "_spec", None), getattr(bias, "_spec", None))
+        if specs != self.checked:
+            if not (self._fits(weight, "weight") and (bias is None or self._fits(bias, "bias"))):
+                return False
+            self.checked = specs
+        layouts = self.layouts.get(x.ndim, False)
+        if layouts is False:
+            layouts = self.layouts[x.ndim] = self._normalized(x.ndim)
+        return layouts is not None and x.dtype == weight.dtype
+
+    def _normalized(self, ndim: int) -> tuple[Placement, Placement] | None:
+        """(input, output) layouts for an input of ``ndim`` dims, or None where the local path
+        does not apply: a shard dim out of range (the general path says why), or a Rowwise
+        output sharded on its features (the bias would have to be sliced)."""
+        try:
+            given, wanted = normalize_placements((self.given, self.wanted), 2, ndim)
+        except ValueError:
+            return None
+        if not self.colwise and wanted == Shard(ndim - 1):
+            return None
+        return given, wanted
+
+    def _fits(self, param: Any, name: str) -> bool:
+        """A DTensor on the style's mesh with the style's placements, C-contiguous globally."""
+        return (isinstance(param, DTensor) and self._on_mesh(param)
+                and param._spec.placements == self.placements[name]
+                and param._spec.stride == contiguous_strides(param._spec.shape))
+
+    def _on_mesh(self, t: DTensor) -> bool:
+        return t._spec.mesh is self.mesh or t._spec.mesh == self.mesh
+
+    def _input(self, x: torch.Tensor, given: Placement, desired: Placement) -> torch.Tensor:
+        """``x`` as the Function takes it: this rank's plain block when it came as one in
+        the layout needed, else a DTensor moved there by the public path."""
+        if isinstance(x, DTensor):
+            return x if x._spec.placements == (desired,) else x.redistribute(self.mesh, (desired,))
+        if given == desired and x.shape[-1] == self.module.weight._local_tensor.shape[-1]:
+            return x
+        return self.prepare_input(self.module, (x,), self.mesh)[0]

@@ -1,0 +1,150 @@
+"""The local path of ColwiseParallel / RowwiseParallel ``nn.Linear`` (parallel/local_linear.py):
+a step does Megatron's work only (no aten op through DTensor dispatch but the ``detach``
+of AccumulateGrad, and exactly Megatron's collectives), equals one process (uneven shards
+at 3 ranks, 3-D inputs, sequence parallelism), and hands over to the general path where
+it does not apply (autocast, a Linear subclass with its own forward, changed parameters)."""
+import copy
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import mpidtensor.dtensor as dtensor_module
+from helpers import CollectiveLog, assert_all_ranks, assert_close
+from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
+from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from mpidtensor.parallel.local_linear import LocalLinearForward
+from test_parallel import check_against, full_of, tp_mesh  # noqa: F401 (a fixture)
+
+WORLD = MPI.COMM_WORLD
+
+
+class DispatchLog:
+    """The aten ops DTensor dispatch sees inside a ``with`` block (``.ops``)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.ops: list[str] = []
+        inner = dtensor_module._dispatch
+
+        def counting(func, args, kwargs):
+            self.ops.append(str(func))
+            return inner(func, args, kwargs)
+        monkeypatch.setattr(dtensor_module, "_dispatch", counting)
+
+
+def mlp(bias: bool = True, hidden: int = 11) -> nn.Sequential:
+    torch.manual_seed(6)
+    return nn.Sequential(nn.Linear(6, hidden, bias=bias), nn.GELU(), nn.Linear(hidden, 5, bias=bias))
+
+
+MEGATRON = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_step_is_megatrons_work(tp_mesh, monkeypatch, bias):
+    """A forward and backward step: one all-reduce each way, and DTensor dispatch sees only
+    AccumulateGrad's ``detach`` of each parameter gradient (hidden 11: uneven shards)."""
+    ref = mlp(bias)
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, MEGATRON)
+    assert_all_ranks(all(isinstance(m.forward, LocalLinearForward) for m in (model[0], model[2])))
+    x = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    log = DispatchLog(monkeypatch)
+    with CollectiveLog() as comms:
+        out = model(x)
+        forward_comms = list(comms.calls)
+        check_against(ref, model, ref(x), out)
+    expected = ["all_reduce"] if tp_mesh.size() > 1 else []
+    assert_all_ranks(forward_comms == expected, str(forward_comms))
+    assert_all_ranks(comms.calls == expected * 2 + ["all_gather"] * (len(comms.calls) - 2 * len(expected)),
+                     str(comms.calls))  # check_against's full_tensor() of the gradients
+    assert_all_ranks(log.ops == ["aten.detach.default"] * len(list(model.parameters())), str(log.ops))
+
+
+def test_sequence_parallel_block(tp_mesh):
+    """Megatron-SP: the sequence-sharded input is all-gathered into Colwise, Rowwise
+    reduce-scatters its output; backward the mirror (reduce-scatter, all-gather)."""
+    ref = mlp()
+    plan = {"0": ColwiseParallel(input_layouts=Shard(1)),
+            "2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, plan)
+    x = torch.randn(2, 7, 6, generator=torch.Generator().manual_seed(3))  # 7 tokens: uneven
+    xs = distribute_tensor(x, tp_mesh, [Shard(1)]).requires_grad_()
+    with CollectiveLog() as comms:
+        out = model(xs)
+        forward_comms = list(comms.calls)
+        (out.to_local() * 2).sum().backward()
+    if tp_mesh.size() > 1:
+        assert_all_ranks(forward_comms == ["all_gather", "reduce_scatter"], str(forward_comms))
+        assert_all_ranks(comms.calls[2:] == ["all_gather", "reduce_scatter"], str(comms.calls))
+    assert_all_ranks(isinstance(out, DTensor) and out.placements == (Shard(1),), repr(out))
+    ref_x = x.clone().requires_grad_()
+    ref_out = ref(ref_x)
+    (ref_out * 2).sum().backward()
+    assert_close(out.full_tensor(), ref_out, atol=1e-5, rtol=1e-5)
+    assert_close(xs.grad.full_tensor(), ref_x.grad, atol=1e-5, rtol=1e-5)
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    for name, p in ref.named_parameters():
+        assert_close(got[name], p.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_frozen_weight_and_input_without_grad(tp_mesh):
+    """No input gradient asked: Colwise does not all-reduce one; a frozen weight gets none."""
+    ref = mlp()
+    ref[0].weight.requires_grad_(False)
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, MEGATRON)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(4))
+    with CollectiveLog() as comms:
+        model(x).sum().backward()
+    assert_all_ranks(comms.calls == ["all_reduce"] * (tp_mesh.size() > 1), str(comms.calls))
+    assert_all_ranks(model[0].weight.grad is None)
+    ref(x).sum().backward()
+    for name in ("0.bias", "2.weight", "2.bias"):
+        got = dict(model.named_parameters())[name].grad.full_tensor()
+        assert_all_ranks(torch.allclose(got, dict(ref.named_parameters())[name].grad, atol=1e-5), name)
+
+
+def test_deepcopy_rebinds_forward(tp_mesh):
+    """A deep copy of a parallelized model computes with, and gives gradients to, its own
+    parameters."""
+    ref = mlp()
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, MEGATRON)
+    twin = copy.deepcopy(model)
+    assert_all_ranks(twin[0].forward.module is twin[0])
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(5))
+    check_against(ref, twin, ref(x), twin(x))
+    assert_all_ranks(all(p.grad is None for p in model.parameters()), "the original got gradients")
+
+
+def test_general_path_where_local_does_not_apply(tp_mesh, monkeypatch):
+    """Autocast, and parameters another code replaced, go through DTensor dispatch and
+    still equal one process."""
+    ref = mlp()
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, MEGATRON)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(6))
+    log = DispatchLog(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(x), ref(x)
+    assert_all_ranks(any("addmm" in op or "mm" in op for op in log.ops), "autocast took the local path")
+    assert_all_ranks(torch.allclose(full_of(got, tp_mesh).float(), want.float(), atol=3e-2), "autocast output")
+    # A Rowwise weight replaced by a replicated one: the general path redistributes it.
+    model[2].weight = nn.Parameter(distribute_tensor(ref[2].weight.detach(), tp_mesh, [Replicate()]))
+    log.ops.clear()
+    check_against(ref, model, ref(x), model(x))
+    assert_all_ranks(any("mm" in op for op in log.ops), "a replicated weight took the local path")
+
+
+class ScaledLinear(nn.Linear):
+    """A Linear with its own forward: the style keeps torch's hooks for it."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_linear_subclass_keeps_hooks(tp_mesh):
+    torch.manual_seed(7)
+    ref = nn.Sequential(ScaledLinear(6, 9), nn.ReLU(), ScaledLinear(9, 4))
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, MEGATRON)
+    assert_all_ranks(all(m._forward_pre_hooks and "forward" not in vars(m) for m in (model[0], model[2])))
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(8))
+    check_against(ref, model, ref(x), model(x))
