@@ -35,9 +35,11 @@ else
   EXTRAS  := $(MPI),test
 endif
 # Open MPI refuses more ranks than cores without --oversubscribe, and refuses root
-# unless both variables below are set (mpidtensor.launcher does the same for nested jobs).
+# unless both variables below are set; a waiting rank yields its core to the others
+# (tiny collectives 6x faster on shared cores, docs/mpi-settings.md). mpidtensor.launcher
+# does the same for nested jobs.
 ifeq ($(MPI),openmpi)
-  MPIEXEC_FLAGS ?= --oversubscribe
+  MPIEXEC_FLAGS ?= --oversubscribe --mca mpi_yield_when_idle 1
   export OMPI_ALLOW_RUN_AS_ROOT ?= 1
   export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 else

@@ -47,8 +47,9 @@ def mpiexec() -> str:
 
 
 def launcher_flags(family: str | None = None) -> list[str]:
-    """Flags ``mpiexec`` needs to run more ranks than cores (Open MPI only)."""
-    return ["--oversubscribe"] if (family or mpi_family()) == "openmpi" else []
+    """Flags ``mpiexec`` needs to run more ranks than cores (Open MPI only: allowed to,
+    and a waiting rank yields its core)."""
+    return ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"] if (family or mpi_family()) == "openmpi" else []
 
 
 def nested_env(extra: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -9,6 +9,7 @@ ranks) and then cached. ``free()`` releases them all.
 """
 from __future__ import annotations
 
+from math import prod
 from typing import Iterable, Sequence
 
 import torch
@@ -71,6 +72,8 @@ class DeviceMesh:
         self._coord = tuple(cart.Get_coords(cart.rank)) if cart is not None else None
         self._parent: DeviceMesh | None = None  # the mesh this one was sliced from (FSDP x TP)
         self._parent_dims: tuple[int, ...] | None = None  # its dims in that mesh
+        self._flattened_from: DeviceMesh | None = None  # the mesh _flatten() made this one of
+        self._merged_groups: tuple[tuple[int, ...], ...] | None = None  # _merged(): source dims per dim
         self._subcomms: dict[tuple[int, ...], MPI.Cartcomm] = {}
         self._submeshes: dict[tuple[int, ...], DeviceMesh] = {}
         self._key = (device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names)
@@ -130,7 +133,35 @@ class DeviceMesh:
     def _flatten(self, mesh_dim_name: str | None = None) -> "DeviceMesh":
         """A 1-D mesh over all dims of this mesh; its communicator is one ``Cart_sub``."""
         name = mesh_dim_name or "_".join(self.mesh_dim_names or ("flat",))
-        return self._submesh(tuple(range(self.ndim)), (name,), flatten=True)
+        flat = self._submesh(tuple(range(self.ndim)), (name,), flatten=True)
+        flat._flattened_from = self
+        return flat
+
+    def _merged(self, dims: tuple[int, ...], name: str) -> "DeviceMesh":
+        """This mesh with ``dims`` (ascending) merged into one dim named ``name``, placed
+        where the first of them is, its ranks row-major in their coordinates: the dim of
+        ``self[dims]._flatten(name)`` beside the others (FSDP over a flattened mesh with
+        TP over the rest keeps each parameter on it). Collective over this mesh on first
+        use, then cached."""
+        key = ("merged", dims, name)
+        merged = self._submeshes.get(key)
+        if merged is None:
+            self._require_member()
+            groups = [(d,) for d in range(self.ndim) if d < dims[0] and d not in dims] + [dims] \
+                + [(d,) for d in range(self.ndim) if d > dims[0] and d not in dims]
+            order = [d for group in groups for d in group]
+            shape = [prod(self.shape[d] for d in group) for group in groups]
+            ranks = self.mesh.permute(order).reshape(shape)
+            names = None if self.mesh_dim_names is None else tuple(
+                name if group == dims else self.mesh_dim_names[group[0]] for group in groups)
+            flat = ranks.flatten().tolist()
+            ordered = self._cart.Split(0, flat.index(self.get_rank()))
+            cart = ordered.Create_cart(shape, periods=[False] * len(shape), reorder=False)
+            ordered.Free()
+            merged = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, cart)
+            merged._merged_groups = tuple(groups)
+            self._submeshes[key] = merged
+        return merged
 
     # --- communicators ---------------------------------------------------------------------
     def comm_for(self, dims: Iterable[int]) -> MPI.Cartcomm:
@@ -236,6 +267,32 @@ def init_device_mesh(
     if device_type == "cuda":
         bind_local_gpu(comm)
     return mesh
+
+
+def joint_mesh(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, tuple[int, ...], tuple[int, ...]] | None:
+    """The mesh of which ``dp`` and ``tp`` are complementary sub-meshes, with the dims each
+    takes in it (FSDP x TP keeps each parameter on it), or None if there is none.
+
+    ``dp`` is a slice of one mesh (``mesh["dp"]``, ``mesh["dp_replicate", "dp_shard"]``) or
+    a flattened slice (``mesh["dp", "cp"]._flatten("dp_cp")``, as torch's recipes shard
+    over data and context parallel ranks together: then the joint mesh is that mesh with
+    those dims merged); ``tp`` a slice of the same mesh. Collective on first use."""
+    parent = tp._parent
+    if parent is None:
+        return None
+    source = dp._flattened_from
+    if source is not None and source._parent is parent and source.ndim > 1:
+        merged = parent._merged(source._parent_dims, dp.mesh_dim_names[0])
+        where = {d: i for i, group in enumerate(merged._merged_groups) for d in group}
+        dp_dims, tp_dims = (where[source._parent_dims[0]],), tuple(where[d] for d in tp._parent_dims)
+        parent = merged
+    elif dp._parent is parent:
+        dp_dims, tp_dims = dp._parent_dims, tp._parent_dims
+    else:
+        return None
+    if set(dp_dims) & set(tp_dims) or len(dp_dims) + len(tp_dims) != parent.ndim:
+        return None
+    return parent, dp_dims, tp_dims
 
 
 def _flat_cart(comm: MPI.Cartcomm) -> MPI.Cartcomm:
