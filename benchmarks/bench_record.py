@@ -5,7 +5,9 @@
 One MPI job. Every redistribution on a 1-D mesh (and, at 4 ranks, a 2x2 mesh) at
 4 KiB, 256 KiB, 4 MiB and 32 MiB of float32 per rank, with even shards and with
 uneven ones (one more row than divides evenly); then dispatch per op on a cache hit;
-then the training steps of ``record_steps.py`` (TP MLP, FSDP, FSDP x TP).
+then the training steps of ``record_steps.py`` (TP MLP, FSDP, FSDP x TP); then FSDP's
+per-module hook cost against torch's FSDP2 and the share of its collectives hidden
+behind compute per MPI progress mode (``bench_fsdp_overhead``, ``fsdp_timeline``).
 Each cell is first checked against a plain torch reference built on every rank
 from a fixed seed, then timed with the three implementations interleaved: each
 repetition runs mpidtensor, torch and mpi4py once, each after a barrier, and a
@@ -13,10 +15,13 @@ time is the median over repetitions (at least 5) of the slowest rank. torch's DT
 gets a gloo process group initialised from the MPI ranks (rank 0 picks the port).
 ``--check-only`` runs every check and no timing; ``--quick`` times 4K and 256K only.
 
+Under the redistribution table: the geometric mean of md/mpi4py over the communicating
+cells and the 4 KiB public path's µs above the bare collective (median, largest).
 Writes a table (stdout and ``<out>/record.md``), ``<out>/record.json`` (each row's times
 and the libraries it checked) and, when matplotlib is installed, ``<out>/record.png``
-(time against size, one panel per transition, three lines each). ``main`` returns the
-rows, for tests.
+(time against size, one panel per transition, three lines each) and
+``<out>/fsdp_timeline.png`` (every rank's FSDP step: compute, waits, collective starts).
+``main`` returns the rows, for tests.
 """
 from __future__ import annotations
 
@@ -34,7 +39,9 @@ from mpi4py import MPI
 
 import mpidtensor as md
 from bench_redistribute import init_gloo  # gloo over the MPI ranks (rank 0 picks the port)
-from record_steps import agreed, step_rows
+import bench_fsdp_overhead
+import fsdp_timeline
+from record_steps import STACK, agreed, step_rows
 
 COMM = MPI.COMM_WORLD
 N, RANK = COMM.size, COMM.rank
@@ -336,13 +343,52 @@ def table(results, dispatch, steps, header) -> str:
             if r["mpidtensor"] and r["mpi4py"] and communicates(r["transition"])]
     if logs:
         lines.append(f"\ngeometric mean md/mpi4py over {len(logs)} communicating cells: {np.exp(np.mean(logs)):.2f}")
+    lines += small_overhead(results)
     for title, rows, key in [("dispatch per call on a cache hit, 64x64 per rank (mpi4py column: the plain torch op)",
                               [{"op": k, **r} for k, r in dispatch.items()], "op"),
-                             ("training steps (record_steps.py; mpi4py: hand-written Megatron, ZeRO-3)", steps, "step")]:
+                             ("training steps (record_steps.py; mpi4py: hand-written Megatron, ZeRO-3, ZeRO-3 x Megatron-SP)", steps, "step")]:
         lines += ["", title, "", f"| {key} | mpidtensor | torch gloo | mpi4py | md/mpi4py | torch/md |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
         lines += [f"| {r[key]} | " + ratios(r["mpidtensor"], r["torch"], r["mpi4py"]) for r in rows]
     return "\n".join(lines)
+
+
+def fsdp_extras(gloo, reps: int) -> dict:
+    """FSDP's per-module hook cost against torch's FSDP2 (``bench_fsdp_overhead``: 64 x
+    Linear(64, 64)) and, per MPI progress mode, how much of the collectives of the
+    4 x Linear(1024) step hide behind compute (``fsdp_timeline``); every rank's events
+    of the last ``hooks`` step ride along for the timeline plot (dropped from the JSON)."""
+    overhead = bench_fsdp_overhead.measure(reps=reps, gloo=gloo)
+    overlap = fsdp_timeline.measure(*STACK, steps=max(3, reps // 3))
+    events = COMM.gather(overlap["hooks"]["events"])
+    for mode in fsdp_timeline.progress.MODES:
+        overlap[mode].pop("events")
+    return {"overhead": overhead, "overlap": overlap, "events": events}
+
+
+def fsdp_extra_lines(extras: dict) -> list[str]:
+    lines = ["", "FSDP per-module overhead, 64 x Linear(64, 64), step minus the plain step (bench_fsdp_overhead.py)", "",
+             "| library | µs per module | Python calls per module |", "| --- | ---: | ---: |"]
+    lines += [f"| {lib} | {r['us_per_module']:.0f} | {r['calls_per_module']:.0f} |"
+              for lib, r in extras["overhead"].items() if lib != "plain"]
+    overlap = extras["overlap"]
+    lines += ["", f"FSDP overlap, {STACK[0]} x Linear({STACK[1]}), {STACK[2]} rows/rank: share of the collectives' "
+              f"time alone ({overlap['comm_alone_s'] * 1e3:.1f} ms) hidden behind compute (fsdp_timeline.py)", "",
+              "| MPI progress | step ms | blocked in waits ms | overlap fraction |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {m} | {overlap[m]['step_s'] * 1e3:.1f} | {overlap[m]['wait_s'] * 1e3:.1f} | {overlap[m]['overlap']:.2f} |"
+              for m in fsdp_timeline.progress.MODES]
+    return lines
+
+
+def small_overhead(results) -> list[str]:
+    """The public path's cost above the bare collective at 4 KiB: µs of md minus mpi4py,
+    median and largest over the communicating 4K cells (the target: within 15 µs)."""
+    extra = sorted((r["mpidtensor"] - r["mpi4py"]) * 1e6 for r in results if r["size"] == "4K"
+                   and r["mpidtensor"] and r["mpi4py"] and communicates(r["transition"]))
+    if not extra:
+        return []
+    return [f"4 KiB public path (redistribute().to_local()) above the bare collective, {len(extra)} communicating "
+            f"cells: median {statistics.median(extra):.1f} µs, largest {extra[-1]:.1f} µs"]
 
 
 def plot(results, path: Path) -> bool:
@@ -410,21 +456,24 @@ def main(argv: list[str] | None = None) -> dict:
         checked = [k for k, f in row.fns.items() if f]
         steps.append({"step": row.name, **interleaved(row.fns, budget and args.step_budget), "checked": checked})
         progress(row.name, steps[-1], started)
-    record = {"ranks": N, "redistribute": results, "dispatch": dispatch, "steps": steps}
+    extras = None if args.check_only else fsdp_extras(gloo, 5 if args.quick else 15)
+    record = {"ranks": N, "redistribute": results, "dispatch": dispatch, "steps": steps,
+              **({} if extras is None else {"fsdp_overhead": extras["overhead"], "fsdp_overlap": extras["overlap"]})}
     if RANK == 0 and args.check_only:
         print(f"checked {len(results)} redistribution cells and {len(steps)} steps against the references "
               f"in {time.time() - started:.0f} s")
     elif RANK == 0:
         header = (f"benchmark of record: {N} ranks, float32, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
                   f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {time.time() - started:.0f} s")
-        text = table(results, dispatch, steps, header)
+        text = table(results, dispatch, steps, header) + "\n".join([""] + fsdp_extra_lines(extras))
         print("\n" + text)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "record.md").write_text(text + "\n")
         (out / "record.json").write_text(json.dumps({"header": header, **record}, indent=1))
-        print(f"wrote {out}/record.md, record.json" + (", record.png" if plot(results, out / "record.png") else
-                                                        " (no matplotlib: no plot)"))
+        drawn = plot(results, out / "record.png") and fsdp_timeline.plot(extras["events"], out / "fsdp_timeline.png")
+        print(f"wrote {out}/record.md, record.json" + (", record.png, fsdp_timeline.png" if drawn else
+                                                        " (no matplotlib: no plots)"))
     idle = COMM.Ibarrier()  # the others sleep while rank 0 writes and plots (a busy wait took its cores)
     while not idle.Test():
         time.sleep(0.02)

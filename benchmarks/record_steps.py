@@ -9,10 +9,13 @@ one process (same seed, same data); a step that differs stops every rank. The ro
   ``ColwiseParallel`` then ``RowwiseParallel``, forward and backward of a summed squared
   error. mpi4py: Megatron's step, local matmuls on the torch.chunk blocks of the weights,
   one ``Allreduce`` of the output forward and one of the input gradient backward.
+* ``FSDP, 4 x Linear(1024, 1024)``: the issue's stack of bias-free layers, 64 rows per
+  rank, every layer and the root ``fully_shard``-ed, AdamW. mpi4py: ``Zero3`` below.
 * ``FSDP``: the demo's Llama-style model (``examples/train_fsdp_tp.py``'s sizes), every
   block and the root ``fully_shard``-ed over all ranks, AdamW. mpi4py: ``Zero3`` below.
 * ``FSDP x TP``, 4 ranks only: the demo's own training step (TP + SP over ``tp`` of a 2x2
-  mesh, then FSDP over ``dp``). No hand-written mpi4py equivalent ("-").
+  mesh, then FSDP over ``dp``). mpi4py: ``record_2d.py``, ZeRO-3 over dp of Megatron-SP
+  blocks over tp.
 
 The model, sharding and step functions come from ``bench_fsdp.py``, ``bench_llama_tp.py``
 and ``examples/``; this module adds the MLP and the hand-written programs.
@@ -34,6 +37,7 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 import bench_fsdp  # noqa: E402
+import record_2d  # noqa: E402
 from bench_llama_tp import train_step  # noqa: E402
 from llama import LlamaConfig, build_model, cross_entropy  # noqa: E402
 from train_fsdp_tp import parse_args as demo_args  # noqa: E402
@@ -165,30 +169,35 @@ def tp_mlp_row(gloo) -> StepRow:
 
 # --- FSDP: the demo's model ------------------------------------------------------------
 class Zero3:
-    """Hand-written ZeRO-3 with mpi4py: every block and the root (the other parameters)
-    keep a padded 1/n slice of their flat parameters. A block is all-gathered before its
+    """Hand-written ZeRO-3 with mpi4py: every block of ``model.layers`` and the root (the
+    other parameters, if any) keep a padded 1/n slice of their flat parameters. A block is all-gathered before its
     forward, freed after it, and gathered again when its output's gradient arrives; the
     root stays gathered from the step's start to its end. After backward each group's flat
-    gradient is averaged with one Reduce_scatter_block; AdamW steps the local slices."""
+    gradient is averaged with one Reduce_scatter_block; AdamW steps the local slices.
+    ``loss(model, batch)``: the step's loss (default: the demo's next-token loss);
+    ``comm``: the ranks that shard (the dp communicator of a 2-D step)."""
 
-    def __init__(self, model: nn.Module, lr: float) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, lr: float, loss: Callable[[nn.Module, object], torch.Tensor] | None = None,
+                 comm: MPI.Intracomm = COMM) -> None:
+        self.model, self.comm = model, comm
+        self.loss = loss or lm_loss
         blocks = [list(layer.parameters()) for layer in model.layers]
         inner = {id(p) for b in blocks for p in b}
-        self.groups = [self._group(ps) for ps in blocks + [[p for p in model.parameters() if id(p) not in inner]]]
+        rest = [p for p in model.parameters() if id(p) not in inner]
+        self.groups = [self._group(ps) for ps in blocks + ([rest] if rest else [])]
+        self.root = self.groups[-1] if rest else None
         self.opt = torch.optim.AdamW([g[1] for g in self.groups], lr=lr)
         for layer, group in zip(model.layers, self.groups):
             layer.register_forward_pre_hook(lambda *_, g=group: self._gather(g))
             layer.register_forward_hook(lambda _m, _i, out, g=group: self._after_forward(g, out))
 
-    @staticmethod
-    def _group(params):
+    def _group(self, params):
         """(params, local slice, full flat buffer): the params become views of the buffer."""
-        total = sum(p.numel() for p in params)
-        per = -(-total // N)
-        full = torch.zeros(per * N)
+        total, n, rank = sum(p.numel() for p in params), self.comm.size, self.comm.rank
+        per = -(-total // n)
+        full = torch.zeros(per * n)
         full[:total] = torch.cat([p.detach().reshape(-1) for p in params])
-        shard = nn.Parameter(full[RANK * per:(RANK + 1) * per].clone())
+        shard = nn.Parameter(full[rank * per:(rank + 1) * per].clone())
         offset = 0
         for p in params:
             p.data = full[offset:offset + p.numel()].view_as(p)
@@ -196,30 +205,29 @@ class Zero3:
         full.untyped_storage().resize_(0)
         return params, shard, full
 
-    @staticmethod
-    def _gather(group) -> None:
+    def _gather(self, group) -> None:
         _, shard, full = group
         full.untyped_storage().resize_(full.numel() * full.element_size())
         # an address, not full.numpy(): numpy() would pin the storage's size
-        COMM.Allgather(shard.detach().numpy(), [MPI.buffer.fromaddress(full.data_ptr(), full.nbytes), MPI.FLOAT])
+        self.comm.Allgather(shard.detach().numpy(), [MPI.buffer.fromaddress(full.data_ptr(), full.nbytes), MPI.FLOAT])
 
     def _after_forward(self, group, out: torch.Tensor) -> None:
         group[2].untyped_storage().resize_(0)
         if out.requires_grad:
             out.register_hook(lambda _grad: self._gather(group))
 
-    def step(self, tokens: torch.Tensor) -> float:
+    def step(self, batch) -> float:
         """One AdamW step on this rank's rows; returns the local loss."""
-        root = self.groups[-1]
-        self._gather(root)
-        loss = cross_entropy(self.model(tokens[:, :-1]), tokens[:, 1:])
+        if self.root is not None:
+            self._gather(self.root)
+        loss = self.loss(self.model, batch)
         loss.backward()
         for params, shard, full in self.groups:
             flat = torch.zeros(full.numel())
             torch.cat([p.grad.reshape(-1) for p in params], out=flat[:sum(p.numel() for p in params)])
             shard.grad = torch.empty_like(shard)
-            COMM.Reduce_scatter_block(flat.numpy(), shard.grad.numpy())
-            shard.grad /= N
+            self.comm.Reduce_scatter_block(flat.numpy(), shard.grad.numpy())
+            shard.grad /= self.comm.size
             for p in params:
                 p.grad = None
             full.untyped_storage().resize_(0)
@@ -235,6 +243,84 @@ class Zero3:
         for group in self.groups:
             group[2].untyped_storage().resize_(0)
         return out
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of the demo's model."""
+    return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+
+
+# --- FSDP: the issue's stack of bias-free Linear layers ---------------------------------
+STACK = (4, 1024, 64)  # layers, width, rows per rank
+
+
+class LinearStack(nn.Module):
+    """``layers`` bias-free ``Linear(width, width)`` applied in turn (seeded init)."""
+
+    def __init__(self, layers: int, width: int, seed: int = 0) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def stack_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean squared error: with equal rows per rank, averaging gradients over ranks
+    gives the gradient of the whole batch's mean."""
+    x, target = batch
+    return F.mse_loss(model(x), target)
+
+
+def sharded_stack(lib: str, mesh_factory: Callable, layers: int, width: int) -> nn.Module:
+    """The stack with every layer and the root ``fully_shard``-ed over all ranks by ``lib``."""
+    fully_shard = importlib.import_module("mpidtensor.fsdp" if lib == "mpidtensor" else "torch.distributed.fsdp").fully_shard
+    model, mesh = LinearStack(layers, width), mesh_factory("cpu", (N,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def adam_step(model: nn.Module, opt: torch.optim.Optimizer, batch) -> float:
+    loss = stack_loss(model, batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def stack_row(gloo, check_steps: int = 2, sizes: tuple[int, int, int] = STACK) -> StepRow:
+    """FSDP of the Linear stack, fwd + bwd + AdamW: mpidtensor, torch's FSDP2 and ``Zero3``,
+    each checked against one process (losses and every parameter)."""
+    layers, width, rows = sizes
+    lr, tol = 1e-3, 1e-4
+    gen = torch.Generator().manual_seed(1)
+    x, target = torch.randn(rows * N, width, generator=gen), torch.randn(rows * N, width, generator=gen)
+    mine = (x[RANK * rows:(RANK + 1) * rows], target[RANK * rows:(RANK + 1) * rows])
+    ref = LinearStack(layers, width)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    ref_losses = [adam_step(ref, ref_opt, (x, target)) for _ in range(check_steps)]
+    fns = {"torch": None}
+    for lib, factory in {"mpidtensor": md.init_device_mesh, **({"torch": gloo[1]} if gloo else {})}.items():
+        model = sharded_stack(lib, factory, layers, width)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        losses = [COMM.allreduce(adam_step(model, opt, mine)) / N for _ in range(check_steps)]
+        agreed(all(abs(a - b) <= tol for a, b in zip(losses, ref_losses))
+               and all(close(p, q.detach(), tol) for p, q in zip(model.parameters(), ref.parameters())),
+               f"FSDP Linear stack, {lib}")
+        fns[lib] = lambda model=model, opt=opt: adam_step(model, opt, mine)
+    zero = Zero3(LinearStack(layers, width), lr, stack_loss)
+    losses = [COMM.allreduce(zero.step(mine)) / N for _ in range(check_steps)]
+    agreed(all(abs(a - b) <= tol for a, b in zip(losses, ref_losses))
+           and all(close(p, q.detach(), tol) for p, q in zip(zero.full_parameters(), ref.parameters())),
+           "FSDP Linear stack, mpi4py ZeRO-3")
+    fns["mpi4py"] = lambda: zero.step(mine)
+    return StepRow(f"FSDP, {layers} x Linear({width}, {width}), {rows} rows/rank, fwd+bwd+AdamW", fns)
 
 
 def fsdp_rows(gloo, check_steps: int = 2) -> list[StepRow]:
@@ -259,7 +345,9 @@ def fsdp_rows(gloo, check_steps: int = 2) -> list[StepRow]:
             agreed(run is not None, f"{layout}, {lib}")
             model, opt, backend, mine = run[0], run[1], run[2], tokens[run[3]]
             fns[lib] = lambda model=model, opt=opt, backend=backend, mine=mine: train_step(model, opt, mine, backend)
-        fns["mpi4py"] = zero3_step(cfg, args, tokens, ref_losses, ref, check_steps) if layout == "fsdp" else None
+        fns["mpi4py"] = (zero3_step(cfg, args, tokens, ref_losses, ref, check_steps) if layout == "fsdp" else
+                         record_2d.zero3_tp_step(cfg, args, tokens, ref_losses, ref, check_steps, dp, N // dp, Zero3,
+                                                 agreed, close))
         name = (f"FSDP, dim {cfg.dim}, {cfg.n_layers} layers, batch {args.batch}x{demo.seq}" if layout == "fsdp"
                 else f"FSDP x TP 2x2 (the demo's step), batch {args.batch}x{demo.seq}")
         rows.append(StepRow(name, fns))
@@ -279,4 +367,4 @@ def zero3_step(cfg, args, tokens, ref_losses, ref, check_steps: int) -> Callable
 
 def step_rows(gloo) -> list[StepRow]:
     """Every step row, checked; ``gloo`` is (torch.distributed, its init_device_mesh) or None."""
-    return [tp_mlp_row(gloo)] + fsdp_rows(gloo)
+    return [tp_mlp_row(gloo), stack_row(gloo)] + fsdp_rows(gloo)

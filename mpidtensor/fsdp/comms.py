@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from ..mesh import accounting
 from ..mesh.nonblocking import Handle, iall_gather, ireduce_scatter
+from ..mesh.pool import pool
 
 
 class _Done:
@@ -41,9 +42,14 @@ def check_comm(comm: Any, kind: str) -> None:
                         f"{kind} interface), got {type(comm).__name__}")
 
 
-def allocate(custom: Any, size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A communication buffer: from the custom comm's ``allocate`` if there is one."""
+def allocate(custom: Any, size: Sequence[int], dtype: torch.dtype, device: torch.device,
+             reusable: bool = False) -> torch.Tensor:
+    """A communication buffer: from the custom comm's ``allocate`` if there is one; a
+    ``reusable`` host buffer (dropped once its collective is done) from the buffer pool,
+    which saves faulting in fresh pages every step."""
     if custom is None:
+        if reusable and device.type == "cpu" and pool.limit_bytes:
+            return pool.take(tuple(size), dtype)
         return accounting.track_buffer(torch.empty(tuple(size), dtype=dtype, device=device))
     return custom.allocate(tuple(size), dtype=dtype, device=device)
 

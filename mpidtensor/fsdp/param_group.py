@@ -8,11 +8,15 @@ Buffers (all sizes from global shapes, so every rank agrees):
   tensors are views into it, so without a dtype cast it *is* the all-gather's send
   buffer (no copy). With ``param_dtype`` or an all-gather extension, a send buffer is
   packed instead.
-* the all-gather output (one ``Iallgather``: every rank's send buffer in rank order),
-  copied once into ``unsharded_flat``, where each unsharded parameter is a contiguous
-  view (for a shard dim > 0 a strided copy: at most two ``copy_`` calls, full pieces
-  and the one short piece). Resharding frees that storage (``resize_(0)``); the next
-  all-gather refills the same tensors, so autograd's saved references stay valid.
+* ``unsharded_flat``, where each unsharded parameter is a contiguous view, built once.
+  Plain parameters in their own dtype on the host are gathered straight into it: one
+  ``Ialltoallw`` whose datatypes send each rank's rows from ``shard_flat`` and place
+  rank r's rows of every parameter where they belong (no padding sent, no copy).
+  Otherwise (``param_dtype``, extensions, a custom all-gather, offload) one
+  ``Iallgather`` of every rank's send buffer in rank order is copied into it (for a
+  shard dim > 0 a strided copy: at most two ``copy_`` calls, full pieces and the one
+  short piece). Resharding frees that storage (``resize_(0)``); the next all-gather
+  refills the same tensors, so autograd's saved references stay valid.
 * gradients: packed into one buffer in ``reduce_dtype`` with the same padded layout,
   one ``Ireduce_scatter`` (then an all-reduce over the replicate dim for HSDP) and a
   division by the data-parallel size (or ``set_gradient_divide_factor``'s, split as
@@ -37,6 +41,7 @@ resize reported), so ``memory_allocated()`` shows sharded + currently gathered b
 """
 from __future__ import annotations
 
+import weakref
 from math import prod
 from typing import Callable
 
@@ -46,7 +51,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..mesh import accounting
 from ..dtensor import DTensor
-from ..mesh.nonblocking import Handle, iall_reduce
+from ..mesh.nonblocking import Handle, iall_gather, iall_gather_placed, iall_reduce
 from . import comms
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import OffloadPolicy, compute_device, host_device, pinned
@@ -90,6 +95,10 @@ class ParamGroup:
                 shard_total += _align(p.shard_numel * p.orig_dtype.itemsize)
                 unsharded_total += _align(p.numel * p.param_dtype.itemsize)
         self.unsharded_nbytes = unsharded_total
+        # one parameter, even dim-0 shards: a plain Iallgather lays it out (2x faster than
+        # Ialltoallw at 4 MiB with one rank per core; docs/performance.md "FSDP step")
+        only = self.gathered[0] if len(self.gathered) == 1 else None
+        self._rank_major = only is not None and only.pre == 1 and only.rows % info.shard_size == 0
         built_on = params[0].initial_local.device
         self.offload_to = host_device(offload, info.mesh, built_on)  # where sharded state lives, if moved
         self.device = compute_device(info.mesh) if self.offload_to else built_on  # gathered params, gradients
@@ -108,6 +117,8 @@ class ParamGroup:
         self._pieces: list[list[tuple[torch.dtype, tuple[int, ...], int, int]]] | None = None
         self._gather_nbytes = 0
         self._gather: Handle | None = None
+        self._gather_placed = False  # the running all-gather writes into unsharded_flat itself
+        self._types: tuple[MPI.Datatype, list[MPI.Datatype]] | None = None  # of the placed all-gather
         self._meta: dict[int, object] = {}
         self._pending: tuple[Handle | None, list[FSDPParam], Handle | None, list[FSDPParam]] | None = None
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced (summed)
@@ -139,11 +150,14 @@ class ParamGroup:
             self.unsharded_flat = None
             for p in self.params:
                 p.forget_gathered()
-        with torch.no_grad():
-            for p in plain:
-                local, slot = p.sharded._local_tensor, self._slot(p)
-                if local.data_ptr() != slot.data_ptr() or local.device != slot.device:
-                    slot.copy_(local)
+        base = self.shard_flat.data_ptr()
+        moved = [p for p in plain if p.sharded._local_tensor.data_ptr() != base + p.shard_offset
+                 or p.sharded._local_tensor.device != self.shard_flat.device]
+        if moved:  # (the common case: nothing moved, no view built)
+            with torch.no_grad():
+                for p in moved:
+                    slot = self._slot(p)
+                    slot.copy_(p.sharded._local_tensor)
                     p.sharded._local_tensor = slot
 
     # --- all-gather ------------------------------------------------------------------------------
@@ -166,6 +180,18 @@ class ParamGroup:
         if not self.gathered:
             self._gather = _NO_GATHER
             return
+        if self._placeable():
+            self._ensure_unsharded_storage()
+            comm = self.info.shard_comm
+            if self._rank_major:  # the unsharded parameter is the ranks' shards back to back
+                nbytes = self.gathered[0].local_numel * self.gathered[0].orig_dtype.itemsize
+                out = self.unsharded_flat[:nbytes * comm.size]
+                self._gather = iall_gather(self.shard_flat[:nbytes], comm, out=out)
+            else:
+                send_type, recv_types = self._placed_types()
+                self._gather = iall_gather_placed(self.shard_flat, send_type, self.unsharded_flat, recv_types, comm)
+            self._gather_placed = True
+            return
         if self.direct:
             send = self.shard_flat.to(self.device, non_blocking=True)  # itself unless offloaded
         else:
@@ -181,6 +207,38 @@ class ParamGroup:
                         offset, nbytes = self._pieces[i][0][2], p.local_numel * p.param_dtype.itemsize
                         send[offset:offset + nbytes].view(p.param_dtype).view(p.local_shape).copy_(p.sharded._local_tensor)
         self._start_gather(send, self.info.shard_comm)
+
+    def _placeable(self) -> bool:
+        """Whether the all-gather can write straight into ``unsharded_flat``: plain
+        parameters in their own dtype, on the host, with torch's default collective."""
+        return (self.direct and bool(self.gathered) and self.custom_all_gather is None
+                and self.offload_to is None and self.shard_flat.device.type == "cpu")
+
+    def _placed_types(self) -> tuple[MPI.Datatype, list[MPI.Datatype]]:
+        """The datatypes of the placed all-gather (made once per group): what each rank
+        sends (its rows of every parameter, in ``shard_flat``) and, per source rank, where
+        those rows go in ``unsharded_flat`` (for a shard dim > 0, ``pre`` strided blocks)."""
+        if self._types is None:
+            send_lens = [p.local_numel * p.orig_dtype.itemsize for p in self.gathered]
+            send = MPI.BYTE.Create_hindexed(send_lens, [p.shard_offset for p in self.gathered]).Commit()
+            recv = [_rows_type(self.gathered, rank, self.info.shard_size) for rank in range(self.info.shard_size)]
+            self._types = (send, recv)
+            weakref.finalize(self, _free_types, [send, *recv])
+        return self._types
+
+    def _ensure_unsharded_storage(self) -> None:
+        """Allocate ``unsharded_flat`` (first gather) or give back its freed storage."""
+        if self.unsharded_flat is None:
+            self.unsharded_flat = accounting.track_buffer(
+                torch.empty(self.unsharded_nbytes, dtype=torch.uint8, device=self.device))
+        elif self.unsharded_flat.untyped_storage().nbytes() == 0:
+            self.unsharded_flat.untyped_storage().resize_(self.unsharded_nbytes)
+            accounting.track_resize(self.unsharded_flat)
+
+    def _free_unsharded_storage(self) -> None:
+        if self.unsharded_flat is not None and self.unsharded_flat.untyped_storage().nbytes():
+            self.unsharded_flat.untyped_storage().resize_(0)
+            accounting.track_resize(self.unsharded_flat)
 
     def _start_gather(self, send: torch.Tensor, comm: MPI.Comm) -> None:
         """Start gathering ``send`` over ``comm`` into a buffer of every shard rank's rows."""
@@ -219,16 +277,16 @@ class ParamGroup:
         self.start_unshard()
         out = self._gather.wait()
         self._gather = None
-        if self.unsharded_flat is None:
-            self.unsharded_flat = accounting.track_buffer(
-                torch.empty(self.unsharded_nbytes, dtype=torch.uint8, device=self.device))
-        elif self.unsharded_flat.untyped_storage().nbytes() == 0:
-            self.unsharded_flat.untyped_storage().resize_(self.unsharded_nbytes)
-            accounting.track_resize(self.unsharded_flat)
+        placed, self._gather_placed = self._gather_placed, False
+        self._ensure_unsharded_storage()
         existing = [p.unsharded for p in self.params if p.unsharded is not None]
         versions = [t._version for t in existing]
         with torch.no_grad():
-            if out is not None:
+            if placed:  # the all-gather wrote the parameters in place
+                for p in self.gathered:
+                    if p.unsharded is None:
+                        p.unsharded = p.wrap_unsharded(self._unsharded_view(p).view(p.shape))
+            elif out is not None:
                 rows_of_ranks = out.view(self.info.shard_size, self._gather_nbytes)
                 for i, p in enumerate(self.gathered):
                     if p.extension:
@@ -302,16 +360,16 @@ class ParamGroup:
         self._kept = None
         if self._gather is not None:  # a prefetch nobody used
             self._gather.wait()
-            self._gather = None
+            self._gather, self._gather_placed = None, False
             self._meta.clear()
+            if not self.is_unsharded:
+                self._free_unsharded_storage()
         if not self.is_unsharded:
             return
         for p in self.params:
             p.install(p.sharded)
             p.free_gathered()
-        if self.unsharded_flat is not None:
-            self.unsharded_flat.untyped_storage().resize_(0)
-            accounting.track_resize(self.unsharded_flat)
+        self._free_unsharded_storage()
         self.is_unsharded = False
 
     # --- gradients -------------------------------------------------------------------------------
@@ -354,7 +412,8 @@ class ParamGroup:
             if sharded:
                 total = sum(p.shard_numel for p, _ in sharded)
                 device = sharded[0][1].device
-                send = comms.allocate(self.custom_reduce_scatter, (world * total,), self.reduce_dtype, device)
+                send = comms.allocate(self.custom_reduce_scatter, (world * total,), self.reduce_dtype, device,
+                                      reusable=True)
                 per_rank, offset = send.view(world, total), 0
                 for p, g in sharded:
                     _to_ranks(per_rank[:, offset:offset + p.shard_numel], g.reshape(p.pre, p.rows, p.post), p.pad_rows)
@@ -448,6 +507,30 @@ def _plain_grad(grad: torch.Tensor, p: FSDPParam) -> torch.Tensor:
         return grad.as_subclass(torch.Tensor)
     raise TypeError(f"the gradient of {p.users[0][1]!r} is a {type(grad).__name__} without dequantize(): "
                     "FSDP cannot reduce-scatter it; return a plain gradient from the subclass's backward")
+
+
+def _rows_type(params: list[FSDPParam], rank: int, world: int) -> MPI.Datatype:
+    """Where shard rank ``rank``'s rows of ``params`` lie in the unsharded flat buffer:
+    per parameter, rows ``[rank * pad, (rank + 1) * pad)`` of its shard dim (clipped to
+    its rows; ``pre`` blocks ``rows * post`` elements apart), in bytes."""
+    types, displs = [], []
+    for p in params:
+        lo, hi = min(rank * p.pad_rows, p.rows), min((rank + 1) * p.pad_rows, p.rows)
+        if hi == lo:
+            continue
+        item = p.param_dtype.itemsize
+        types.append(MPI.BYTE.Create_vector(p.pre, (hi - lo) * p.post * item, p.rows * p.post * item))
+        displs.append(p.unsharded_offset + lo * p.post * item)
+    placed = MPI.Datatype.Create_struct([1] * len(types), displs, types).Commit()
+    for t in types:
+        t.Free()
+    return placed
+
+
+def _free_types(types: list[MPI.Datatype]) -> None:
+    if not MPI.Is_finalized():
+        for t in types:
+            t.Free()
 
 
 class _NoGather:

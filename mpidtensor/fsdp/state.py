@@ -15,7 +15,9 @@ The root queues a final callback that reduces whatever is left (modules whose in
 need no gradient), waits for every reduce-scatter (unless ``set_is_last_backward(False)``),
 and reshards. A registered forward method (``register_fsdp_forward_method``) runs the
 pre/post-forward hooks around itself; the module's own forward calls inside it are
-nested (``method_depth``) and leave the parameters gathered.
+nested (``method_depth``) and leave the parameters gathered. Every hook ends with
+``mesh.progress.poke()`` (an ``MPI_Test`` on an in-flight collective in the ``hooks``
+progress mode; nothing in the default ``off``).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..mesh import progress
 from .mixed_precision import MixedPrecisionPolicy, cast_floats
 from .param_group import ParamGroup
 
@@ -135,6 +138,7 @@ class FSDPState:
             implicit = order[index + 1:index + 2] if self._in_order(index) else []
             for target in self._next(self.forward_prefetch, implicit):
                 target.group.start_unshard()
+        progress.poke()
         return args, kwargs
 
     def _in_order(self, index: int) -> bool:
@@ -145,6 +149,7 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.method_depth:
             return output
+        progress.poke()
         root = self.root
         grad = torch.is_grad_enabled()
         if self.group is not None and self.group.reshard_after_forward and not (self.is_root and grad):
@@ -163,7 +168,8 @@ class FSDPState:
                 root._recording = False
                 root.last_call = {id(s): i for i, s in enumerate(root.forward_order)}
         if grad:
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            leaves = (output,) if type(output) is torch.Tensor else tree_flatten(output)[0]
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         return cast_floats(output, self.mp.output_dtype)
@@ -177,6 +183,8 @@ class FSDPState:
     def _hook_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Route the inputs that need gradients through ``_PostBackward``, whose backward runs
         once the module's whole backward (frozen parameters' uses included) is done."""
+        if args and not kwargs and all(type(a) is torch.Tensor and a.requires_grad for a in args):
+            return tuple(_PostBackward.apply(self, *args)), kwargs  # the common case, without pytree
         flat, spec = tree_flatten((args, kwargs))
         index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if index:
@@ -190,6 +198,7 @@ class FSDPState:
         self._uses -= 1
         if self._uses <= 0:
             self._reduce()
+        progress.poke()
 
     def _reduce(self) -> None:
         """Start reducing the group's gradients (summed over every call), reshard."""
@@ -208,6 +217,7 @@ class FSDPState:
         for target in self._next(self.backward_prefetch, root.post_forward_order[i - 1:i] if i > 0 else []):
             if target.group.unshard_in_backward:
                 target.group.start_unshard()
+        progress.poke()
 
 
 class _PostBackward(torch.autograd.Function):

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from . import tracing
+from . import progress, tracing
 from .buffers import as_buffer, empty, mpi_type, stage
 from .collectives import ReduceOp, _reduction
 
@@ -33,11 +33,13 @@ class Handle:
         self._keep = keep  # buffers MPI reads or writes until completion
         self._finish = finish
         self._result: torch.Tensor | None = None
+        progress.started(self)
 
     def wait(self) -> torch.Tensor:
         """Block until the collective is done (idempotent); return its result."""
         if self._request is not None:
             self._request.Wait()
+            progress.finished(self)
             self._request = None
             self._result = self._finish()
             self._keep = self._finish = None
@@ -46,6 +48,11 @@ class Handle:
     def done(self) -> bool:
         """Whether ``wait()`` has completed."""
         return self._request is None
+
+    def test(self) -> bool:
+        """Let MPI progress the collective (one ``MPI_Test``) without waiting for it;
+        whether its data has arrived (``wait()`` still returns the result)."""
+        return self._request is None or self._request.Test()
 
 
 def iall_gather(send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor | None = None) -> Handle:
@@ -63,6 +70,24 @@ def iall_gather(send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor | Non
     tracing.record("all_gather", src.nbytes)
     request = comm.Iallgather([as_buffer(src), src.numel(), datatype], [as_buffer(dst), src.numel(), datatype])
     return Handle(request, (src, dst), lambda: out if dst is out else out.copy_(dst))
+
+
+def iall_gather_placed(send: torch.Tensor, send_type: MPI.Datatype, out: torch.Tensor,
+                       recv_types: list[MPI.Datatype], comm: MPI.Intracomm) -> Handle:
+    """Start an all-gather whose pieces land where ``recv_types`` put them: every rank
+    sends ``send_type`` (one instance, from the start of ``send``), and rank r's
+    contribution is received into ``out`` as one ``recv_types[r]`` (byte displacements
+    from ``out``'s start). One ``Ialltoallw``, so a gather can write each rank's rows
+    straight into the unsharded parameters it fills, with no copy out of a staging
+    buffer. Host tensors only; the types must match (same bytes) pairwise."""
+    if send.is_cuda or out.is_cuda or not send.is_contiguous() or not out.is_contiguous():
+        raise ValueError("iall_gather_placed takes contiguous host tensors")
+    size = comm.size
+    tracing.record("all_gather", send_type.size)
+    ones, zeros = [1] * size, [0] * size
+    request = comm.Ialltoallw([as_buffer(send), ones, zeros, [send_type] * size],
+                              [as_buffer(out), ones, zeros, list(recv_types)])
+    return Handle(request, (send, out), lambda: out)
 
 
 def ireduce_scatter(
