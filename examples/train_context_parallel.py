@@ -90,21 +90,15 @@ class Meshes:
 def make_meshes(layout: Layout) -> Meshes:
     """The ("dp", "cp", "tp") mesh over all ranks and its sub-meshes. Collective.
 
-    FSDP runs on ``mesh["dp", "cp"]._flatten("dp_cp")`` (torchtitan's recipe). Under
-    TP, mpidtensor's ``fully_shard`` needs its mesh and the parameters' TP mesh to be
-    sibling dims of one mesh, which a flattened mesh is not, so TP and FSDP then run on
-    a 2-D ("dp_cp", "tp") mesh over the same ranks: rank ``(d * cp + c) * tp + t`` sits
-    at ``(d, c, t)`` in both, so its "tp" groups are the 3-D mesh's and its "dp_cp"
-    groups the flattened ones.
+    FSDP runs on ``mesh["dp", "cp"]._flatten("dp_cp")`` (torchtitan's recipe: the cp ranks
+    hold the same parameters and see different tokens, so their gradients are reduced
+    together with the dp ranks'), TP on ``mesh["tp"]``, CP on ``mesh["cp"]``.
     """
     if layout.dp * layout.cp * layout.tp != world.size:
         raise ValueError(f"dp x cp x tp = {layout.dp} x {layout.cp} x {layout.tp} must equal the "
                          f"{world.size} ranks")
     mesh = init_device_mesh("cpu", (layout.dp, layout.cp, layout.tp), mesh_dim_names=("dp", "cp", "tp"))
-    if layout.tp == 1:
-        return Meshes(mesh, mesh["dp", "cp"]._flatten("dp_cp"), None, mesh["cp"])
-    twin = init_device_mesh("cpu", (layout.dp * layout.cp, layout.tp), mesh_dim_names=("dp_cp", "tp"))
-    return Meshes(mesh, twin["dp_cp"], twin["tp"], mesh["cp"])
+    return Meshes(mesh, mesh["dp", "cp"]._flatten("dp_cp"), mesh["tp"] if layout.tp > 1 else None, mesh["cp"])
 
 
 def shard_model(model: Transformer, meshes: Meshes) -> Transformer:

@@ -71,6 +71,7 @@ def test_bad_mode():
     raises_everywhere(ValueError, lambda: progress.set_mode("async"), match="progress mode")
 
 
+@pytest.mark.quick_at(2)  # a separate 2-rank job: the same at every size
 def test_thread_mode_exits_cleanly(tmp_path):
     """A job that trains with the progress thread running ends on its own (the thread is
     stopped before MPI finalizes) with exit code 0."""

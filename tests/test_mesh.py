@@ -38,6 +38,28 @@ def test_2d_mesh_coordinates_and_slices(mesh2d):
     assert peers == tp.mesh.tolist()
 
 
+@pytest.mark.parametrize("shape, names", [((1, 2, 2), ("dp", "cp", "tp")), ((2, 2, 1), ("dp", "cp", "tp")),
+                                          ((2, 1, 2), ("dp", "tp", "cp"))])
+def test_joint_mesh_of_a_flattened_slice_and_the_rest(shape, names):
+    """FSDP over ``mesh["dp", "cp"]._flatten("dp_cp")`` beside TP over ``mesh["tp"]`` (torch's
+    recipe for context parallelism): the joint mesh has the merged dim, whose groups are
+    the flattened mesh's, and the tp dim, whose groups are the slice's."""
+    from mpidtensor.mesh.device_mesh import joint_mesh
+
+    if WORLD.size != 4:
+        pytest.skip("a 3-D mesh of 4 ranks")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    flat = mesh["dp", "cp"]._flatten("dp_cp")
+    joint, dp_dims, tp_dims = joint_mesh(flat, mesh["tp"])
+    rank = WORLD.rank
+    assert_all_ranks(joint.mesh_dim_names == ("dp_cp", "tp") and dp_dims == (0,) and tp_dims == (1,), repr(joint))
+    assert_all_ranks(joint["dp_cp"] == flat and joint["tp"] == mesh["tp"], repr(joint))
+    assert_all_ranks(joint.get_group("dp_cp").allgather(rank) == flat.get_group().allgather(rank)
+                     and joint.get_group("tp").allgather(rank) == mesh["tp"].get_group().allgather(rank), repr(joint))
+    assert_all_ranks(joint_mesh(flat, mesh["tp"])[0] is joint, "the joint mesh is cached")
+    assert_all_ranks(joint_mesh(mesh["dp"], mesh["tp"]) is None, "dp and tp do not cover the mesh")
+
+
 def test_arbitrary_layout():
     n = WORLD.size
     layout = list(reversed(range(n)))

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
+from ..mesh.device_mesh import joint_mesh
 from ..placements import Shard
 from .comms import check_comm
 from .mixed_precision import MixedPrecisionPolicy
@@ -361,15 +362,14 @@ def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] |
 def _check_tp(params: list, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
     """FSDP x TP: ``mesh`` (1-D FSDP or 2-D HSDP) and the 1-D ``tp_mesh`` must be
     complementary sub-meshes of one mesh (e.g. ``mesh3d["dp_replicate", "dp_shard"]`` and
-    ``mesh3d["tp"]``), and the TP placements must not be Partial. Plain parameters beside
-    them are sharded over ``mesh`` alone."""
-    parent = getattr(mesh, "_parent", None)
-    if parent is None or getattr(tp_mesh, "_parent", None) is not parent or tp_mesh.ndim != 1 \
-            or parent.ndim != mesh.ndim + 1 or set(mesh._parent_dims) & set(tp_mesh._parent_dims):
+    ``mesh3d["tp"]``, or ``mesh3d["dp", "cp"]._flatten("dp_cp")`` and ``mesh3d["tp"]``),
+    and the TP placements must not be Partial. Plain parameters beside them are sharded
+    over ``mesh`` alone. Collective (the joint mesh of a flattened one is made here)."""
+    if tp_mesh.ndim != 1 or joint_mesh(mesh, tp_mesh) is None:
         raise ValueError(
             "parameters that are DTensors need fully_shard's mesh and theirs to be complementary sub-meshes "
-            "of one mesh (e.g. mesh['dp'] and mesh['tp'], or mesh['dp_replicate', 'dp_shard'] and "
-            f"mesh['tp']), got {mesh!r} and {tp_mesh!r}"
+            "of one mesh (e.g. mesh['dp'] and mesh['tp'], mesh['dp_replicate', 'dp_shard'] and mesh['tp'], "
+            f"or mesh['dp', 'cp']._flatten('dp_cp') and mesh['tp']), got {mesh!r} and {tp_mesh!r}"
         )
     for p in params:
         if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):

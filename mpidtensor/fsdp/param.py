@@ -24,6 +24,7 @@ from torch import nn
 from .._layout import chunk_span, contiguous_strides
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh, accounting
+from ..mesh.device_mesh import joint_mesh
 from ..placements import Placement, Replicate, Shard
 from ..spec import DTensorSpec
 from .mixed_precision import MixedPrecisionPolicy
@@ -59,11 +60,11 @@ class MeshInfo:
         dp = (Replicate(), own) if self.mesh.ndim == 2 else (own,)
         if tp_spec is None:
             return self.mesh, dp
-        parent, dp_dims = self.mesh._parent, self.mesh._parent_dims
+        parent, dp_dims, tp_dims = joint_mesh(self.mesh, tp_spec.mesh)  # fully_shard checked it exists
         placements: list[Placement] = [Replicate()] * parent.ndim
         for dim, p in zip(dp_dims, dp):
             placements[dim] = p
-        for dim, p in zip(tp_spec.mesh._parent_dims, tp_spec.placements):
+        for dim, p in zip(tp_dims, tp_spec.placements):
             placements[dim] = p
         return parent, tuple(placements)
 
