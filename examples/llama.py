@@ -21,6 +21,7 @@ KV heads per rank, which is why both must divide by the TP size.
 """
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 
@@ -149,6 +150,23 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, self.rope)
         return self.output(self.norm(h))
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model-size and learning-rate options the training examples share."""
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=384, help="SwiGLU width")
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+
+
+def config_from_args(args: argparse.Namespace) -> LlamaConfig:
+    """The ``LlamaConfig`` of ``add_model_args``' options, for sequences of ``args.seq``."""
+    return LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                       n_kv_heads=args.kv_heads, hidden_dim=args.hidden, max_seq_len=args.seq)
 
 
 def build_model(cfg: LlamaConfig, seed: int = 0) -> Transformer:

@@ -44,7 +44,8 @@ import torch
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama import LlamaConfig, Transformer, batches, build_model, cross_entropy, parallelize_llama  # noqa: E402
+from llama import (LlamaConfig, Transformer, add_model_args, batches, build_model,  # noqa: E402
+                   config_from_args, cross_entropy, parallelize_llama)
 
 from mpidtensor import DTensor, DeviceMesh, init_device_mesh  # noqa: E402
 from mpidtensor.experimental import context_parallel  # noqa: E402
@@ -203,13 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=None, help="global batch (default: 1 per dp group)")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=384, help="SwiGLU width")
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    add_model_args(parser)
     parser.add_argument("--budget-mib", type=float, default=128.0, help="activation budget of one rank")
     parser.add_argument("--skip-cp1", action="store_true", help="do not measure the whole sequence on one rank")
     parser.add_argument("--check", action="store_true", help="also train in one process and compare")
@@ -234,8 +229,7 @@ def run(args: argparse.Namespace, say: Callable[..., None] = print) -> float:
     """Train, report, and return the largest difference from one process (0 without
     ``--check``). Collective."""
     layout = layout_of(args)
-    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                      n_kv_heads=args.kv_heads, hidden_dim=args.hidden, max_seq_len=args.seq)
+    cfg = config_from_args(args)
     batch = layout.dp if args.batch is None else args.batch
     check_sizes(layout, cfg, batch, args.seq)
     meshes = make_meshes(layout)

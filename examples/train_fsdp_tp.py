@@ -30,7 +30,8 @@ import torch
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama import LlamaConfig, batches, build_model, cross_entropy, parallelize_llama  # noqa: E402
+from llama import (LlamaConfig, add_model_args, batches, build_model, config_from_args,  # noqa: E402
+                   cross_entropy, parallelize_llama)
 
 from mpidtensor import DTensor, init_device_mesh  # noqa: E402
 from mpidtensor.debug import CommDebugMode  # noqa: E402
@@ -61,13 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=None, help="global batch (default 4 per dp rank)")
     parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=384, help="SwiGLU width")
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    add_model_args(parser)
     parser.add_argument("--tol", type=float, default=1e-4)
     parser.add_argument("--no-tp", action="store_true", help="FSDP alone on a 1-D mesh even at 4 ranks")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory tables")
@@ -115,8 +110,7 @@ def run(args: argparse.Namespace, say=print) -> Result:
     batch = 4 * dp_size if args.batch is None else args.batch
     if batch % dp_size or args.seq % tp_size or args.hidden % tp_size:
         raise ValueError(f"--batch must divide by dp {dp_size}, --seq and --hidden by tp {tp_size}")
-    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                      n_kv_heads=args.kv_heads, hidden_dim=args.hidden, max_seq_len=args.seq)
+    cfg = config_from_args(args)
     dp_comm, dp_rank = mesh.get_group("dp"), mesh.get_local_rank("dp")
     rows = slice(dp_rank * batch // dp_size, (dp_rank + 1) * batch // dp_size)
     tp = tp_size > 1
