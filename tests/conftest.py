@@ -12,6 +12,7 @@ Only rank 0 prints pytest's terminal report.
 """
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -60,6 +61,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ids = set(map(id, kept))
         config.hook.pytest_deselected(items=[item for item in items if id(item) not in ids])
         items[:] = kept
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What imports and collection made lives for the whole run (torch, transformers,
+    op_db: about 400k objects): freeze it, so that a garbage collection, and the object
+    scan behind ``mpidtensor.memory``'s figures, look only at what the tests make."""
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After a module's last test: what outlives it (imported models, caches) is frozen
+    too, so each later ``gc.collect()`` looks at one module's objects only (it took
+    0.25-0.6 s once a run had left 350k objects behind)."""
+    if nextitem is None or nextitem.module is not item.module:
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.hookimpl(hookwrapper=True)

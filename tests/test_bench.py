@@ -2,7 +2,8 @@
 in-process checks every redistribution cell and every training step of the three
 implementations (mpidtensor, torch's DTensor on gloo, hand-written mpi4py) against the
 single-process references, timing nothing. Sizes 4K, 256K and 4M per rank lie on both
-sides of the library's size thresholds (the 32M cells take the 4M paths). 4 ranks only:
+sides of the library's size thresholds (the 32M cells take the 4M paths); the quick
+tier checks the 4K cells only. 4 ranks only:
 the record runs there (2x2 mesh cells, the FSDP x TP step)."""
 import sys
 from pathlib import Path
@@ -10,11 +11,13 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+import tier
 from helpers import assert_all_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 WORLD = MPI.COMM_WORLD
+SIZES = ["4K", "256K", "4M"]  # the quick tier checks the 4K cells (and every step)
 NO_HAND_WRITTEN = {"2x2 [S0,S1] -> [R,R]", "2x2 [R,S0] -> [S0,R]"}  # no single mpi4py call
 
 
@@ -24,9 +27,10 @@ def test_record_checks_every_cell_and_step():
         pytest.skip("the benchmark of record runs at 4 ranks")
     import bench_record
 
-    record = bench_record.main(["--check-only", "--sizes", "4K,256K,4M"])
+    sizes = SIZES if not tier.QUICK else SIZES[:1]
+    record = bench_record.main(["--check-only", "--sizes", ",".join(sizes)])
     cells = record["redistribute"]
-    assert_all_ranks(len(cells) == 3 * 2 * 11, f"{len(cells)} cells")
+    assert_all_ranks(len(cells) == len(sizes) * 2 * 11, f"{len(cells)} cells")
     for cell in cells:
         want = {"mpidtensor", "torch"} | (set() if cell["transition"] in NO_HAND_WRITTEN else {"mpi4py"})
         assert_all_ranks(set(cell["checked"]) == want, f"{cell['transition']} {cell['size']}: {cell['checked']}")

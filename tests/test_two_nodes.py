@@ -59,6 +59,7 @@ def _run(args: list[str], timeout: float = 600) -> str:
     return out
 
 
+@pytest.mark.exhaustive  # the quick tier starts one two-node job: the mesh test's
 def test_environment_report_shows_two_nodes(nodes):
     out = _run(["-m", "mpidtensor"])
     assert "ranks: 4 on 2 node(s); per node: mdt-node1 2, mdt-node2 2" in out, out
