@@ -20,8 +20,8 @@ def count(full: int, quick: int) -> int:
 
 # A test function with more parametrized cases than this runs this many of them (at
 # least) in the quick tier, or QUICK_SHARE of them if that is more.
-QUICK_CASES = 4
-QUICK_SHARE = 0.2
+QUICK_CASES = 3
+QUICK_SHARE = 0.15
 
 # At 4 ranks (2 per core here) a test costs about 3x what it costs at 3 ranks, and what
 # only 4 ranks can check is the 2x2 mesh: the quick tier keeps there the tests of a 2-D
