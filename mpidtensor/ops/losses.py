@@ -158,14 +158,19 @@ def nll_loss_backward(call: OpCall) -> Sharding:
     local = None
     class_dim = 1 if x.ndim > 1 else 0
     if split_by(call.mesh, x_target, class_dim):
-        relabel = _class_local_target(*block_span(x, x_target, class_dim), ignore_index)
-        func = call.func
-
-        def local(args, kwargs):
-            g, x_, t, w, red, _, total = args
-            return func(g, x_, relabel(t), w, red, -1, total)
-
+        local = _nll_backward_local(call.func, _class_local_target(*block_span(x, x_target, class_dim), ignore_index))
     return Sharding(inputs_by_name(call, targets), [tuple(out)], local)
+
+
+def _nll_backward_local(func, relabel: Callable) -> Callable:
+    """The local nll_loss_backward on a class-sharded block: targets relabelled to the
+    block, the ones outside it ignored (-1)."""
+
+    def local(args, kwargs):
+        g, x_, t, w, red, _, total = args
+        return func(g, x_, relabel(t), w, red, -1, total)
+
+    return local
 
 
 # --- mse_loss ----------------------------------------------------------------------------------
