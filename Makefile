@@ -73,7 +73,16 @@ endif
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
+# MPICH's mpiexec starts each rank in a session of its own; with the kernel's autogroup on,
+# each session is a scheduling group and a rank waiting in MPI keeps its share of a core
+# from the rank it waits for: the 4-rank run took 97-406 s with it on, 78-83 s off (2 cores).
+AUTOGROUP_NOTE = if [ "$$(cat /proc/sys/kernel/sched_autogroup_enabled 2>/dev/null)" = 1 ] \
+	  && [ "$(MPI)" != openmpi ] && [ $$(nproc) -lt $(lastword $(sort $(TEST_SIZES))) ]; then \
+	  echo "note: more ranks than cores with kernel autogroup on: expect 1.2-5x slower oversubscribed runs;"; \
+	  echo "      as root, sysctl -w kernel.sched_autogroup_enabled=0 (docs/mpi-settings.md)"; fi
+
 test: $(STAMP)
+	@$(AUTOGROUP_NOTE)
 	@for n in $(TEST_SIZES); do \
 	  echo "== pytest on $$n rank(s)"; \
 	  MPIDTENSOR_TEST_TIER=$(TEST_TIER) timeout $(TEST_TIMEOUT) $(RUN) -n $$n $(PY) -m pytest -q \

@@ -17,7 +17,7 @@ from typing import TextIO
 import torch
 from mpi4py import MPI
 
-from .mesh import buffers, launch, mpi_library
+from .mesh import buffers, launch, mpi_library, scheduling
 
 _RANK_ENV = ("SLURM_PROCID", "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES")
 
@@ -38,6 +38,16 @@ def _rank_row(comm: MPI.Intracomm) -> dict[str, str]:
     }
     row.update({name: os.environ.get(name, "-") for name in _RANK_ENV})
     return row
+
+
+def _scheduling_lines(rows: list[dict[str, str]], placement: list[tuple[frozenset[int], int]]) -> list[str]:
+    """A warning per node whose ranks outnumber its CPUs in separate scheduling groups."""
+    by_host: dict[str, list[tuple[frozenset[int], int]]] = {}
+    for row, ranks in zip(rows, placement):
+        by_host.setdefault(row["host"], []).append(ranks)
+    autogroup = scheduling.autogroup_enabled()
+    warnings = (scheduling.contention_message(host, ranks, autogroup) for host, ranks in by_host.items())
+    return [f"  {w}" for w in warnings if w is not None]
 
 
 def _cuda_aware_lines() -> list[str]:
@@ -90,6 +100,8 @@ def report(comm: MPI.Intracomm | None = None, file: TextIO | None = sys.stdout) 
     """The environment report, printed to ``file`` on rank 0 and returned on every rank. Collective."""
     comm = MPI.COMM_WORLD if comm is None else comm
     rows = comm.gather(_rank_row(comm), root=0)
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    placement = comm.gather((frozenset(allowed), os.getsid(0)), root=0)
     text = None
     if comm.rank == 0:
         lib = mpi_library.describe()
@@ -114,6 +126,9 @@ def report(comm: MPI.Intracomm | None = None, file: TextIO | None = sys.stdout) 
         ]
         if mislaunch is not None:
             lines += ["LAUNCH PROBLEM", f"  {mislaunch}"]
+        contention = _scheduling_lines(rows, placement)
+        if contention:
+            lines += ["OVERSUBSCRIBED", *contention]
         text = "\n".join(lines)
         if file is not None:
             print(text, file=file, flush=True)

@@ -55,3 +55,40 @@ def test_python_dash_m_mpidtensor():
                           env=launcher.nested_env(), timeout=120)
     assert done.returncode == 0, done.stderr
     assert "MPI library" in done.stdout and "ranks: 1 on 1 node(s)" in done.stdout, done.stdout
+
+
+def test_contention_warning_only_for_separate_groups_on_too_few_cpus(tmp_path):
+    from mpidtensor.mesh import scheduling
+
+    two = frozenset({0, 1})
+    four_sessions = [(two, 10), (two, 11), (two, 12), (two, 13)]
+    one_session = [(two, 10)] * 4
+    message = scheduling.contention_message("n1", four_sessions, True)
+    assert message is not None and "4 ranks share 2 CPU(s) on n1" in message
+    assert scheduling.contention_message("n1", four_sessions, False) is None  # autogroup off
+    assert scheduling.contention_message("n1", four_sessions, None) is None  # not Linux
+    assert scheduling.contention_message("n1", one_session, True) is None  # Open MPI: one session
+    assert scheduling.contention_message("n1", four_sessions[:2], True) is None  # a CPU each
+    bound = [(frozenset({i}), 10 + i) for i in range(4)]
+    assert scheduling.contention_message("n1", bound, True) is None  # four CPUs in all
+    flag = tmp_path / "autogroup"
+    flag.write_text("1\n")
+    assert scheduling.autogroup_enabled(str(flag)) is True
+    flag.write_text("0\n")
+    assert scheduling.autogroup_enabled(str(flag)) is False
+    assert scheduling.autogroup_enabled(str(tmp_path / "missing")) is None
+
+
+def test_report_warns_exactly_when_this_launch_contends():
+    import os
+
+    from mpidtensor.mesh import scheduling
+
+    text = envreport.report(file=None)
+    host = __import__("socket").gethostname()
+    mine = (frozenset(os.sched_getaffinity(0)), os.getsid(0))
+    ranks = WORLD.allgather(mine)
+    hosts = WORLD.allgather(host)
+    expected = scheduling.contention_message(
+        host, [r for r, h in zip(ranks, hosts) if h == host], scheduling.autogroup_enabled())
+    assert_all_ranks(("OVERSUBSCRIBED" in text) == (expected is not None) or len(set(hosts)) > 1, text)
