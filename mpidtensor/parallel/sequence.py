@@ -11,6 +11,7 @@ from ..api import distribute_module
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Replicate, Shard
+from .local_norm import LocalNormForward, local_norm_supported
 from .style import ParallelStyle, as_dtensor, require_1d_mesh, require_plain_parameters, to_layout
 
 
@@ -42,8 +43,10 @@ class SequenceParallel(ParallelStyle):
     layout-invariant RNG, so they equal one process's.
 
     The replicated parameters get ``Partial`` gradients (a sum over the sequence
-    shards); a gradient hook all-reduces each once as it is produced, as Megatron does,
-    so ``.grad`` is ``Replicate`` and the optimizer step communicates nothing.
+    shards); each is all-reduced once as it is produced, as Megatron does, so ``.grad``
+    is ``Replicate`` and the optimizer step communicates nothing. ``nn.RMSNorm`` and
+    ``nn.LayerNorm`` run on the local sequence block (``local_norm``); other modules, and
+    calls the local path does not fit, run on DTensors and a gradient hook settles the sum.
     """
 
     _owns_parameters = True
@@ -81,6 +84,8 @@ class SequenceParallel(ParallelStyle):
         for param in module.parameters():
             if param.requires_grad:
                 param.register_hook(_settle_partial_grad)
+        if local_norm_supported(module):
+            module.forward = LocalNormForward(module, device_mesh)
         return module
 
     def __repr__(self) -> str:

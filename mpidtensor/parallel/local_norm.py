@@ -1,0 +1,157 @@
+"""``SequenceParallel`` ``nn.RMSNorm`` / ``nn.LayerNorm`` run on the local sequence block, as Megatron does.
+
+A norm normalizes each position on its own, so on an input sharded over the sequence it
+is the same norm on this rank's positions. The general path (the module's forward on
+DTensors) sends every aten op of it through DTensor dispatch: on CPU ``rms_norm``
+decomposes into six ops forward and about fourteen backward, and the weight's gradient
+comes out ``Partial``, settled by a hook's ``redistribute``. Here one autograd Function
+runs the fused kernel on the local block (``_fused_rms_norm`` / ``native_layer_norm``,
+the kernels plain torch runs, so the forward values are one process's), computes the
+backward on the local block and all-reduces the parameters' partial gradients over the mesh in
+place (Megatron's all-reduce of the norm weights' gradients): they come out ``Replicate``.
+
+Taken per call when nothing needs the general path: the stock forward of ``nn.RMSNorm``
+or ``nn.LayerNorm``, the input a DTensor on the style's mesh sharded on a dim the norm
+does not normalize, C-contiguous globally; the parameters (if any) DTensors replicated on
+that mesh in the input's dtype; no autocast, not under ``torch.compile``. Every one of
+these facts is shared by all ranks, so all ranks take the same path.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from .._layout import contiguous_strides
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh, collectives
+from ..placements import Replicate, Shard
+
+_REPLICATE = (Replicate(),)
+
+
+def _reduce_partial(grad: torch.Tensor | None, param: DTensor | None, comm) -> DTensor | None:
+    """This rank's partial sum of a parameter's gradient, all-reduced in place, as a DTensor."""
+    if grad is None or param is None:
+        return None
+    if comm.size > 1:
+        grad = collectives.all_reduce(grad.contiguous(), comm, "sum", inplace=True)
+    return DTensor(grad, param._spec)
+
+
+def _local_grad(gy: Any, x_spec) -> torch.Tensor:
+    """The local block of the output's gradient in the input's layout."""
+    if not isinstance(gy, DTensor):
+        raise TypeError(f"SequenceParallel norm: expected a DTensor gradient, got {type(gy).__name__}")
+    if gy._spec.placements != x_spec.placements:
+        gy = gy.redistribute(x_spec.mesh, x_spec.placements)
+    return gy._local_tensor
+
+
+class _LocalRMSNorm(torch.autograd.Function):
+    """y = x * rstd * w on this rank's positions; rstd = 1 / sqrt(mean(x^2) + eps)."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, weight: DTensor | None, shape: tuple[int, ...], eps: float | None, comm) -> DTensor:
+        local = x._local_tensor
+        y, rstd = torch.ops.aten._fused_rms_norm(local, shape, None if weight is None else weight._local_tensor, eps)
+        ctx.x_spec, ctx.comm, ctx.ndims, ctx.weight = x._spec, comm, len(shape), weight
+        ctx.save_for_backward(local, rstd)
+        return DTensor(y, x._spec)
+
+    @staticmethod
+    @once_differentiable  # the gradients are built on local tensors: no double backward
+    def backward(ctx, gy):
+        x, rstd = ctx.saved_tensors
+        gy = _local_grad(gy, ctx.x_spec)
+        weight = ctx.weight
+        dims = tuple(range(x.ndim - ctx.ndims, x.ndim))
+        xhat = x * rstd
+        gw = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            gw = (gy * xhat).reshape(-1, *weight.shape).sum(0).to(weight.dtype)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            g = gy if weight is None else gy * weight._local_tensor
+            # d/dx of x * rstd: rstd * g - xhat * mean(g * xhat) over the normalized dims
+            gx = (g - xhat * (g * xhat).mean(dims, keepdim=True)) * rstd
+            gx = DTensor(gx.to(x.dtype).contiguous(), ctx.x_spec)
+        return gx, _reduce_partial(gw, weight, ctx.comm), None, None, None
+
+
+class _LocalLayerNorm(torch.autograd.Function):
+    """``native_layer_norm`` on this rank's positions."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, weight: DTensor | None, bias: DTensor | None, shape: tuple[int, ...], eps: float,
+                comm) -> DTensor:
+        local = x._local_tensor
+        w, b = (None if p is None else p._local_tensor for p in (weight, bias))
+        y, mean, rstd = torch.ops.aten.native_layer_norm(local, shape, w, b, eps)
+        ctx.x_spec, ctx.comm, ctx.shape, ctx.params = x._spec, comm, shape, (weight, bias)
+        ctx.save_for_backward(local, mean, rstd)
+        return DTensor(y, x._spec)
+
+    @staticmethod
+    @once_differentiable  # the gradients are built on local tensors: no double backward
+    def backward(ctx, gy):
+        x, mean, rstd = ctx.saved_tensors
+        weight, bias = ctx.params
+        gy = _local_grad(gy, ctx.x_spec).contiguous()
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[2]]
+        w, b = (None if p is None else p._local_tensor for p in (weight, bias))
+        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(gy, x, ctx.shape, mean, rstd, w, b, mask)
+        gx = DTensor(gx.contiguous(), ctx.x_spec) if mask[0] else None
+        return (gx, _reduce_partial(gw if mask[1] else None, weight, ctx.comm),
+                _reduce_partial(gb if mask[2] else None, bias, ctx.comm), None, None, None)
+
+
+class LocalNormForward:
+    """``forward`` of a ``SequenceParallel`` ``nn.RMSNorm`` / ``nn.LayerNorm``: the local path
+    when it applies (see the module docstring), else the module's own forward on DTensors.
+    An object, not a closure, so that ``copy.deepcopy`` of the model rebinds it to the copy."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        self.module, self.mesh = module, mesh
+        self.comm = mesh.comm_for((0,))
+
+    def __deepcopy__(self, memo: dict) -> "LocalNormForward":
+        twin = copy.copy(self)
+        twin.module = copy.deepcopy(self.module, memo)
+        return twin
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if x is None or not self._applies(x):
+            return type(module).forward(module, *args, **kwargs)
+        shape = tuple(module.normalized_shape)
+        if isinstance(module, nn.RMSNorm):
+            return _LocalRMSNorm.apply(x, module.weight, shape, module.eps, self.comm)
+        return _LocalLayerNorm.apply(x, module.weight, module.bias, shape, module.eps, self.comm)
+
+    def _applies(self, x: Any) -> bool:
+        if not isinstance(x, DTensor) or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+            return False
+        spec = x._spec
+        if not self._on_mesh(spec.mesh) or len(spec.placements) != 1 or spec.stride != contiguous_strides(spec.shape):
+            return False
+        placement = spec.placements[0]
+        normalized = len(self.module.normalized_shape)
+        if not isinstance(placement, Shard) or not 0 <= placement.dim < x.ndim - normalized:
+            return False
+        params = (self.module.weight, getattr(self.module, "bias", None))
+        return all(p is None or (isinstance(p, DTensor) and self._on_mesh(p._spec.mesh)
+                                 and p._spec.placements == _REPLICATE and p.dtype == x.dtype) for p in params)
+
+    def _on_mesh(self, mesh: DeviceMesh) -> bool:
+        return mesh is self.mesh or mesh == self.mesh
+
+
+def local_norm_supported(module: nn.Module) -> bool:
+    """Whether ``module`` runs the stock forward of a norm the local path implements."""
+    return type(module).forward in (nn.RMSNorm.forward, nn.LayerNorm.forward)
