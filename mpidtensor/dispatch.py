@@ -1,12 +1,14 @@
 """``__torch_dispatch__`` for DTensor: plan once per op signature, then run.
 
 The cache key is the op, the specs of the DTensor arguments, the shape and dtype
-of plain tensors (taken as ``Replicate()``) and the non-tensor arguments (floats
-of pointwise ops by type only, so a changing scalar such as a learning rate does
-not re-plan). A miss builds a :class:`Plan`: output metadata from meta tensors,
-the placements from the op's rule (``mpidtensor.ops``), the redistribution steps
-of every input. A hit only unwraps, redistributes where the plan says so, runs the
-local op and wraps the outputs.
+of plain tensors (taken as ``Replicate()``) and the non-tensor arguments (floats of
+pointwise, ``_foreach_*`` and fused optimizer ops by type only, so a changing scalar
+such as a learning rate or an optimizer's per-parameter step sizes does not re-plan).
+A miss builds a plan: output metadata from meta tensors, the placements from the op's
+rule (``mpidtensor.ops``), the redistribution steps of every input. A hit only
+unwraps, redistributes where the plan says so, runs the local op and wraps the outputs;
+when nothing moves (an optimizer's ops on same-placed DTensors) a :class:`_LocalPlan`
+does that in one frame.
 """
 from __future__ import annotations
 
@@ -20,11 +22,11 @@ from torch.utils._mode_utils import no_dispatch
 
 from .dtensor import DTensor
 from .ops import registry
-from .ops.pointwise import is_pointwise, pointwise_rule
+from .ops.pointwise import is_pointwise, placement_ignores_scalars, pointwise_rule
 from .redistribute import clear_plans as clear_redistribution_plans, plan as plan_redistribution, redistribute_local
 from .spec import DTensorSpec
 
-_PLANS: dict[tuple, "Plan"] = {}
+_PLANS: dict[tuple, Callable] = {}  # Plan, _LocalPlan or _PerMeshPlan
 _WARNED: set = set()
 _FLOAT_BY_VALUE: dict[int, bool] = {}  # by id(func): OpOverload hashes in Python
 _NO_META = object()  # the op could not run on meta tensors
@@ -34,10 +36,16 @@ def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     fid = id(func)  # op overloads live for the whole process
     by_value = _FLOAT_BY_VALUE.get(fid)
     if by_value is None:
-        by_value = _FLOAT_BY_VALUE[fid] = not is_pointwise(func)
+        by_value = _FLOAT_BY_VALUE[fid] = not placement_ignores_scalars(func)
     key = [fid]
     for a in args:
-        key.append(a._spec if isinstance(a, DTensor) else _key(a, by_value))
+        kind = a.__class__
+        if kind is DTensor:  # the common cases first, without a call
+            key.append(a._spec)
+        elif kind is float and not by_value:
+            key.append(float)
+        else:
+            key.append(_key(a, by_value))
     if kwargs:
         key.append(_key(kwargs, by_value))
     key = tuple(key)
@@ -59,7 +67,7 @@ def _key(obj, floats_by_value: bool):
     if isinstance(obj, torch.Tensor):
         return ("T", obj.shape, obj.dtype, obj.device)
     if isinstance(obj, (list, tuple)):
-        return (type(obj), *[_key(x, floats_by_value) for x in obj])
+        return (type(obj), *[x._spec if x.__class__ is DTensor else _key(x, floats_by_value) for x in obj])
     if isinstance(obj, dict):
         return tuple((k, _key(v, floats_by_value)) for k, v in obj.items())
     if isinstance(obj, (float, complex)) and not floats_by_value:
@@ -81,6 +89,71 @@ class Plan:
     def __call__(self, args, kwargs):
         largs, lkwargs = self.unwrap(args, kwargs)
         return self.wrap(self.local(largs, lkwargs), args, kwargs)
+
+
+class _LocalPlan:
+    """A plan that moves nothing: every DTensor argument (top level, or every tensor of a
+    list) is passed as its local tensor, plain tensors and scalars as they are, and the
+    output is ``self`` (in place, placements kept), ``None`` (``_foreach_*_``, fused
+    optimizers), or new DTensors of fixed specs. The same local op as :class:`Plan`'s,
+    in one frame instead of four: an optimizer steps every parameter through it."""
+
+    __slots__ = ("op", "tensors", "lists", "finish", "specs", "fallback")
+
+    def __init__(self, op, tensors: list[int], lists: list[int], finish: str, specs: list, fallback: Callable) -> None:
+        self.op, self.tensors, self.lists, self.finish, self.specs = op, tensors, lists, finish, specs
+        self.fallback = fallback  # the general wrap, for the cases the fast ones do not cover
+
+    def __call__(self, args, kwargs):
+        a = list(args)
+        for i in self.tensors:
+            a[i] = a[i]._local_tensor
+        for i in self.lists:
+            a[i] = [x._local_tensor for x in a[i]]
+        out = self.op(*a, **kwargs)
+        finish = self.finish
+        if finish == "self":
+            dst = args[0]
+            if out is dst._local_tensor and getattr(dst, "_not_a_view_of", None) is None:
+                return dst
+            return self.fallback(out, args, kwargs)
+        if finish == "tensor":
+            return DTensor(out, self.specs[0], requires_grad=False)
+        if finish == "list":
+            return type(out)(DTensor(t, spec, requires_grad=False) for t, spec in zip(out, self.specs))
+        return out
+
+
+def _local_plan(func, args, kwargs, converters, out_meta, out_specs, sharding, wrap) -> _LocalPlan | None:
+    """A :class:`_LocalPlan` for a call whose inputs all stay where they are, else None."""
+    if (sharding.local is not None or _is_view_op(func) or torch.Tag.inplace_view in func.tags
+            or any(c not in (None, _local_of) for c in converters)):
+        return None
+    if any(isinstance(t, DTensor) for t in _tensors(kwargs)):
+        return None
+    tensors, lists = [], []
+    for i, a in enumerate(args):
+        if isinstance(a, DTensor):
+            tensors.append(i)
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            if not all(isinstance(x, DTensor) for x in a):
+                return None
+            lists.append(i)
+    written = _mutated_inputs(func, args)
+    if out_meta is None:
+        finish = "none"
+    elif (written == [("pos", 0)] and isinstance(out_meta, torch.Tensor) and 0 in tensors
+          and out_specs[0] is args[0]._spec):  # in place, self keeps its spec
+        finish = "self"
+    elif written:
+        return None
+    elif isinstance(out_meta, torch.Tensor):
+        finish = "tensor"
+    elif isinstance(out_meta, list) and all(isinstance(m, torch.Tensor) for m in out_meta):
+        finish = "list"
+    else:
+        return None
+    return _LocalPlan(func._op, tensors, lists, finish, out_specs, wrap)
 
 
 class _PerMeshPlan:
@@ -229,8 +302,13 @@ def _build_plan(func, args, kwargs, tensors, specs, mesh, out_meta, sharding) ->
     out_specs = [
         DTensorSpec(mesh, placements, m.shape, m.stride(), m.dtype) for m, placements in zip(metas, sharding.outputs)
     ]
+    wrap = _make_wrap(func, out_meta, out_specs, args)
+    if rebased is None:
+        fast = _local_plan(func, args, kwargs, converters, out_meta, out_specs, sharding, wrap)
+        if fast is not None:
+            return fast
     local = sharding.local or (lambda a, k, f=func._op: f(*a, **k))
-    return Plan(unwrap, local, _mark_broken_views(func, converters, _make_wrap(func, out_meta, out_specs, args), rebased))
+    return Plan(unwrap, local, _mark_broken_views(func, converters, wrap, rebased))
 
 
 def _is_view_op(func) -> bool:
@@ -402,8 +480,8 @@ def _meta_outputs(func, args, kwargs, specs):
     n_args = len(_tensors(args))
     try:
         return func(*_replace_tensors(args, metas[:n_args]), **_replace_tensors(kwargs, metas[n_args:]))
-    except NotImplementedError:
-        return _NO_META
+    except NotImplementedError:  # no meta kernel: an op returning nothing (_fused_sgd_...) has no outputs to describe
+        return None if not func._schema.returns else _NO_META
     except RuntimeError as err:
         text = str(err).lower()
         if "meta" in text or "data-dependent" in text or "data is not allocated" in text:

@@ -34,3 +34,16 @@ def test_optimizer_steps(mesh1d, cls, kwargs, foreach, monkeypatch):
         assert_all_ranks(comm.get_total_counts() == 0, f"optimizer step communicated: {comm.get_comm_counts()}")
     for r, d in zip(ref, dist):
         assert_close(d.full_tensor(), r.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_dtensor_parameters_get_the_foreach_kernels_plain_ones_get(mesh1d):
+    """As with torch's DTensor: the optimizers' and clip_grad_norm_'s choice of the
+    multi-tensor kernels treats a DTensor like a plain tensor on its device."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    p = distribute_tensor(torch.randn(8, 3), mesh1d, [Shard(0)])
+    plain = torch.randn(8, 3)
+    assert_all_ranks(_default_to_fused_or_foreach([p], False) == _default_to_fused_or_foreach([plain], False)
+                     and _has_foreach_support([p], p.device) == _has_foreach_support([plain], plain.device),
+                     "DTensor is not a foreach-supported type")

@@ -1,5 +1,6 @@
-"""Pointwise ops: every aten op tagged ``torch.Tag.pointwise``, their in-place forms
-and the ``_foreach_*`` list ops.
+"""Pointwise ops: every aten op tagged ``torch.Tag.pointwise``, their in-place forms,
+the ``_foreach_*`` list ops and the fused optimizer steps (``_fused_adamw_``...), which
+are elementwise over their lists of parameters and states.
 
 Per mesh dim the output is sharded like one of the inputs, replicated, or (for
 linear ops) kept ``Partial``; the choice moving the fewest bytes wins. Inputs
@@ -25,6 +26,15 @@ def is_pointwise(func) -> bool:
     return torch.Tag.pointwise in func.tags
 
 
+def placement_ignores_scalars(func) -> bool:
+    """Whether the op's placements and output metadata depend on its scalar arguments'
+    types only, never their values (pointwise, ``_foreach_*`` and fused optimizer ops):
+    dispatch then keys scalars by type, so a learning rate or per-parameter step sizes
+    that change every step reuse one plan."""
+    name = func._schema.name.split("::")[-1]
+    return is_pointwise(func) or name.startswith("_foreach_") and name not in _FOREACH_NOT_POINTWISE or name in _FUSED
+
+
 def _linearity(func) -> str | None:
     name = func._schema.name.split("::")[-1].removeprefix("_foreach_")
     if name in _ADDITIVE and func._overloadname in ("Tensor", "List"):
@@ -45,8 +55,10 @@ def pointwise_rule(call: OpCall) -> Sharding:
 
 
 def _foreach_rule(call: OpCall) -> Sharding:
-    """``_foreach_op(list, list | tensor | scalar, ...)``: the pointwise choice made per
-    list position. A lone tensor argument (a scalar tensor) is replicated."""
+    """``_foreach_op(list, list | tensor | scalar, ...)`` and the fused optimizer steps: the
+    pointwise choice made per list position (an in-place op keeps its first list's
+    placements). A lone tensor argument (a scalar tensor, a tensor learning rate) is
+    replicated."""
     lists = [a for a in list(call.args) + list(call.kwargs.values()) if isinstance(a, (list, tuple))
              and a and all(isinstance(x, DTensorSpec) for x in a)]
     n = len(lists[0])
@@ -78,6 +90,8 @@ def _register_foreach() -> None:
 
 
 _FOREACH_NOT_POINTWISE = {"_foreach_norm", "_foreach_max", "_foreach_mm", "_foreach_powsum"}
+# torch's fused optimizer kernels (``fused=True``): in place on lists of same-shaped tensors
+_FUSED = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}
 
 
 def _choose(func, specs, out_shape, mesh_ndim: int):
@@ -141,3 +155,4 @@ def _cost(specs, m: int, targets) -> float:
 
 
 _register_foreach()
+register(*(getattr(aten, name) for name in sorted(_FUSED) if hasattr(aten, name)))(_foreach_rule)
