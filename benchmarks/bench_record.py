@@ -91,13 +91,14 @@ def placements(lib, text: str):
 
 
 def reference(full: torch.Tensor, mesh_shape, coord, text: str) -> torch.Tensor:
-    """This rank's local tensor of ``full`` under ``text`` (torch.chunk layout, nested)."""
+    """This rank's local tensor of ``full`` under ``text`` (torch.chunk layout, nested),
+    contiguous like a shard from ``distribute_tensor`` (and like the mpi4py column's input)."""
     local = full
     for size, c, p in zip(mesh_shape, coord, text.split(",")):
         if p.startswith("S"):
             chunks = local.chunk(size, int(p[1]))
             local = chunks[c] if c < len(chunks) else local.narrow(int(p[1]), 0, 0)
-    return local
+    return local.contiguous()
 
 
 def chunk_sizes(total: int, n: int) -> list[int]:

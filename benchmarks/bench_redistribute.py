@@ -6,9 +6,20 @@ Each rank holds about ``--mib`` MiB of float32 (its shard, or its whole
 Partial/Replicate tensor). A time is the median over ``--reps`` repetitions,
 after warm-up, of the slowest rank, with a barrier before each repetition.
 ratio = mpidtensor / mpi4py. A column that cannot run here prints "-".
+
+    mpiexec -n 2 python benchmarks/bench_redistribute.py --overhead [--calls 2000]
+
+instead times, per communicating 1-D transition of the benchmark of record at 4 KiB per
+rank (even and uneven shards, ``bench_record``'s cases, each checked first), the public
+``x.redistribute(mesh, placements).to_local()`` against the same bare mpi4py call as the
+record's, interleaved in batches of 20 calls after a barrier: the median and the minimum
+over batches (at least ``--calls`` calls each) of the slowest rank, and their difference,
+µs above bare (issue 17's target: within 15 µs with one rank per core).
 """
 import argparse
+import os
 import statistics
+import time
 
 import numpy as np
 import torch
@@ -61,11 +72,48 @@ def init_gloo():
         return None
 
 
+def overhead(calls: int, nbytes: int = 4 << 10, batch: int = 20) -> None:
+    """The public path's µs above the bare collective per transition (see the module doc)."""
+    import bench_record as record  # it imports this module: import it here, not at the top
+
+    import mpidtensor as md
+
+    mesh = {(n,): md.init_device_mesh("cpu", (n,))}
+    mpi, load, rows = record.Mpi4py(), os.getloadavg()[0], []
+    for uneven in (False, True):
+        cache = {}
+        for case in record.one_d_cases(nbytes, uneven):
+            if not record.communicates(case.name):
+                continue
+            fns = record.check_case(case, mesh, None, mpi, cache)
+            fns = {"md": fns["mpidtensor"], "bare": fns["mpi4py"]}
+            samples = {k: [] for k in fns}
+            for _ in range(-(-calls // batch)):
+                for k, fn in fns.items():
+                    world.Barrier()
+                    start = time.perf_counter()
+                    for _ in range(batch):
+                        fn()
+                    samples[k].append((time.perf_counter() - start) / batch * 1e6)
+            rows.append([case.name, "uneven" if uneven else "even"] + [
+                world.allreduce(stat(samples[k]), op=MPI.MAX) for stat in (statistics.median, min) for k in fns])
+    if rank == 0:
+        print(f"\n{n} ranks, {nbytes} B of float32 per rank, {calls} calls per figure in batches of {batch}, "
+              f"load average {load:.2f} -> {os.getloadavg()[0]:.2f}; µs per call, slowest rank")
+        header = ["transition", "shards", "md median", "bare median", "above", "md min", "bare min", "above (min)"]
+        text_table.print_table(header, [[name, shards, f"{a:.1f}", f"{b:.1f}", f"{a - b:.1f}", f"{c:.1f}", f"{d:.1f}",
+                                         f"{c - d:.1f}"] for name, shards, a, b, c, d in rows])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=4.0, help="MiB of float32 per rank")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--overhead", action="store_true", help="4 KiB: the public path's µs above the bare call")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per figure with --overhead")
     args = parser.parse_args()
+    if args.overhead:
+        return overhead(args.calls)
 
     # An L x L float32 block per rank, L a multiple of the world size so that
     # every split is even and the mpi4py calls need no counts.

@@ -27,51 +27,88 @@ from .placements import Partial, Placement, Replicate, Shard
 from .spec import DTensorSpec
 
 
+class _Collective:
+    """A step that is one collective. Its first run on a plain tensor prepares the collective
+    for that tensor's shape and dtype on the mesh's communicator
+    (:class:`collectives.Prepared`: checks, algorithm, counts and datatypes decided once)
+    and keeps it on the step, which a plan holds: later runs go straight to MPI.
+    ``inplace``: the caller owns ``t`` and no longer needs it (an all-reduce may reuse it)."""
+
+    def run(self, t, mesh, inplace=False):
+        kept = self.__dict__.get("_kept")
+        if kept is not None:
+            entry = kept.get(inplace)
+            if entry is not None and entry[0] is mesh:
+                return entry[1](t)
+        comm = mesh.comm_for(self.mesh_dims)
+        if type(t) is not torch.Tensor:  # e.g. traced by torch.compile: nothing to keep
+            return self.collective(t, comm, inplace)
+        if kept is None:
+            kept = {}
+            object.__setattr__(self, "_kept", kept)  # not a field: equality and hash ignore it
+        prepared = self.prepare(t.shape, t.dtype, comm, inplace)
+        kept[inplace] = (mesh, prepared)
+        return prepared(t)
+
+
 @dataclass(frozen=True)
-class AllGather:
+class AllGather(_Collective):
     mesh_dims: tuple[int, ...]
     dim: int
     sizes: tuple[int, ...]
     block: int  # length along `dim` of the block gathered (for merging)
     parts: tuple[int, ...]  # mesh sizes of `mesh_dims` (for merging)
 
-    def run(self, t, mesh):
-        return collectives.all_gather(t, mesh.comm_for(self.mesh_dims), dim=self.dim, sizes=self.sizes)
+    def prepare(self, shape, dtype, comm, inplace):
+        return collectives.prepare_all_gather(shape, dtype, comm, dim=self.dim, sizes=self.sizes)
+
+    def collective(self, t, comm, inplace):
+        return collectives.all_gather(t, comm, dim=self.dim, sizes=self.sizes)
 
 
 @dataclass(frozen=True)
-class AllToAll:
+class AllToAll(_Collective):
     mesh_dims: tuple[int, ...]
     split_dim: int
     concat_dim: int
     split_sizes: tuple[int, ...]
     concat_sizes: tuple[int, ...]
 
-    def run(self, t, mesh):
-        return collectives.all_to_all(
-            t, mesh.comm_for(self.mesh_dims), split_dim=self.split_dim, concat_dim=self.concat_dim,
-            split_sizes=self.split_sizes, concat_sizes=self.concat_sizes,
-        )
+    def prepare(self, shape, dtype, comm, inplace):
+        return collectives.prepare_all_to_all(shape, dtype, comm, **self._args())
+
+    def collective(self, t, comm, inplace):
+        return collectives.all_to_all(t, comm, **self._args())
+
+    def _args(self) -> dict:
+        return dict(split_dim=self.split_dim, concat_dim=self.concat_dim, split_sizes=self.split_sizes,
+                    concat_sizes=self.concat_sizes)
 
 
 @dataclass(frozen=True)
-class AllReduce:
+class AllReduce(_Collective):
     mesh_dims: tuple[int, ...]
     op: str
 
-    def run(self, t, mesh, inplace=False):
-        return collectives.all_reduce(t, mesh.comm_for(self.mesh_dims), self.op, inplace=inplace)
+    def prepare(self, shape, dtype, comm, inplace):
+        return collectives.prepare_all_reduce(shape, dtype, comm, self.op, inplace=inplace)
+
+    def collective(self, t, comm, inplace):
+        return collectives.all_reduce(t, comm, self.op, inplace=inplace)
 
 
 @dataclass(frozen=True)
-class ReduceScatter:
+class ReduceScatter(_Collective):
     mesh_dims: tuple[int, ...]
     op: str
     dim: int
     sizes: tuple[int, ...]
 
-    def run(self, t, mesh):
-        return collectives.reduce_scatter(t, mesh.comm_for(self.mesh_dims), self.op, dim=self.dim, sizes=self.sizes)
+    def prepare(self, shape, dtype, comm, inplace):
+        return collectives.prepare_reduce_scatter(shape, dtype, comm, self.op, dim=self.dim, sizes=self.sizes)
+
+    def collective(self, t, comm, inplace):
+        return collectives.reduce_scatter(t, comm, self.op, dim=self.dim, sizes=self.sizes)
 
 
 @dataclass(frozen=True)
@@ -157,12 +194,16 @@ _MAKES_BUFFER = (AllGather, AllToAll, AllReduce, ReduceScatter)  # steps whose r
 
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
     """This rank's local tensor of ``dst`` from its local tensor ``local`` of ``src``."""
+    steps = _PLANS.get((src, dst)) or plan(src, dst)
+    mesh = src.mesh
+    if len(steps) == 1:  # the common case: one collective on the caller's tensor
+        return steps[0].run(local, mesh)
     made = False  # whether ``local`` is a buffer an earlier step made, seen by nobody else
-    for step in plan(src, dst):
+    for step in steps:
         if made and type(step) is AllReduce:
-            local = step.run(local, src.mesh, inplace=True)  # MPI_IN_PLACE on our own buffer
+            local = step.run(local, mesh, inplace=True)  # MPI_IN_PLACE on our own buffer
         else:
-            local = step.run(local, src.mesh)
+            local = step.run(local, mesh)
         made = isinstance(step, _MAKES_BUFFER)
     return local
 

@@ -194,13 +194,13 @@ def test_2d_all_reduce_of_a_gathered_buffer_is_in_place(mesh2d, monkeypatch):
     kept = local.clone()
     d = DTensor.from_local(local, mesh2d, [Partial(), Shard(0)], shape=(8, 6), stride=(6, 1))
     calls = []
-    real = collectives.all_reduce
+    real = collectives._all_reduce  # the MPI call of all_reduce and of its prepared form
 
-    def spy(t, comm, op="sum", *, inplace=False):
+    def spy(send, comm, datatype, mpi_op, op, inplace):
         calls.append(inplace)
-        return real(t, comm, op, inplace=inplace)
+        return real(send, comm, datatype, mpi_op, op, inplace)
 
-    monkeypatch.setattr(collectives, "all_reduce", spy)
+    monkeypatch.setattr(collectives, "_all_reduce", spy)
     out = d.redistribute(mesh2d, [Replicate(), Replicate()]).to_local()
     assert_close(out, parts[0] + parts[1])
     assert_all_ranks(torch.equal(local, kept) and calls == [True], f"input changed or calls {calls}")

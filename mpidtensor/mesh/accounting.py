@@ -61,11 +61,11 @@ def pool_handed_out(nbytes: int) -> None:
     update_peaks()
 
 
-def pool_reused(nbytes: int) -> None:
-    """A handed-out pool buffer of ``nbytes`` came back and went out again: a free and an
-    allocation, the current figure unchanged."""
-    counts["allocated"] += 1
-    counts["freed"] += 1
+def pool_reused(nbytes: int, times: int = 1) -> None:
+    """Handed-out pool buffers of ``nbytes`` in all came back and went out again ``times``
+    times: as many frees and allocations, the current figure unchanged."""
+    counts["allocated"] += times
+    counts["freed"] += times
     counts["allocated_bytes"] += nbytes
     counts["freed_bytes"] += nbytes
 

@@ -11,6 +11,10 @@ dimension pack into, or unpack from, rank-ordered pieces with one local copy: a
 datatype for one index along such a dimension has to be traversed column-wise,
 which is far slower for small trailing dimensions.
 
+``prepare_*`` bind a collective to a communicator and an input signature (``Prepared``):
+redistribution plans keep them, so that a repeated small redistribution pays for its
+checks, choices and datatypes once.
+
 Every collective reports itself to ``tracing.record``. Argument errors are raised
 before any communication; under ``MPIDTENSOR_DEBUG=1`` the ranks first agree on the
 collective and its arguments (``guard``), and with ``MPIDTENSOR_TIMEOUT`` set each
@@ -24,10 +28,11 @@ the collectives that would exceed it run in rounds of at most ``MAX_COUNT`` elem
 """
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 from itertools import accumulate
 from math import prod
-from typing import Literal, NamedTuple, Sequence
+from typing import Callable, Hashable, Literal, NamedTuple, Sequence
 
 import torch
 from mpi4py import MPI
@@ -51,6 +56,11 @@ _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAN
 ALLTOALL_PACKED_MIN: tuple[tuple[int, int], ...] = collective_thresholds()["alltoall_packed"]
 ALLGATHER_PADDED_MIN: tuple[tuple[int, int], ...] = collective_thresholds()["allgather_padded"]
 
+# GATHER_TYPED_MAX: an even all-gather along a later dim of at most this many bytes per rank
+# receives each piece in place through a resized vector datatype, not back to back and then
+# interleaved by a copy (measured with MPICH: docs/performance.md, "Collective choices").
+GATHER_TYPED_MAX: int = 8 << 10
+
 # The most elements one count or displacement of one MPI call may hold (None: no limit).
 MAX_COUNT: int | None = None if MPI.Get_version() >= (4, 0) else 2**31 - 1
 
@@ -63,8 +73,10 @@ class _Gather(NamedTuple):
 
     dim: int
     counts: tuple[int, ...]  # elements of each rank's piece
+    offsets: tuple[int, ...]  # where each piece starts in the pieces back to back
     datatype: MPI.Datatype
-    mode: str  # "even" (Allgather), "padded" (Allgather of padded pieces), "v" (Allgatherv), "rounds"
+    mode: str  # "even" (Allgather), "typed" (Allgather into a vector type), "padded" (Allgather of
+    # padded pieces), "v" (Allgatherv), "rounds"
     width: int  # elements of a padded piece
     shape: tuple[int, ...]  # the result's
     runs: bool  # the pieces are contiguous runs of the result: no concatenation
@@ -83,6 +95,8 @@ def _gather_layout(shape: torch.Size, dtype: torch.dtype, dim: int, sizes: tuple
     counts = tuple(_counts(shape, dim, sizes))
     if MAX_COUNT is not None and sum(counts) > MAX_COUNT:
         mode = "rounds"
+    elif len(set(counts)) == 1 and prod(shape[:dim]) > 1 and 0 < counts[0] * dtype.itemsize <= GATHER_TYPED_MAX:
+        mode = "typed"
     elif len(set(counts)) == 1:
         mode = "even"  # MPICH's Allgather is ~3x faster than its Allgatherv here
     elif (_beyond(ALLGATHER_PADDED_MIN, size, sum(counts) * dtype.itemsize)
@@ -91,7 +105,8 @@ def _gather_layout(shape: torch.Size, dtype: torch.dtype, dim: int, sizes: tuple
     else:
         mode = "v"
     rows = prod(shape[:dim])
-    return _Gather(dim, counts, mpi_type(dtype), mode, max(counts), _resized(shape, dim, sum(sizes)),
+    return _Gather(dim, counts, tuple(_offsets(counts)), mpi_type(dtype), mode, max(counts),
+                   _resized(shape, dim, sum(sizes)),
                    mode != "padded" and rows == 1, rows, tuple(c // rows if rows else 0 for c in counts))
 
 
@@ -108,33 +123,57 @@ def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, *, dim: int, sizes: Se
     lay = _gather_layout(tensor.shape, tensor.dtype, dim, sizes, comm.size, comm.rank, _limits())
     send = stage(tensor)
     tracing.record("all_gather", send.nbytes)
-    mode, datatype = lay.mode, lay.datatype
-    if mode == "padded":
-        staged = empty((lay.width,), tensor)
-        staged[:send.numel()] = send.view(-1)
-        flat = empty((lay.width * comm.size,), tensor)
-    elif lay.runs and mode != "rounds":
-        flat = empty(lay.shape, tensor)  # received straight into the result
-    else:
-        flat = empty((sum(lay.counts),), tensor)  # the pieces back to back, in rank order
-    if watchdog.ENABLED:
-        watchdog.enter("all_gather", comm, {"dtype": tensor.dtype, "counts": list(lay.counts)})
+    _enter("all_gather", comm, tensor.dtype, list(lay.counts))
     try:
-        if mode == "even":
-            comm.Allgather([as_buffer(send), lay.counts[0], datatype], [as_buffer(flat), lay.counts[0], datatype])
-        elif mode == "padded":
-            comm.Allgather([as_buffer(staged), lay.width, datatype], [as_buffer(flat), lay.width, datatype])
-        elif mode == "v":
-            comm.Allgatherv([as_buffer(send), send.numel(), datatype],
-                            [as_buffer(flat), (lay.counts, _offsets(lay.counts)), datatype])
-        else:
-            _all_gather_rounds(send.view(-1), flat, lay.counts, comm, datatype)
+        out = _gather(lay, send, comm)
     finally:
-        if watchdog.ENABLED:
-            watchdog.leave()
+        _leave()
+    return unstage(out, tensor)
+
+
+def _gather(lay: _Gather, send: torch.Tensor, comm: MPI.Intracomm) -> torch.Tensor:
+    """The all-gather of ``lay`` of the staged ``send``: MPI, then the interleaving copy if any."""
+    mode, datatype = lay.mode, lay.datatype
+    if mode == "even" and lay.runs:  # the common case first: received straight into the result
+        out = empty(lay.shape, send)
+        comm.Allgather([as_buffer(send), lay.counts[0], datatype], [as_buffer(out), lay.counts[0], datatype])
+        return out
+    if mode == "typed":  # piece r lands as rows of columns[r] elements, ``r`` pieces in
+        out = empty(lay.shape, send)
+        columns, width = lay.columns[0], prod(lay.shape[lay.dim:])
+        pieces = derived(("columns", send.dtype, lay.rows, columns, width),
+                         lambda: _column_blocks(datatype, lay.rows, columns, width))
+        comm.Allgather([as_buffer(send), lay.counts[0], datatype], [as_buffer(out), 1, pieces])
+        return out
+    if mode == "padded":
+        staged = empty((lay.width,), send)
+        staged[:send.numel()] = send.view(-1)
+        flat = empty((lay.width * comm.size,), send)
+    elif lay.runs and mode != "rounds":
+        flat = empty(lay.shape, send)  # received straight into the result
+    else:
+        flat = empty((sum(lay.counts),), send)  # the pieces back to back, in rank order
+    if mode == "even":
+        comm.Allgather([as_buffer(send), lay.counts[0], datatype], [as_buffer(flat), lay.counts[0], datatype])
+    elif mode == "padded":
+        comm.Allgather([as_buffer(staged), lay.width, datatype], [as_buffer(flat), lay.width, datatype])
+    elif mode == "v":
+        comm.Allgatherv([as_buffer(send), send.numel(), datatype],
+                        [as_buffer(flat), (lay.counts, lay.offsets), datatype])
+    else:
+        _all_gather_rounds(send.view(-1), flat, lay.counts, comm, datatype)
     if lay.runs:
-        return unstage(flat.view(lay.shape) if mode == "rounds" else flat, tensor)
-    return unstage(_interleave(flat, lay, comm.size, tensor), tensor)
+        return flat.view(lay.shape) if mode == "rounds" else flat
+    return _interleave(flat, lay, comm.size, send)
+
+
+def _column_blocks(datatype: MPI.Datatype, rows: int, columns: int, width: int) -> MPI.Datatype:
+    """``rows`` runs of ``columns`` elements ``width`` apart, its extent one run: piece r of an
+    all-gather then starts ``r`` runs in (uncommitted; the caller commits)."""
+    vector = datatype.Create_vector(rows, columns, width)
+    resized = vector.Create_resized(0, columns * datatype.Get_extent()[1])
+    vector.Free()
+    return resized
 
 
 def _interleave(flat: torch.Tensor, lay: _Gather, size: int, like: torch.Tensor) -> torch.Tensor:
@@ -183,16 +222,15 @@ def all_to_all(
         _limits())
     send = stage(tensor)
     tracing.record("all_to_all", send.nbytes)
-    if watchdog.ENABLED:
-        watchdog.enter("all_to_all", comm, {"dtype": tensor.dtype, "counts": list(split_sizes)})
+    _enter("all_to_all", comm, tensor.dtype, list(split_sizes))
     try:
         if packed:
             out = _all_to_all_packed(send, comm, split_dim, concat_dim, split_sizes, concat_sizes, shape)
         else:
-            out = _all_to_all_typed(send, comm, split_dim, concat_dim, split_sizes, concat_sizes, shape)
+            out = _all_to_all_typed(send, comm, shape, _blocks(send.shape, send.dtype, split_dim, split_sizes, derived),
+                                    _blocks(shape, send.dtype, concat_dim, concat_sizes, derived))
     finally:
-        if watchdog.ENABLED:
-            watchdog.leave()
+        _leave()
     return unstage(out, tensor)
 
 
@@ -220,14 +258,10 @@ def _all_to_all_layout(shape: torch.Size, itemsize: int, split_dim: int, concat_
     return split_dim, concat_dim, result, fits and _beyond(ALLTOALL_PACKED_MIN, size, total)
 
 
-def _all_to_all_typed(send, comm, split_dim, concat_dim, split_sizes, concat_sizes, shape) -> torch.Tensor:
-    """One ``Alltoallw`` with a subarray datatype per piece: no local copies."""
+def _all_to_all_typed(send, comm, shape, send_blocks, recv_blocks) -> torch.Tensor:
+    """One ``Alltoallw`` with a subarray datatype per piece (``_blocks``): no local copies."""
     out = empty(shape, send)
-    zeros = [0] * comm.size
-    send_counts, send_types = _blocks(send, split_dim, split_sizes)
-    recv_counts, recv_types = _blocks(out, concat_dim, concat_sizes)
-    comm.Alltoallw([as_buffer(send), (send_counts, zeros), send_types],
-                   [as_buffer(out), (recv_counts, zeros), recv_types])
+    comm.Alltoallw([as_buffer(send), *send_blocks], [as_buffer(out), *recv_blocks])
     return out
 
 
@@ -266,23 +300,33 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum", 
     dtype, mpi_op = _reduction(tensor.dtype, op)
     send = stage(tensor, dtype)
     tracing.record("all_reduce", send.nbytes)
-    datatype = mpi_type(dtype)
-    numel = send.numel()
-    out = send if inplace and send.data_ptr() == tensor.data_ptr() else empty(send.shape, tensor, dtype)
-    if watchdog.ENABLED:
-        watchdog.enter("all_reduce", comm, {"dtype": dtype, "counts": [numel]})
+    _enter("all_reduce", comm, dtype, [send.numel()])
     try:
+        out = _all_reduce(send, comm, mpi_type(dtype), mpi_op, op, inplace and send.data_ptr() == tensor.data_ptr())
+    finally:
+        _leave()
+    return unstage(out, tensor)
+
+
+def _all_reduce(send: torch.Tensor, comm: MPI.Intracomm, datatype: MPI.Datatype, mpi_op: MPI.Op, op: str,
+                inplace: bool) -> torch.Tensor:
+    """The all-reduce of the staged ``send``: into ``send`` itself (``MPI_IN_PLACE``) or a new buffer."""
+    out = send if inplace else empty(send.shape, send)
+    numel = send.numel()
+    if MAX_COUNT is None or numel <= MAX_COUNT:  # the common case: one call
+        if inplace:
+            comm.Allreduce(MPI.IN_PLACE, [as_buffer(out), numel, datatype], mpi_op)
+        else:
+            comm.Allreduce([as_buffer(send), numel, datatype], [as_buffer(out), numel, datatype], mpi_op)
+    else:
         for start, n in _spans(numel):
-            if out is send:
+            if inplace:
                 comm.Allreduce(MPI.IN_PLACE, [_span(out, start, n), n, datatype], mpi_op)
             else:
                 comm.Allreduce([_span(send, start, n), n, datatype], [_span(out, start, n), n, datatype], mpi_op)
-    finally:
-        if watchdog.ENABLED:
-            watchdog.leave()
     if op == "avg":
         out /= comm.size
-    return unstage(out, tensor)
+    return out
 
 
 def reduce_scatter(
@@ -300,24 +344,29 @@ def reduce_scatter(
     dim, dtype, mpi_op, datatype, counts, out_shape = _reduce_scatter_layout(
         tensor.shape, tensor.dtype, op, dim, sizes, comm.size, comm.rank)
     send = stage(tensor.movedim(dim, 0) if dim else tensor, dtype)  # MPI splits memory in order: ``dim`` must lead
-    out = empty(out_shape, tensor, dtype)
     tracing.record("reduce_scatter", send.nbytes)
-    if watchdog.ENABLED:
-        watchdog.enter("reduce_scatter", comm, {"dtype": dtype, "counts": counts})
+    _enter("reduce_scatter", comm, dtype, counts)
     try:
-        if MAX_COUNT is not None and send.numel() > MAX_COUNT:
-            _reduce_scatter_rounds(send.view(-1), out.view(-1), counts, comm, datatype, mpi_op)
-        else:
-            comm.Reduce_scatter([as_buffer(send), send.numel(), datatype],
-                                [as_buffer(out), counts[comm.rank], datatype], counts, mpi_op)
+        out = _reduce_scatter(send, comm, datatype, mpi_op, op, counts, out_shape)
     finally:
-        if watchdog.ENABLED:
-            watchdog.leave()
-    if op == "avg":
-        out /= comm.size
+        _leave()
     if dim:
         out = out.movedim(0, dim).contiguous()  # a copy
     return unstage(out, tensor)
+
+
+def _reduce_scatter(send: torch.Tensor, comm: MPI.Intracomm, datatype: MPI.Datatype, mpi_op: MPI.Op, op: str,
+                    counts: list[int], out_shape: tuple[int, ...]) -> torch.Tensor:
+    """The reduce-scatter of the staged ``send`` (its scattered dim leading) into a new buffer."""
+    out = empty(out_shape, send)
+    if MAX_COUNT is not None and send.numel() > MAX_COUNT:
+        _reduce_scatter_rounds(send.view(-1), out.view(-1), counts, comm, datatype, mpi_op)
+    else:
+        comm.Reduce_scatter([as_buffer(send), send.numel(), datatype],
+                            [as_buffer(out), counts[comm.rank], datatype], counts, mpi_op)
+    if op == "avg":
+        out /= comm.size
+    return out
 
 
 @lru_cache(maxsize=1024)
@@ -378,9 +427,111 @@ def scatter(tensor: torch.Tensor, comm: MPI.Intracomm, root: int, *, dim: int, s
     return unstage(out, tensor)
 
 
+# --- prepared collectives: a signature's checks and choices made once -----------------------
+
+class Prepared:
+    """One collective bound to a communicator and an input signature (shape and dtype),
+    its arguments checked and its algorithm, counts and datatypes chosen when made.
+
+    Calling it on a host tensor of that signature goes straight to MPI (after a contiguous
+    copy if it is not C-contiguous), with debug mode and the watchdog off and the thresholds
+    as they were; any other input, or those settings on, takes the general function (which
+    checks and stages as usual). Redistribution steps keep one per plan (docs/performance.md,
+    "Where the time goes at 4 KiB")."""
+
+    __slots__ = ("kind", "shape", "dtype", "nbytes", "limits", "fast", "general", "__weakref__")
+
+    def __init__(self, kind: str, shape: Sequence[int], dtype: torch.dtype,
+                 fast: Callable[[torch.Tensor], torch.Tensor] | None,
+                 general: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.kind, self.shape, self.dtype = kind, torch.Size(shape), dtype
+        self.nbytes = prod(shape) * dtype.itemsize
+        self.limits = _limits()
+        self.fast = fast  # None: this signature always takes the general function
+        self.general = general
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if (self.fast is not None and type(tensor) is torch.Tensor and tensor.dtype is self.dtype
+                and tensor.shape == self.shape and not tensor.is_cuda and not tensor.is_neg()
+                and not (self.dtype.is_complex and tensor.is_conj()) and not guard.ENABLED
+                and not watchdog.ENABLED
+                and (MAX_COUNT, ALLGATHER_PADDED_MIN, ALLTOALL_PACKED_MIN, GATHER_TYPED_MAX) == self.limits):
+            tracing.record(self.kind, self.nbytes)
+            return self.fast(tensor if tensor.is_contiguous() else tensor.contiguous())  # stage()'s work here
+        return self.general(tensor)
+
+
+def prepare_all_gather(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intracomm, *, dim: int,
+                       sizes: Sequence[int]) -> Prepared:
+    """:func:`all_gather` of tensors of ``shape`` and ``dtype`` on ``comm``, prepared."""
+    sizes = tuple(sizes)
+    lay = _gather_layout(torch.Size(shape), dtype, dim, sizes, comm.size, comm.rank, _limits())
+    return Prepared("all_gather", shape, dtype, lambda send: _gather(lay, send, comm),
+                    lambda t: all_gather(t, comm, dim=dim, sizes=sizes))
+
+
+def prepare_all_to_all(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intracomm, *, split_dim: int,
+                       concat_dim: int, split_sizes: Sequence[int], concat_sizes: Sequence[int]) -> Prepared:
+    """:func:`all_to_all` of tensors of ``shape`` and ``dtype`` on ``comm``, prepared: on the
+    ``Alltoallw`` path with datatypes of its own, freed with it."""
+    split_sizes, concat_sizes = tuple(split_sizes), tuple(concat_sizes)
+    split_dim, concat_dim, out_shape, packed = _all_to_all_layout(
+        torch.Size(shape), dtype.itemsize, split_dim, concat_dim, split_sizes, concat_sizes, comm.size, comm.rank,
+        _limits())
+
+    def general(t):
+        return all_to_all(t, comm, split_dim=split_dim, concat_dim=concat_dim, split_sizes=split_sizes,
+                          concat_sizes=concat_sizes)
+    if packed:
+        return Prepared("all_to_all", shape, dtype, lambda send: _all_to_all_packed(
+            send, comm, split_dim, concat_dim, split_sizes, concat_sizes, out_shape), general)
+    owned: list[MPI.Datatype] = []
+
+    def own(key, make):
+        owned.append(make().Commit())
+        return owned[-1]
+    send_blocks = _blocks(shape, dtype, split_dim, split_sizes, own)
+    recv_blocks = _blocks(out_shape, dtype, concat_dim, concat_sizes, own)
+    prepared = Prepared("all_to_all", shape, dtype,
+                        lambda send: _all_to_all_typed(send, comm, out_shape, send_blocks, recv_blocks), general)
+    weakref.finalize(prepared, _free_types, owned)
+    return prepared
+
+
+def prepare_all_reduce(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intracomm, op: ReduceOp = "sum", *,
+                       inplace: bool = False) -> Prepared:
+    """:func:`all_reduce` of tensors of ``shape`` and ``dtype`` on ``comm``, prepared (``inplace``
+    as there: the caller owns every tensor it passes)."""
+    reduce_dtype, mpi_op = _reduction(dtype, op)
+    fast = None
+    if reduce_dtype == dtype:  # otherwise staging converts: the general function's work
+        fast = lambda send: _all_reduce(send, comm, mpi_type(dtype), mpi_op, op, inplace)  # noqa: E731
+    return Prepared("all_reduce", shape, dtype, fast, lambda t: all_reduce(t, comm, op, inplace=inplace))
+
+
+def prepare_reduce_scatter(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intracomm, op: ReduceOp, *,
+                           dim: int, sizes: Sequence[int]) -> Prepared:
+    """:func:`reduce_scatter` of tensors of ``shape`` and ``dtype`` on ``comm``, prepared."""
+    sizes = tuple(sizes)
+    dim, reduce_dtype, mpi_op, datatype, counts, out_shape = _reduce_scatter_layout(
+        torch.Size(shape), dtype, op, dim, sizes, comm.size, comm.rank)
+    fast = None
+    if dim == 0 and reduce_dtype == dtype:  # otherwise staging moves or converts
+        fast = lambda send: _reduce_scatter(send, comm, datatype, mpi_op, op, counts, out_shape)  # noqa: E731
+    return Prepared("reduce_scatter", shape, dtype, fast, lambda t: reduce_scatter(t, comm, op, dim=dim, sizes=sizes))
+
+
+def _free_types(types: list[MPI.Datatype]) -> None:
+    """Free a prepared collective's datatypes (nothing to free once MPI is finalized)."""
+    if not MPI.Is_finalized():
+        for datatype in types:
+            datatype.Free()
+
+
 def _limits() -> tuple:
-    """The module settings the cached layouts depend on (tests and tuning may change them)."""
-    return MAX_COUNT, ALLGATHER_PADDED_MIN, ALLTOALL_PACKED_MIN
+    """The module settings the cached layouts depend on (tests and tuning may change them;
+    ``Prepared.__call__`` compares them inline)."""
+    return MAX_COUNT, ALLGATHER_PADDED_MIN, ALLTOALL_PACKED_MIN, GATHER_TYPED_MAX
 
 
 def _beyond(thresholds: tuple[tuple[int, int], ...], size: int, total_bytes: int) -> bool:
@@ -498,25 +649,28 @@ def _reduction(dtype: torch.dtype, op: str) -> tuple[torch.dtype, MPI.Op]:
     return (torch.complex64 if dtype.is_complex else torch.float32), _OPS[op]  # as torch accumulates
 
 
-def _blocks(tensor: torch.Tensor, dim: int, sizes: Sequence[int]) -> tuple[list[int], list[MPI.Datatype]]:
-    """Alltoallw counts and datatypes of ``tensor``'s pieces along ``dim``, one per rank.
+def _blocks(shape: Sequence[int], dtype: torch.dtype, dim: int, sizes: Sequence[int],
+            types: Callable[[Hashable, Callable[[], MPI.Datatype]], MPI.Datatype]) -> tuple:
+    """Alltoallw ``((counts, displacements), datatypes)`` of a C-contiguous tensor's pieces
+    along ``dim``, one per rank; ``types(key, make)`` gives each committed datatype (the
+    ``derived`` cache, or a prepared collective's own).
 
     Each piece is a subarray located by its start, so displacements stay 0 and no count
     or offset can overflow a C int; an empty piece goes as count 0 (subarrays cannot be empty).
     """
-    shape = tuple(tensor.shape)
-    counts, types = [], []
+    shape = tuple(shape)
+    counts, datatypes = [], []
     for start, size in zip(_offsets(sizes), sizes):
         piece = _resized(shape, dim, size)
         if not prod(piece):
             counts.append(0)
-            types.append(mpi_type(tensor.dtype))
+            datatypes.append(mpi_type(dtype))
             continue
         starts = _resized((0,) * len(shape), dim, start)
         counts.append(1)
-        types.append(derived(("block", tensor.dtype, shape, piece, starts),
-                             lambda: mpi_type(tensor.dtype).Create_subarray(shape, piece, starts)))
-    return counts, types
+        datatypes.append(types(("block", dtype, shape, piece, starts),
+                               lambda: mpi_type(dtype).Create_subarray(shape, piece, starts)))
+    return (counts, [0] * len(counts)), datatypes
 
 
 def _counts(shape: Sequence[int], dim: int, sizes: Sequence[int]) -> list[int]:

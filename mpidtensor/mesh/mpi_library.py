@@ -104,7 +104,9 @@ def describe() -> MPILibrary:
 # Alltoall and a padded Allgather at large sizes; Open MPI's do not.
 _NEVER = ()  # the irregular form at every size
 _COLLECTIVE_THRESHOLDS: dict[str, dict[str, tuple[tuple[int, int], ...]]] = {
-    "MPICH": {"alltoall_packed": ((4, 4 << 20),), "allgather_padded": ((2, 1 << 20), (4, 256 << 10))},
+    # alltoall_packed at 4 ranks from 256 KiB (was 4 MiB): S(0) -> S(1) against pack + Alltoall,
+    # 2026-12-02 (docs/performance.md, "Collective choices"): Alltoallw 1.5-2.2x at 256K, 3.0x at 1M.
+    "MPICH": {"alltoall_packed": ((4, 256 << 10),), "allgather_padded": ((2, 1 << 20), (4, 256 << 10))},
     "Open MPI": {"alltoall_packed": _NEVER, "allgather_padded": _NEVER},
 }
 

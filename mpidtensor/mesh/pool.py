@@ -22,7 +22,9 @@ The pool keeps at most ``PER_SIZE`` buffers of one size, ``MAX_SIZES`` sizes and
 the least recently used idle sizes first; a request it cannot pool gets a fresh
 buffer, freed as usual. Hand-outs and returns are reported to :mod:`mesh.accounting`
 as allocations and frees; a buffer is known to be back when a scan or a request of
-its size sees it idle, so between scans the handed-out figure is an upper bound.
+its size sees it idle, so between scans the handed-out figure is an upper bound. A
+buffer handed out again is counted (a free and an allocation) and reported at the next
+scan, which every reading of the memory statistics starts with.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class BufferPool:
         self._bytes = 0  # all pooled buffers
         self._out_bytes = 0  # those handed out and not yet seen back
         self._lock = threading.Lock()  # a check and its hand-out must not interleave
+        self._reused = self._reused_bytes = 0  # buffers handed out again since the last scan
 
     @property
     def pooled_bytes(self) -> int:
@@ -81,8 +84,9 @@ class BufferPool:
                 self._sizes.move_to_end(key)
                 for buffer in buffers:
                     if _use_count(buffer.cdata) <= buffer.idle:
-                        if buffer.out:  # back since its last hand-out: a free and an allocation
-                            accounting.pool_reused(buffer.nbytes)
+                        if buffer.out:  # back since its last hand-out: a free and an allocation,
+                            self._reused += 1  # reported by the next scan (as cheap as can be:
+                            self._reused_bytes += buffer.nbytes  # 4 KiB collectives come here)
                         else:
                             self._hand_out(buffer)
                         return buffer.tensor.detach()
@@ -101,8 +105,12 @@ class BufferPool:
         return _storage_address(tensor) in self._addresses
 
     def scan(self) -> int:
-        """Mark the buffers nobody holds as back; the bytes still handed out (exact now)."""
+        """Mark the buffers nobody holds as back and report the reuses since the last scan to
+        :mod:`mesh.accounting`; the bytes still handed out (exact now)."""
         with self._lock:
+            if self._reused:
+                accounting.pool_reused(self._reused_bytes, self._reused)
+                self._reused = self._reused_bytes = 0
             for buffers in self._sizes.values():
                 for buffer in buffers:
                     if buffer.out and _use_count(buffer.cdata) <= buffer.idle:
