@@ -35,9 +35,11 @@ assert_equal = functools.partial(assert_close, rtol=0, atol=0)
 
 
 def sizes_of(kind: str) -> list[int]:
-    """Piece lengths per rank: equal, uneven with empty pieces, or all on the last rank."""
+    """Piece lengths per rank: equal, uneven with empty pieces, all on the last rank, or
+    torch.chunk's layout (full pieces, one short, then empty: a padded gather's prefix)."""
     return {"even": [2] * SIZE, "uneven": [(3, 0, 2, 1)[r % 4] for r in range(SIZE)],
-            "one_rank": [0] * (SIZE - 1) + [3]}[kind]
+            "one_rank": [0] * (SIZE - 1) + [3],
+            "tail": {1: [3], 2: [3, 1], 3: [3, 3, 1]}.get(SIZE, [3] * (SIZE - 2) + [1, 0])}[kind]
 
 
 def make(shape, dtype=torch.float32, seed: int = 1234) -> torch.Tensor:
@@ -97,7 +99,7 @@ def gather_method(request, monkeypatch):
 
 
 @pytest.mark.parametrize("lay", LAYOUTS)
-@pytest.mark.parametrize("kind", SIZE_KINDS)
+@pytest.mark.parametrize("kind", SIZE_KINDS + ["tail"])
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_all_gather(dim, kind, lay, gather_method):
     sizes = sizes_of(kind)

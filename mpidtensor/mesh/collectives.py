@@ -104,10 +104,12 @@ def _gather_layout(shape: torch.Size, dtype: torch.dtype, dim: int, sizes: tuple
         mode = "padded"  # as is its Allgather on padded pieces above the threshold
     else:
         mode = "v"
-    rows = prod(shape[:dim])
-    return _Gather(dim, counts, tuple(_offsets(counts)), mpi_type(dtype), mode, max(counts),
-                   _resized(shape, dim, sum(sizes)),
-                   mode != "padded" and rows == 1, rows, tuple(c // rows if rows else 0 for c in counts))
+    rows, offsets, width = prod(shape[:dim]), tuple(_offsets(counts)), max(counts)
+    # Padded pieces are runs of the result too when only the tail is padding (full pieces,
+    # one short, empty ones: torch.chunk's layout): piece r then starts at r * width.
+    runs = rows == 1 and (mode != "padded" or all(c == 0 or o == r * width for r, (c, o) in enumerate(zip(counts, offsets))))
+    return _Gather(dim, counts, offsets, mpi_type(dtype), mode, width, _resized(shape, dim, sum(sizes)),
+                   runs, rows, tuple(c // rows if rows else 0 for c in counts))
 
 
 def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, *, dim: int, sizes: Sequence[int]) -> torch.Tensor:
@@ -146,8 +148,10 @@ def _gather(lay: _Gather, send: torch.Tensor, comm: MPI.Intracomm) -> torch.Tens
         comm.Allgather([as_buffer(send), lay.counts[0], datatype], [as_buffer(out), 1, pieces])
         return out
     if mode == "padded":
-        staged = empty((lay.width,), send)
-        staged[:send.numel()] = send.view(-1)
+        staged = send  # a full piece is sent as it is; a short one is padded first
+        if send.numel() != lay.width:
+            staged = empty((lay.width,), send)
+            staged[:send.numel()] = send.view(-1)
         flat = empty((lay.width * comm.size,), send)
     elif lay.runs and mode != "rounds":
         flat = empty(lay.shape, send)  # received straight into the result
@@ -163,6 +167,8 @@ def _gather(lay: _Gather, send: torch.Tensor, comm: MPI.Intracomm) -> torch.Tens
     else:
         _all_gather_rounds(send.view(-1), flat, lay.counts, comm, datatype)
     if lay.runs:
+        if mode == "padded":  # the result is the padded pieces' prefix: no copy out
+            return flat[:sum(lay.counts)].view(lay.shape)
         return flat.view(lay.shape) if mode == "rounds" else flat
     return _interleave(flat, lay, comm.size, send)
 
