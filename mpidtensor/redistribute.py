@@ -194,7 +194,7 @@ _MAKES_BUFFER = (AllGather, AllToAll, AllReduce, ReduceScatter)  # steps whose r
 
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
     """This rank's local tensor of ``dst`` from its local tensor ``local`` of ``src``."""
-    steps = _PLANS.get((src, dst)) or plan(src, dst)
+    steps = plan(src, dst)
     mesh = src.mesh
     if len(steps) == 1:  # the common case: one collective on the caller's tensor
         return steps[0].run(local, mesh)

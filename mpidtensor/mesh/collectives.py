@@ -137,10 +137,6 @@ def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, *, dim: int, sizes: Se
 def _gather(lay: _Gather, send: torch.Tensor, comm: MPI.Intracomm) -> torch.Tensor:
     """The all-gather of ``lay`` of the staged ``send``: MPI, then the interleaving copy if any."""
     mode, datatype = lay.mode, lay.datatype
-    if mode == "even" and lay.runs:  # the common case first: received straight into the result
-        out = empty(lay.shape, send)
-        comm.Allgather([as_buffer(send), lay.counts[0], datatype], [as_buffer(out), lay.counts[0], datatype])
-        return out
     if mode == "typed":  # piece r lands as rows of columns[r] elements, ``r`` pieces in
         out = empty(lay.shape, send)
         columns, width = lay.columns[0], prod(lay.shape[lay.dim:])
@@ -440,9 +436,9 @@ class Prepared:
     """One collective bound to a communicator and an input signature (shape and dtype),
     its arguments checked and its algorithm, counts and datatypes chosen when made.
 
-    Calling it on a host tensor of that signature goes straight to MPI (after a contiguous
-    copy if it is not C-contiguous), with debug mode and the watchdog off and the thresholds
-    as they were; any other input, or those settings on, takes the general function (which
+    Calling it on a host tensor of that signature goes straight to MPI (after ``stage``: a
+    contiguous copy if it is not C-contiguous), with debug mode and the watchdog off and the
+    thresholds as they were; any other input, or those settings on, takes the general function (which
     checks and stages as usual). Redistribution steps keep one per plan (docs/performance.md,
     "Where the time goes at 4 KiB")."""
 
@@ -459,12 +455,11 @@ class Prepared:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         if (self.fast is not None and type(tensor) is torch.Tensor and tensor.dtype is self.dtype
-                and tensor.shape == self.shape and not tensor.is_cuda and not tensor.is_neg()
-                and not (self.dtype.is_complex and tensor.is_conj()) and not guard.ENABLED
+                and tensor.shape == self.shape and not tensor.is_cuda and not guard.ENABLED
                 and not watchdog.ENABLED
                 and (MAX_COUNT, ALLGATHER_PADDED_MIN, ALLTOALL_PACKED_MIN, GATHER_TYPED_MAX) == self.limits):
             tracing.record(self.kind, self.nbytes)
-            return self.fast(tensor if tensor.is_contiguous() else tensor.contiguous())  # stage()'s work here
+            return self.fast(stage(tensor))
         return self.general(tensor)
 
 
