@@ -22,13 +22,20 @@ from .mesh import buffers, launch, mpi_library, scheduling
 _RANK_ENV = ("SLURM_PROCID", "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES")
 
 
+def _allowed_cpus() -> frozenset[int]:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
+
+
 def _rank_row(comm: MPI.Intracomm) -> dict[str, str]:
     """This rank's placement. Collective (the node-local split)."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     local, per_node = node.rank, node.size
     node.Free()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = len(_allowed_cpus())
     row = {
         "rank": str(comm.rank),
         "host": socket.gethostname(),
@@ -99,11 +106,10 @@ def _table(rows: list[dict[str, str]]) -> list[str]:
 def report(comm: MPI.Intracomm | None = None, file: TextIO | None = sys.stdout) -> str:
     """The environment report, printed to ``file`` on rank 0 and returned on every rank. Collective."""
     comm = MPI.COMM_WORLD if comm is None else comm
-    rows = comm.gather(_rank_row(comm), root=0)
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    placement = comm.gather((frozenset(allowed), os.getsid(0)), root=0)
+    gathered = comm.gather((_rank_row(comm), (_allowed_cpus(), os.getsid(0))), root=0)
     text = None
     if comm.rank == 0:
+        rows, placement = [row for row, _ in gathered], [ranks for _, ranks in gathered]
         lib = mpi_library.describe()
         build = mpi_library.mpi4py_build()
         hosts = {}
