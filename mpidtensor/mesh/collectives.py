@@ -24,13 +24,12 @@ Large counts: mpi4py 4 calls MPI-4's large-count (``_c``) routines, so an MPI-4
 library takes element counts beyond 2**31 as they are. With an older MPI the counts
 and displacements of one call must fit in a C int: ``MAX_COUNT`` is then 2**31 - 1 and
 the collectives that would exceed it run in rounds of at most ``MAX_COUNT`` elements
-(all-to-all never needs to: its counts are 1 and its displacements 0).
+(``rounds``; all-to-all never needs to: its counts are 1 and its displacements 0).
 """
 from __future__ import annotations
 
 import weakref
 from functools import lru_cache
-from itertools import accumulate
 from math import prod
 from typing import Callable, Hashable, Literal, NamedTuple, Sequence
 
@@ -42,6 +41,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from . import guard, tracing, watchdog
 from .buffers import as_buffer, derived, empty, has_mpi_type, mpi_type, stage, unstage
 from .mpi_library import collective_thresholds
+from .rounds import all_gather_rounds, offsets, reduce_scatter_rounds, scatter_rounds, span, spans
 
 ReduceOp = Literal["sum", "avg", "min", "max", "product"]
 
@@ -104,12 +104,12 @@ def _gather_layout(shape: torch.Size, dtype: torch.dtype, dim: int, sizes: tuple
         mode = "padded"  # as is its Allgather on padded pieces above the threshold
     else:
         mode = "v"
-    rows, offsets, width = prod(shape[:dim]), tuple(_offsets(counts)), max(counts)
+    rows, starts, width = prod(shape[:dim]), tuple(offsets(counts)), max(counts)
     # Padded pieces are runs of the result too when only the tail is padding (full pieces,
     # one short, empty ones: torch.chunk's layout): piece r then starts at r * width.
-    tail_padded = all(c == 0 or o == r * width for r, (c, o) in enumerate(zip(counts, offsets)))
+    tail_padded = all(c == 0 or o == r * width for r, (c, o) in enumerate(zip(counts, starts)))
     runs = rows == 1 and (mode != "padded" or tail_padded)
-    return _Gather(dim, counts, offsets, mpi_type(dtype), mode, width, _resized(shape, dim, sum(sizes)),
+    return _Gather(dim, counts, starts, mpi_type(dtype), mode, width, _resized(shape, dim, sum(sizes)),
                    runs, rows, tuple(c // rows if rows else 0 for c in counts))
 
 
@@ -162,7 +162,7 @@ def _gather(lay: _Gather, send: torch.Tensor, comm: MPI.Intracomm) -> torch.Tens
         comm.Allgatherv([as_buffer(send), send.numel(), datatype],
                         [as_buffer(flat), (lay.counts, lay.offsets), datatype])
     else:
-        _all_gather_rounds(send.view(-1), flat, lay.counts, comm, datatype)
+        all_gather_rounds(send.view(-1), flat, lay.counts, comm, datatype, MAX_COUNT)
     if lay.runs:
         if mode == "padded":  # the result is the padded pieces' prefix: no copy out
             return flat[:sum(lay.counts)].view(lay.shape)
@@ -280,8 +280,8 @@ def _all_to_all_packed(send, comm, split_dim, concat_dim, split_sizes, concat_si
     if len(set(split_sizes)) == 1 and len(set(concat_sizes)) == 1:
         comm.Alltoall([as_buffer(flat_send), send_counts[0], datatype], [as_buffer(flat), recv_counts[0], datatype])
     else:
-        comm.Alltoallv([as_buffer(flat_send), (send_counts, _offsets(send_counts)), datatype],
-                       [as_buffer(flat), (recv_counts, _offsets(recv_counts)), datatype])
+        comm.Alltoallv([as_buffer(flat_send), (send_counts, offsets(send_counts)), datatype],
+                       [as_buffer(flat), (recv_counts, offsets(recv_counts)), datatype])
     if prod(shape[:concat_dim]) == 1:  # received pieces are contiguous runs of the result
         return flat.view(shape)
     pieces = [chunk.view(_resized(mine, concat_dim, size)) for chunk, size in zip(flat.split(recv_counts), concat_sizes)]
@@ -322,11 +322,11 @@ def _all_reduce(send: torch.Tensor, comm: MPI.Intracomm, datatype: MPI.Datatype,
         else:
             comm.Allreduce([as_buffer(send), numel, datatype], [as_buffer(out), numel, datatype], mpi_op)
     else:
-        for start, n in _spans(numel):
+        for start, n in spans(numel, MAX_COUNT):
             if inplace:
-                comm.Allreduce(MPI.IN_PLACE, [_span(out, start, n), n, datatype], mpi_op)
+                comm.Allreduce(MPI.IN_PLACE, [span(out, start, n), n, datatype], mpi_op)
             else:
-                comm.Allreduce([_span(send, start, n), n, datatype], [_span(out, start, n), n, datatype], mpi_op)
+                comm.Allreduce([span(send, start, n), n, datatype], [span(out, start, n), n, datatype], mpi_op)
     if op == "avg":
         out /= comm.size
     return out
@@ -363,7 +363,7 @@ def _reduce_scatter(send: torch.Tensor, comm: MPI.Intracomm, datatype: MPI.Datat
     """The reduce-scatter of the staged ``send`` (its scattered dim leading) into a new buffer."""
     out = empty(out_shape, send)
     if MAX_COUNT is not None and send.numel() > MAX_COUNT:
-        _reduce_scatter_rounds(send.view(-1), out.view(-1), counts, comm, datatype, mpi_op)
+        reduce_scatter_rounds(send.view(-1), out.view(-1), counts, comm, datatype, mpi_op, MAX_COUNT)
     else:
         comm.Reduce_scatter([as_buffer(send), send.numel(), datatype],
                             [as_buffer(out), counts[comm.rank], datatype], counts, mpi_op)
@@ -395,8 +395,8 @@ def broadcast(tensor: torch.Tensor, comm: MPI.Intracomm, root: int = 0) -> torch
     datatype = mpi_type(out.dtype)
     _enter("broadcast", comm, out.dtype, [out.numel()])
     try:
-        for start, n in _spans(out.numel()):
-            comm.Bcast([_span(out, start, n), n, datatype], root)
+        for start, n in spans(out.numel(), MAX_COUNT):
+            comm.Bcast([span(out, start, n), n, datatype], root)
     finally:
         _leave()
     return unstage(out, tensor)
@@ -421,9 +421,9 @@ def scatter(tensor: torch.Tensor, comm: MPI.Intracomm, root: int, *, dim: int, s
     _enter("scatter", comm, tensor.dtype, counts)
     try:
         if MAX_COUNT is not None and sum(counts) > MAX_COUNT:
-            _scatter_rounds(pieces, out.view(-1), counts, comm, root, datatype)
+            scatter_rounds(pieces, out.view(-1), counts, comm, root, datatype, MAX_COUNT)
         else:
-            send = None if pieces is None else [as_buffer(pieces), (counts, _offsets(counts)), datatype]
+            send = None if pieces is None else [as_buffer(pieces), (counts, offsets(counts)), datatype]
             comm.Scatterv(send, [as_buffer(out), out.numel(), datatype], root)
     finally:
         _leave()
@@ -568,60 +568,6 @@ def _leave() -> None:
         watchdog.leave()
 
 
-# --- rounds of at most MAX_COUNT elements (MPI libraries without large counts) -------------
-
-def _spans(total: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of consecutive rounds covering ``total`` elements (one if it fits)."""
-    if MAX_COUNT is None or total <= MAX_COUNT:
-        return [(0, total)]
-    return [(start, min(MAX_COUNT, total - start)) for start in range(0, total, MAX_COUNT)]
-
-
-def _span(tensor: torch.Tensor, start: int, n: int):
-    """A buffer over elements ``[start, start + n)`` of a C-contiguous tensor."""
-    if start == 0 and n == tensor.numel():
-        return as_buffer(tensor)
-    return as_buffer(tensor.view(-1)[start:start + n])
-
-
-def _round_parts(counts: Sequence[int], size: int) -> list[tuple[int, list[int]]]:
-    """Rounds over rank-ordered pieces of ``counts`` elements: ``(offset in each piece,
-    elements of each piece)``, with at most ``MAX_COUNT`` elements per round in all."""
-    width = max(1, MAX_COUNT // size)
-    return [(start, [min(max(c - start, 0), width) for c in counts]) for start in range(0, max(counts), width)]
-
-
-def _all_gather_rounds(send: torch.Tensor, flat: torch.Tensor, counts, comm, datatype) -> None:
-    offsets = _offsets(counts)
-    for start, part in _round_parts(counts, comm.size):
-        got = flat.new_empty(sum(part))
-        mine = part[comm.rank]
-        comm.Allgatherv([_span(send, start, mine), mine, datatype],
-                        [as_buffer(got), (part, _offsets(part)), datatype])
-        for offset, piece in zip(offsets, got.split(part)):
-            flat[offset + start:offset + start + len(piece)] = piece
-
-
-def _reduce_scatter_rounds(send: torch.Tensor, out: torch.Tensor, counts, comm, datatype, mpi_op) -> None:
-    offsets = _offsets(counts)
-    for start, part in _round_parts(counts, comm.size):
-        packed = torch.cat([send[o + start:o + start + n] for o, n in zip(offsets, part)])
-        mine = part[comm.rank]
-        comm.Reduce_scatter([as_buffer(packed), len(packed), datatype],
-                            [_span(out, start, mine), mine, datatype], part, mpi_op)
-
-
-def _scatter_rounds(pieces: torch.Tensor | None, out: torch.Tensor, counts, comm, root, datatype) -> None:
-    offsets = _offsets(counts)
-    for start, part in _round_parts(counts, comm.size):
-        send = None
-        if pieces is not None:
-            packed = torch.cat([pieces[o + start:o + start + n] for o, n in zip(offsets, part)])
-            send = [as_buffer(packed), (part, _offsets(part)), datatype]
-        mine = part[comm.rank]
-        comm.Scatterv(send, [_span(out, start, mine), mine, datatype], root)
-
-
 # --- layout helpers ---------------------------------------------------------------------------
 
 def _pieces_in_rank_order(tensor: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
@@ -667,7 +613,7 @@ def _blocks(shape: Sequence[int], dtype: torch.dtype, dim: int, sizes: Sequence[
     """
     shape = tuple(shape)
     counts, datatypes = [], []
-    for start, size in zip(_offsets(sizes), sizes):
+    for start, size in zip(offsets(sizes), sizes):
         piece = _resized(shape, dim, size)
         if not prod(piece):
             counts.append(0)
@@ -684,10 +630,6 @@ def _counts(shape: Sequence[int], dim: int, sizes: Sequence[int]) -> list[int]:
     """Elements in each piece of ``sizes[r]`` indices along ``dim``."""
     per_index = prod(_resized(shape, dim, 1))
     return [size * per_index for size in sizes]
-
-
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    return list(accumulate(sizes, initial=0))[:-1]
 
 
 def _resized(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
