@@ -151,8 +151,8 @@ def test_format_is_found_from_the_directory(mesh1d, ckpt_dir):
     saved = {"w": global_tensor((7, 5), seed=8), "n": 4, "m": {"l": [global_tensor((3,), seed=9), "x"]}}
     converted = True
     if WORLD.rank == 0:
-        with pytest.warns(UserWarning):  # torch: no process group, so one process
-            torch_dcp.save(saved, checkpoint_id=torch_dir)
+        with pytest.warns(UserWarning):  # torch: one process (whether or not a test set up gloo)
+            torch_dcp.save(saved, checkpoint_id=torch_dir, no_dist=True)
         dcp.dcp_to_torch_save(torch_dir, ckpt_dir + "-torch.pt")  # through the same reader, nested back
         whole = torch.load(ckpt_dir + "-torch.pt")
         converted = (whole.keys() == saved.keys() and torch.equal(whole["w"], saved["w"]) and whole["n"] == 4

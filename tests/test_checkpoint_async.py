@@ -9,6 +9,8 @@ from concurrent.futures import Future
 import pytest
 import torch
 from mpi4py import MPI
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from helpers import assert_all_ranks, global_tensor, raises_everywhere
 import mpidtensor.checkpoint as dcp
@@ -72,7 +74,7 @@ def test_training_goes_on_while_the_save_writes(mesh1d, ckpt_dir, monkeypatch):
         state["meta"]["tags"][1] = -step
         WORLD.allreduce(float(state["w"].redistribute(mesh1d, [Replicate()]).to_local().sum()))
     trained.set()
-    assert_all_ranks(future.result(timeout=120) is None)
+    assert_all_ranks(isinstance(future.result(timeout=120), Metadata))
     monkeypatch.undo()
     assert_all_ranks(loads_as(mesh1d, ckpt_dir, expected), "the checkpoint does not hold the values of the call")
     fresh = fully_shard(torch.nn.Linear(16, 8), mesh=mesh1d)
@@ -137,7 +139,7 @@ def test_fallback_without_thread_multiple(mesh1d, ckpt_dir, monkeypatch):
     expected = expected_of(state)
     with pytest.warns(UserWarning, match="MPI_THREAD_MULTIPLE"):
         future = dcp.async_save(state, checkpoint_id=ckpt_dir)
-    assert_all_ranks(future.done() and future.result() is None)
+    assert_all_ranks(future.done() and isinstance(future.result(), Metadata))
     assert_all_ranks(loads_as(mesh1d, ckpt_dir, expected))
 
 
@@ -175,9 +177,11 @@ def test_stagers_and_options(mesh1d, ckpt_dir):
         stager.close()
     reduced = expected_of(state)
     stager = FutureStager()
-    future = dcp.async_save(state, checkpoint_id=ckpt_dir, async_stager=stager,
-                            async_checkpointer_type=AsyncCheckpointerType.THREAD)
-    assert_all_ranks(future.result(timeout=120) is None and stager.synchronized == 1)
+    response = dcp.async_save(state, checkpoint_id=ckpt_dir, async_stager=stager,
+                              async_checkpointer_type=AsyncCheckpointerType.THREAD)
+    assert_all_ranks(isinstance(response, AsyncSaveResponse) and response.staging_completion.done())
+    assert_all_ranks(isinstance(response.upload_completion.result(timeout=120), Metadata)
+                     and stager.synchronized == 1)
     assert_all_ranks(loads_as(mesh1d, ckpt_dir, reduced))
     raises_everywhere(ValueError, lambda: dcp.async_save(state, checkpoint_id=ckpt_dir,
                                                          async_checkpointer_type=AsyncCheckpointerType.PROCESS),

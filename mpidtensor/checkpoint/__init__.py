@@ -6,14 +6,15 @@ values and ``Stateful`` objects (any layout in, any layout out; one data file pe
 writing rank), through a storage writer/reader (the native format by default);
 ``stateful`` has the ``Stateful`` protocol; ``state_dict`` the ``get_``/``set_``
 helpers for models and optimizers; ``format_utils`` converts to and from
-``torch.save`` files; ``plain`` reads a checkpoint in one process. The format:
-docs/checkpoint-format.md.
+``torch.save`` files; ``plain`` reads a checkpoint in one process; ``metadata`` has
+torch's ``Metadata`` classes, which ``save`` returns. The format: docs/checkpoint-format.md.
 """
 from .api import load, save
 from .async_saver import AsyncCheckpointerType, HostStager, async_save
 from .format import CheckpointError
 from .convert import dcp_to_torch_save, from_torch_save, to_torch_save, torch_save_to_dcp
 from .huggingface import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from .metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from .native import NativeReader, NativeWriter
 from .plain import load_plain
 from .state_dict import (
@@ -31,18 +32,22 @@ from .torch_format import FileSystemReader, FileSystemWriter
 
 __all__ = [
     "AsyncCheckpointerType",
+    "BytesStorageMetadata",
     "CheckpointError",
+    "ChunkStorageMetadata",
     "FileSystemReader",
     "FileSystemWriter",
     "HostStager",
     "HuggingFaceStorageReader",
     "HuggingFaceStorageWriter",
+    "Metadata",
     "NativeReader",
     "NativeWriter",
     "StateDictOptions",
     "Stateful",
     "StorageReader",
     "StorageWriter",
+    "TensorStorageMetadata",
     "async_save",
     "dcp_to_torch_save",
     "from_torch_save",

@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from mpi4py import MPI
+from torch.distributed.checkpoint.metadata import Metadata
 
 from . import async_saver, stateful
 from .arguments import check_planner, communicator, refuse_sharded, storage
@@ -36,8 +37,8 @@ def save(
     process_group: MPI.Intracomm | None = None,
     no_dist: bool = False,
     comm: MPI.Intracomm | None = None,
-) -> None:
-    """Write ``state_dict`` (nested dicts/lists of DTensors, tensors, values and
+) -> Metadata:
+    """Write ``state_dict`` (a dict of nested dicts/lists of DTensors, tensors, values and
     ``Stateful`` objects) to ``checkpoint_id`` or through ``storage_writer`` (default:
     the native format). Collective over ``process_group`` (``comm``: its older name).
 
@@ -45,6 +46,11 @@ def save(
     raise ``ValueError``: torch's planners rewrite torch's write items, and the storage
     writers plan their own (each distinct box once, replicas spread over the ranks).
     Waits for this process's ``async_save`` in flight first.
+
+    Returns torch's ``Metadata`` of what was written, the same on every rank (as torch's
+    ``save``): each flat key's ``TensorStorageMetadata`` (global size, properties, the
+    saved chunk boxes) or ``BytesStorageMetadata``, ``planner_data`` and the writer's
+    ``storage_data`` (:mod:`.metadata`).
     """
     group = communicator(process_group, comm, no_dist)
     writer = storage(checkpoint_id, storage_writer, NativeWriter, "writer")
@@ -53,7 +59,7 @@ def save(
     plain = stateful.resolve(state_dict, group)
     if no_dist:
         refuse_sharded(plain)
-    writer.write(plain, group)
+    return writer.write(plain, group)
 
 
 def reader_class(path: str) -> type[StorageReader] | None:

@@ -6,8 +6,12 @@ parameters as soon as it returns: the checkpoint holds the values of the call), 
 the copies of ``Partial`` DTensors and duplicates the communicator (one ``allgather``
 agrees on failures first; the reductions and ``Dup`` are the only other collectives).
 A background thread then runs the storage writer's ``write`` over the duplicate,
-collectives included, and the returned ``concurrent.futures.Future`` completes when
-the checkpoint is committed.
+collectives included, and the returned ``concurrent.futures.Future`` resolves to what
+``save`` returns (torch's ``Metadata``) when the checkpoint is committed. As torch
+2.13 does, a stager whose ``stage`` returns a future makes ``async_save`` return an
+``AsyncSaveResponse`` instead (``staging_completion``, ``upload_completion``); here its
+staging future is already done on return: the Partial reductions and the agreement
+need the staged copies on the caller's thread.
 
 Why a duplicated communicator in a thread rather than keeping MPI out of the thread
 and committing at the next ``save``/``async_save``/``result()``: the background
@@ -41,6 +45,8 @@ from typing import Any
 
 import torch
 from mpi4py import MPI
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ..dtensor import DTensor
 from . import format as fmt
@@ -151,9 +157,9 @@ for _name in ("barrier", "Barrier", "bcast", "Bcast", "gather", "Gather", "Gathe
     setattr(_PatientComm, _name, _patient(_name))
 
 
-def _write_in_background(writer: StorageWriter, staged: Any, comm: MPI.Intracomm) -> None:
+def _write_in_background(writer: StorageWriter, staged: Any, comm: MPI.Intracomm) -> Metadata:
     try:
-        writer.write(staged, comm)
+        return writer.write(staged, comm)
     finally:
         comm.Free()
 
@@ -170,19 +176,20 @@ def _partial_names(state_dict: Any) -> tuple[str, ...]:
                  if isinstance(leaf, DTensor) and any(p.is_partial() for p in leaf.placements))
 
 
-def _snapshot(stager: Any, state_dict: Any, comm: MPI.Intracomm, no_dist: bool) -> Any:
+def _snapshot(stager: Any, state_dict: Any, comm: MPI.Intracomm, no_dist: bool) -> tuple[Any, bool]:
     """``state_dict`` with its Stateful objects resolved, staged by ``stager`` (a future's
-    result when it gives one), then its ``Partial`` DTensors reduced. Collective: one
-    ``allgather`` agrees on failures and on which DTensors are Partial before any
-    reduction."""
-    staged, partial = None, ()
+    result when it gives one), then its ``Partial`` DTensors reduced; and whether the
+    stager gave a future. Collective: one ``allgather`` agrees on failures and on which
+    DTensors are Partial before any reduction."""
+    staged, partial, gave_future = None, (), False
     plain, failure, cause = stateful.resolve_here(state_dict)
     if failure is None:
         try:
             if no_dist:
                 refuse_sharded(plain)
             staged = stager.stage(plain)
-            if isinstance(staged, Future):
+            gave_future = isinstance(staged, Future)
+            if gave_future:
                 staged = staged.result()
             partial = _partial_names(staged)
         except Exception as err:  # noqa: BLE001  (raised on every rank by agree)
@@ -194,7 +201,7 @@ def _snapshot(stager: Any, state_dict: Any, comm: MPI.Intracomm, no_dist: bool) 
                          f"Partial DTensors ({list(partials[differing[0]])} against {list(partials[0])})")
     if partial:
         staged = fmt.unflatten([(path, reduced(leaf)) for path, leaf in fmt.flatten(staged)])
-    return staged
+    return staged, gave_future
 
 
 def async_save(
@@ -208,10 +215,15 @@ def async_save(
     async_stager: Any = None,
     no_dist: bool = False,
     comm: MPI.Intracomm | None = None,
-) -> Future:
+) -> Future | AsyncSaveResponse:
     """``save`` in the background: returns once the state is copied to host memory; the
-    future's ``result()`` is None when the checkpoint is committed, or raises (on every
-    rank) the error any rank met writing it. Collective over ``process_group``.
+    future's ``result()`` is what ``save`` returns (torch's ``Metadata``, the same on
+    every rank) when the checkpoint is committed, or raises (on every rank) the error
+    any rank met writing it. Collective over ``process_group``.
+
+    Returns torch's ``AsyncSaveResponse`` instead where torch 2.13 does: when the
+    stager's ``stage`` returns a future. Its ``staging_completion`` (result None) is done
+    on return, ``upload_completion`` is the future above.
 
     ``async_stager``: an object with torch's ``AsyncStager`` methods (``stage`` gives a
     state dict the caller will not change; default: a shared :class:`HostStager`, which
@@ -224,7 +236,7 @@ def async_save(
     _check_checkpointer_type(async_checkpointer_type)
     wait_for_async_saves()
     stager = _DEFAULT_STAGER if async_stager is None else async_stager
-    staged = _snapshot(stager, state_dict, group, no_dist)
+    staged, gave_future = _snapshot(stager, state_dict, group, no_dist)
     if getattr(stager, "should_synchronize_after_execute", False):
         stager.synchronize_staging()
     if not threads_may_call_mpi():
@@ -234,11 +246,14 @@ def async_save(
                           stacklevel=2)
         future: Future = Future()
         try:
-            writer.write(staged, group)
-            future.set_result(None)
+            future.set_result(writer.write(staged, group))
         except Exception as err:  # noqa: BLE001  (the same error on every rank: the writer agrees on it)
             future.set_exception(err)
+    else:
+        future = _EXECUTOR.submit(_write_in_background, writer, staged, _PatientComm(group.Dup()))
+        _in_flight.append(future)
+    if not gave_future:
         return future
-    future = _EXECUTOR.submit(_write_in_background, writer, staged, _PatientComm(group.Dup()))
-    _in_flight.append(future)
-    return future
+    staging: Future = Future()
+    staging.set_result(None)
+    return AsyncSaveResponse(staging_completion=staging, upload_completion=future)

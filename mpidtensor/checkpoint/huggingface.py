@@ -19,6 +19,9 @@ Writing, sharded (``save_distributed=True, enable_consolidation=False``): each r
 writes its boxes into ``shard-<rank+1>-model-0000i-of-0000n.safetensors`` with torch's
 ``DCP_SHARDING_INFO`` (each tensor's offset in the global one) in the header metadata.
 
+Both return the torch ``Metadata`` of the save on every rank
+(:meth:`HuggingFaceStorageWriter._metadata`).
+
 Reading: one ``model.safetensors``, an index with several files, or torch's shard
 files; each rank reads only the bytes of its box of each target (resharding by box
 intersection), straight into the target when the box is one run of the file.
@@ -34,10 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 from mpi4py import MPI
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from . import collective, io, shards
 from . import format as fmt
 from . import safetensors_file as sf
+from .metadata import describe, gc_paused, start_save, torch_leaves
 from .storage import StorageReader, StorageWriter
 
 __all__ = ["HuggingFaceStorageWriter", "HuggingFaceStorageReader"]
@@ -74,18 +79,38 @@ class HuggingFaceStorageWriter(StorageWriter):
     def consolidated(self) -> bool:
         return self.enable_consolidation or not self.save_distributed
 
-    def write(self, state_dict: Any, comm: MPI.Intracomm) -> None:
+    def write(self, state_dict: Any, comm: MPI.Intracomm) -> Metadata:
+        """Write ``state_dict``; its torch ``Metadata`` (see :meth:`_metadata`). Collective."""
         leaves = [(fmt.fqn(path), value) for path, value in fmt.flatten(state_dict)]
-        token = collective.on_rank0(comm, fmt.start_save, self.path)
+        token = collective.on_rank0(comm, start_save, self.path, state_dict)
         metas = [shards.leaf_meta(key, value) for key, value in leaves]
         all_metas = shards.gather_metas(metas, comm)
         files = self._files(leaves)  # the same on every rank: raises on all or none
         values = [shards.reduced(value) for _, value in leaves]  # collective, in the same order
-        mine = shards.boxes_to_write(all_metas, comm.rank)
+        writers = shards.box_writers(all_metas)
+        mine = shards.boxes_to_write(writers, comm.rank)
         if self.consolidated:
             self._write_consolidated(files, leaves, values, mine, token, comm)
         else:
             self._write_shards(files, leaves, values, mine, token, comm)
+        return self._metadata(state_dict, leaves, writers, files, token)
+
+    @gc_paused()
+    def _metadata(self, state_dict: Any, leaves: list[tuple[str, Any]], writers: list[dict[tuple, int]],
+                  files: dict[int, list[int]], token: str) -> Metadata:
+        """The torch ``Metadata`` of the save, which every rank builds alike from facts
+        they share. A tensor's chunks are its distinct boxes, in the order of the ranks
+        that wrote them (in the consolidated layout too, where they lie in place in one
+        file); ``storage_data`` maps each to the name of the safetensors file holding it;
+        ``storage_meta``: the directory and the save's token."""
+        count = max(files, default=1)
+        file_index = {i: index for index, ids in files.items() for i in ids}
+        chunks = {}
+        for i, leaf_writers in enumerate(writers):
+            ranked = sorted(leaf_writers.items(), key=lambda item: item[1])
+            chunks[leaves[i][0]] = [(box, file_name(file_index[i], count, None if self.consolidated else rank + 1))
+                                    for box, rank in ranked]
+        return describe(torch_leaves(state_dict), chunks, {}, StorageMeta(checkpoint_id=self.path, save_id=token))
 
     def _files(self, leaves: list[tuple[str, Any]]) -> dict[int, list[int]]:
         """The leaves going to each file index (from 1)."""

@@ -11,6 +11,7 @@ the ranks), straight from the local tensor into that rank's own new data file (o
 ``pwritev`` batch, one fsync); then rank 0 gathers where each block went, with its
 CRC-32, and commits the index (see :mod:`.format`), so a save that dies midway
 leaves the previous checkpoint as it was. ``Partial`` DTensors are reduced first.
+Every rank returns the same torch ``Metadata`` of the save (:func:`_metadata`).
 
 load: each rank reads the box of the target layout it holds from the saved blocks
 that overlap it, whatever layout was saved (resharding is box intersection). Each
@@ -26,9 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 from mpi4py import MPI
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from . import format as fmt
 from . import collective, io, shards
+from .metadata import describe, gc_paused, start_save, torch_leaves
 from .storage import StorageReader, StorageWriter
 
 
@@ -40,8 +44,9 @@ def _leaf_meta(path: tuple, leaf: Any) -> tuple:
 class NativeWriter(StorageWriter):
     """Writes mpidtensor's own format (docs/checkpoint-format.md) to the directory ``path``."""
 
-    def write(self, state_dict: Any, comm: MPI.Intracomm) -> None:
-        _save(state_dict, self.path, comm)
+    def write(self, state_dict: Any, comm: MPI.Intracomm) -> Metadata:
+        """Write ``state_dict``; its torch ``Metadata`` (see :func:`_metadata`). Collective."""
+        return _save(state_dict, self.path, comm)
 
 
 class NativeReader(StorageReader):
@@ -55,13 +60,15 @@ class NativeReader(StorageReader):
         _load(state_dict, self.path, comm)
 
 
-def _save(state_dict: Any, directory: str, comm: MPI.Intracomm) -> None:
-    """Write ``state_dict`` to the checkpoint directory ``directory``. Collective."""
+def _save(state_dict: Any, directory: str, comm: MPI.Intracomm) -> Metadata:
+    """Write ``state_dict`` to the checkpoint directory ``directory``; its ``Metadata``.
+    Collective."""
     leaves = list(fmt.flatten(state_dict))
-    token = collective.on_rank0(comm, fmt.start_save, directory)
+    token = collective.on_rank0(comm, start_save, directory, state_dict)
     metas = [_leaf_meta(p, v) for p, v in leaves]
     all_metas = shards.gather_metas(metas, comm)
-    mine = shards.boxes_to_write(all_metas, comm.rank)
+    writers = shards.box_writers(all_metas)
+    mine = shards.boxes_to_write(writers, comm.rank)
 
     todo = []
     for i, (_, value) in enumerate(leaves):  # every rank reduces the Partial DTensors, in the same order
@@ -79,6 +86,7 @@ def _save(state_dict: Any, directory: str, comm: MPI.Intracomm) -> None:
             os.remove(path)  # this save's data file: no index will name it
         raise
     collective.remove_stale(comm, directory, stale)
+    return _metadata(state_dict, directory, token, leaves, metas, writers)
 
 
 def _write_blocks(path: str, todo: list, metas: list) -> dict[int, dict]:
@@ -108,14 +116,38 @@ def _commit(directory: str, token: str, leaves: list, metas: list, written: list
     for i, (path, value) in enumerate(leaves):
         meta = None
         if metas[i][1] is not None:
-            shape = metas[i][1][0]
             saved = sorted(by_leaf.get(i, []), key=lambda b: b["start"])
-            covered, numel = sum(prod(b["shape"]) for b in saved), prod(shape)
-            if covered != numel:
-                raise fmt.CheckpointError(f"the saved blocks of {metas[i][0]!r} cover {covered} of {numel} elements")
-            meta = fmt.tensor_meta(shape, value.dtype, saved)
+            shards.check_covered(metas[i][0], metas[i][1][0], [(b["start"], b["shape"]) for b in saved])
+            meta = fmt.tensor_meta(metas[i][1][0], value.dtype, saved)
         entries.append(fmt.make_entry(path, meta, value))
     return fmt.commit_index(directory, fmt.make_index(data_files, entries))
+
+
+@gc_paused()
+def _metadata(state_dict: Any, directory: str, token: str, leaves: list, metas: list,
+              writers: list[dict[tuple, int]]) -> Metadata:
+    """The torch ``Metadata`` of the save, which every rank builds alike from facts they
+    share, without a message: which rank wrote each block (``writers``) and so where
+    (:func:`_write_blocks` lays a rank's blocks out in leaf order).
+
+    It describes the state dict as torch flattens it: a tensor leaf's chunks are its
+    blocks, in the order of the ranks that wrote them, ``storage_data`` mapping each to
+    ``_StorageInfo(data file, offset, length)``: the byte range holding the block's raw
+    row-major bytes (no ``torch.save`` framing). A value (which the index holds, not a
+    data file) has no ``storage_data`` entry, and neither has a tensor inside a value (a
+    tuple, say), which torch would save as one object. ``storage_meta``: the directory
+    and the save's token (its data files' names).
+    """
+    by_rank: dict[int, list] = {}
+    for i, leaf_writers in enumerate(writers):
+        for box, rank in leaf_writers.items():
+            by_rank.setdefault(rank, []).append((i, box))
+    chunks: dict[str, list] = {}
+    for rank in sorted(by_rank):
+        sizes = [prod(box[1]) * leaves[i][1].dtype.itemsize for i, box in by_rank[rank]]
+        for (i, box), offset, size in zip(by_rank[rank], fmt.layout(sizes), sizes):
+            chunks.setdefault(metas[i][0], []).append((box, _StorageInfo(fmt.data_name(token, rank), offset, size)))
+    return describe(torch_leaves(state_dict), chunks, {}, StorageMeta(checkpoint_id=directory, save_id=token))
 
 
 # --- load ----------------------------------------------------------------------------------------------

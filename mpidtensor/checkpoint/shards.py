@@ -16,7 +16,7 @@ from . import collective
 from . import format as fmt
 
 __all__ = ["TensorMeta", "box", "leaf_meta", "local_bytes", "check_same_leaves", "gather_metas",
-           "boxes_to_write", "reduced", "local_tensor", "check_loadable"]
+           "box_writers", "boxes_to_write", "check_covered", "reduced", "local_tensor", "check_loadable"]
 
 #: ``(global shape, dtype name, this rank's box)`` of a tensor leaf; None for a value.
 TensorMeta = tuple[tuple[int, ...], str, tuple[tuple[int, ...], tuple[int, ...]]]
@@ -71,27 +71,40 @@ def gather_metas(metas: list[tuple[str, TensorMeta | None]], comm: MPI.Intracomm
     return all_metas
 
 
-def boxes_to_write(all_metas: list[list[tuple]], rank: int) -> set[int]:
-    """The tensor leaves whose box ``rank`` writes: per distinct non-empty box, of the
-    ranks holding it, the one with the fewest bytes assigned so far (then the lowest), so
-    that each box is written once and replicas spread over the ranks. Every rank
-    computes the same from the gathered metadata."""
-    assigned, mine = [0] * len(all_metas), set()
+def box_writers(all_metas: list[list[tuple]]) -> list[dict[tuple, int]]:
+    """Per leaf, each distinct non-empty box and the rank that writes it ({} for a
+    value): of the ranks holding the box, the one with the fewest bytes assigned so far
+    (then the lowest), so that each box is written once and replicas spread over the
+    ranks. Every rank computes the same from the gathered metadata."""
+    assigned, writers = [0] * len(all_metas), []
     for i, (_, meta) in enumerate(all_metas[0]):
+        writers.append({})
         if meta is None:
             continue
         holders: dict[tuple, list[int]] = {}
         for r, metas in enumerate(all_metas):
             holders.setdefault(metas[i][1][2], []).append(r)
         itemsize = fmt.DTYPES[meta[1]].itemsize
-        for (_, shape), ranks in holders.items():
-            nbytes = prod(shape) * itemsize
+        for box_, ranks in holders.items():
+            nbytes = prod(box_[1]) * itemsize
             if nbytes:
                 writer = min(ranks, key=lambda r: (assigned[r], r))
                 assigned[writer] += nbytes
-                if writer == rank:
-                    mine.add(i)
-    return mine
+                writers[i][box_] = writer
+    return writers
+
+
+def boxes_to_write(writers: list[dict[tuple, int]], rank: int) -> set[int]:
+    """The tensor leaves whose box ``rank`` writes (``writers``: :func:`box_writers`)."""
+    return {i for i, leaf_writers in enumerate(writers) if rank in leaf_writers.values()}
+
+
+def check_covered(key: str, shape: tuple[int, ...], boxes: list[tuple]) -> None:
+    """The saved boxes (distinct boxes of a layout) of the tensor ``key`` must hold all
+    its elements: ``CheckpointError`` otherwise."""
+    covered, numel = sum(prod(box_shape) for _, box_shape in boxes), prod(shape)
+    if covered != numel:
+        raise fmt.CheckpointError(f"the saved chunks of {key!r} cover {covered} of {numel} elements")
 
 
 def reduced(t: torch.Tensor) -> torch.Tensor:

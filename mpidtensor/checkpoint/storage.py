@@ -5,11 +5,12 @@
 state dict (DTensors, tensors and other values) to a writer or reader. Each format is
 one pair of classes: the native format (the default), torch DCP's file layout and
 Hugging Face safetensors. Both methods are collective over ``comm`` and must raise
-the same error on every rank. ``async_save`` calls ``write`` from a background thread
-with a duplicate of the caller's communicator and a staged state dict (host copies,
-no ``Partial`` DTensors left), while the caller's thread runs the training's
-collectives: a writer must communicate over ``comm`` only, never over the meshes of
-the DTensors it is given.
+the same error on every rank; ``write`` returns the torch ``Metadata`` of what it
+wrote, the same on every rank (:mod:`.metadata`), which ``save`` returns.
+``async_save`` calls ``write`` from a background thread with a duplicate of the
+caller's communicator and a staged state dict (host copies, no ``Partial`` DTensors
+left), while the caller's thread runs the training's collectives: a writer must
+communicate over ``comm`` only, never over the meshes of the DTensors it is given.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import os
 from typing import Any
 
 from mpi4py import MPI
+from torch.distributed.checkpoint.metadata import Metadata
 
 
 class StorageWriter:
@@ -25,8 +27,9 @@ class StorageWriter:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
 
-    def write(self, state_dict: Any, comm: MPI.Intracomm) -> None:
-        """Write ``state_dict`` (nested dicts/lists of DTensors, tensors and values). Collective."""
+    def write(self, state_dict: Any, comm: MPI.Intracomm) -> Metadata:
+        """Write ``state_dict`` (nested dicts/lists of DTensors, tensors and values); the
+        torch ``Metadata`` describing what was written. Collective."""
         raise NotImplementedError
 
 

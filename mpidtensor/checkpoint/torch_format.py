@@ -3,11 +3,10 @@
 
 The layout (torch 2.x, ``filesystem.py``): a directory holding ``.metadata``, a pickled
 ``torch.distributed.checkpoint.metadata.Metadata``, and data files ``__<rank>_<n>.distcp``.
-The state dict is flattened torch's way (``_traverse.traverse_state_dict``): dict keys
-become ``str(key)`` joined by dots; a list is descended into only when it holds a
-tensor, a dict or such a list, any other list and every tuple is one value. In
-``Metadata``, ``state_dict_metadata`` gives each flat key a ``TensorStorageMetadata``
-(dtype, global size, the saved chunks as (offsets, sizes) boxes) or a
+The state dict is flattened torch's way (:func:`.metadata.torch_leaves`). In
+``Metadata`` (:mod:`.metadata` builds it; ``save`` returns it), ``state_dict_metadata``
+gives each flat key a ``TensorStorageMetadata`` (properties, global size, the saved
+chunks as (offsets, sizes) boxes, in the order of the ranks that wrote them) or a
 ``BytesStorageMetadata``; ``planner_data`` maps each flat key to its path of keys;
 ``storage_data`` maps ``MetadataIndex(key, chunk offsets)`` (no offsets for a value) to
 ``_StorageInfo(relative_path, offset, length)``, a byte range of a data file holding
@@ -36,24 +35,22 @@ import os
 import pickle
 import re
 import uuid
-from math import prod
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from mpi4py import MPI
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorProperties,
     TensorStorageMetadata,
 )
 
 from . import collective, io, shards
 from . import format as fmt
+from .metadata import Leaf, describe, gc_paused, torch_leaves
 from .storage import StorageReader, StorageWriter
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
@@ -61,47 +58,6 @@ __all__ = ["FileSystemWriter", "FileSystemReader"]
 METADATA = ".metadata"
 DCP_VERSION = "1.0.0"  # torch's CURRENT_DCP_VERSION for this layout
 _DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
-
-
-# --- torch's flattening ------------------------------------------------------------------------------
-class Leaf(NamedTuple):
-    """One leaf of a state dict flattened torch's way."""
-
-    keys: tuple  # the original keys and list indices from the root (to put values back)
-    path: tuple  # torch's ``planner_data`` path: ``str`` dict keys, ``int`` list indices
-    fqn: str  # the flat key: the path joined by dots
-    value: Any
-
-
-def torch_leaves(state_dict: dict) -> list[Leaf]:
-    """The leaves of ``state_dict`` in order, flattened as torch DCP flattens it."""
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"a torch DCP state dict is a dict, got {type(state_dict).__name__}")
-    leaves: list[Leaf] = []
-
-    def visit(keys: tuple, path: tuple, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                visit(keys + (k,), path + (str(k),), v)
-        elif isinstance(value, list) and not _is_terminal(value):
-            for i, v in enumerate(value):
-                visit(keys + (i,), path + (i,), v)
-        else:
-            leaves.append(Leaf(keys, path, ".".join(map(str, path)), value))
-
-    for key, value in state_dict.items():
-        visit((key,), (str(key),), value)
-    flat = [leaf.fqn for leaf in leaves]
-    if len(set(flat)) != len(flat):
-        dup = sorted({k for k in flat if flat.count(k) > 1})
-        raise ValueError(f"state dict has leaves with the same dotted name: {dup}")
-    return leaves
-
-
-def _is_terminal(values: list) -> bool:
-    """A list is one value unless it holds a tensor, a dict or a list that is not one."""
-    return not any(isinstance(v, (torch.Tensor, dict)) or (isinstance(v, list) and not _is_terminal(v))
-                   for v in values)
 
 
 def _set_leaf(state_dict: dict, keys: tuple, value: Any) -> None:
@@ -132,12 +88,15 @@ class FileSystemWriter(StorageWriter):
         self.cache_staged_state_dict = cache_staged_state_dict
         self.overwrite = overwrite
 
-    def write(self, state_dict: Any, comm: MPI.Intracomm) -> None:
+    def write(self, state_dict: Any, comm: MPI.Intracomm) -> Metadata:
+        """Write ``state_dict``; the ``Metadata`` committed as ``.metadata`` (its
+        ``storage_data``: each chunk's and value's ``_StorageInfo``, a byte range of a data
+        file holding its ``torch.save``). Collective."""
         leaves = torch_leaves(state_dict)
         generation = collective.on_rank0(comm, self._prepare)
         metas = [shards.leaf_meta(leaf.fqn, leaf.value) for leaf in leaves]
         all_metas = shards.gather_metas(metas, comm)
-        mine = shards.boxes_to_write(all_metas, comm.rank)
+        mine = shards.boxes_to_write(shards.box_writers(all_metas), comm.rank)
         todo = []
         for i, (_, _, _, value) in enumerate(leaves):
             if isinstance(value, torch.Tensor):
@@ -149,12 +108,15 @@ class FileSystemWriter(StorageWriter):
         name = f"__{comm.rank}_{generation}.distcp"
         written, error = collective.attempt(self._write_data, name, todo, metas) if todo else ([], None)
         try:
-            stale = collective.commit_on_rank0(comm, written, error, lambda parts: self._commit(leaves, metas, parts))
+            with gc_paused():  # rank 0 builds the Metadata, the others unpickle it
+                metadata, stale = collective.commit_on_rank0(comm, written, error,
+                                                             lambda parts: self._commit(leaves, parts))
         except Exception:
             if todo and os.path.exists(os.path.join(self.path, name)):
                 os.remove(os.path.join(self.path, name))  # no committed metadata names it
             raise
         collective.remove_stale(comm, self.path, stale)
+        return metadata
 
     def _prepare(self) -> int:
         """Rank 0: create the directory; the ``n`` of this save's data files (one the
@@ -195,33 +157,17 @@ class FileSystemWriter(StorageWriter):
                 os.fsync(f.fileno())
         return written
 
-    def _commit(self, leaves: list, metas: list, written: list) -> list[str]:
-        """Rank 0: ``.metadata`` from every rank's writes, committed atomically; the data
-        files it supersedes."""
+    def _commit(self, leaves: list[Leaf], written: list) -> tuple[Metadata, list[str]]:
+        """Rank 0: ``.metadata`` from every rank's writes, committed atomically; it and
+        the data files it supersedes."""
         chunks: dict[str, list] = {}
-        storage = {}
+        values = {}
         for fqn, box, info in (w for rank_written in written for w in rank_written):
             if box is None:
-                storage[MetadataIndex(fqn)] = info
+                values[fqn] = info
             else:
                 chunks.setdefault(fqn, []).append((box, info))
-        state_md, planner_data = {}, {}
-        for (_, path, fqn, value), (_, meta) in zip(leaves, metas):
-            planner_data[fqn] = path
-            if meta is None:
-                state_md[fqn] = BytesStorageMetadata()
-                continue
-            saved = sorted(chunks.get(fqn, []), key=lambda c: c[0][0])
-            covered, numel = sum(prod(shape) for (_, shape), _ in saved), prod(meta[0])
-            if covered != numel:
-                raise fmt.CheckpointError(f"the saved chunks of {fqn!r} cover {covered} of {numel} elements")
-            state_md[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype=value.dtype), torch.Size(meta[0]),
-                [ChunkStorageMetadata(torch.Size(start), torch.Size(shape)) for (start, shape), _ in saved])
-            for n, ((start, _), info) in enumerate(saved):
-                storage[MetadataIndex(fqn, start, n)] = info
-        metadata = Metadata(state_md, planner_data=planner_data, storage_data=storage,
-                            storage_meta=StorageMeta(checkpoint_id=self.path, save_id=str(uuid.uuid4())),
+        metadata = describe(leaves, chunks, values, StorageMeta(checkpoint_id=self.path, save_id=str(uuid.uuid4())),
                             version=DCP_VERSION)
         tmp = os.path.join(self.path, f"{METADATA}.tmp-{fmt.new_token()}")
         with open(tmp, "wb") as f:
@@ -234,9 +180,10 @@ class FileSystemWriter(StorageWriter):
         os.replace(tmp, os.path.join(self.path, METADATA))
         if self.sync_files:
             fmt.fsync_dir(self.path)
-        used = {info.relative_path for info in storage.values()}
-        return sorted(name for name in os.listdir(self.path)
-                      if (_DATA_FILE.fullmatch(name) and name not in used) or name.startswith(f"{METADATA}.tmp-"))
+        used = {info.relative_path for info in metadata.storage_data.values()}
+        stale = sorted(name for name in os.listdir(self.path)
+                       if (_DATA_FILE.fullmatch(name) and name not in used) or name.startswith(f"{METADATA}.tmp-"))
+        return metadata, stale
 
 
 # --- reading ------------------------------------------------------------------------------------------
