@@ -1,7 +1,8 @@
 """mesh.progress (MPI progress for in-flight collectives: off, MPI_Test from FSDP's hooks,
-a progress thread) and FSDP's all-gather straight into the unsharded parameters
-(``nonblocking.iall_gather_placed``): same training as one process in every mode, on
-uneven shards and a shard dim > 0, nothing left in flight, a clean exit with the thread."""
+a progress thread) and FSDP's all-gather into the unsharded parameters: same training as
+one process in every mode (the reduce-scatter is blocking in ``off``, non-blocking in the
+others), on uneven shards and a shard dim > 0, nothing left in flight, a clean exit with
+the thread; the one-copy gather and one-``cat`` gradient pack of evenly split groups."""
 import pytest
 import torch
 from mpi4py import MPI
@@ -10,7 +11,6 @@ from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor
 from mpidtensor import Shard
 from mpidtensor.fsdp import fully_shard
 from mpidtensor.mesh import progress
-from mpidtensor.mesh.nonblocking import iall_gather_placed
 from subjob import run_job
 from test_fsdp import TOL, assert_same_model, batch, make_net, reference, shard_net, train
 
@@ -44,9 +44,9 @@ def test_training_matches_single_process(request, mode, placement_fn):
 
 
 def test_gather_writes_the_parameters_in_place(mesh1d):
-    """One all-gather per group, straight into the group's flat buffer: the unsharded
-    parameters are views of it (no copy out of a staging buffer) with the right values;
-    reshard frees it, and the next gather refills the same views."""
+    """One all-gather per group, copied into the group's flat buffer: the unsharded
+    parameters are views of it with the right values; reshard frees it, and the next
+    gather refills the same views."""
     net = shard_net(make_net(), mesh=mesh1d)
     ref = make_net()
     group = net._fsdp_state.group
@@ -60,11 +60,6 @@ def test_gather_writes_the_parameters_in_place(mesh1d):
         assert_close(net.inp.bias.detach(), ref.inp.bias.detach())
         net.reshard()
         assert_all_ranks(flat.untyped_storage().nbytes() == 0, "reshard must free the flat buffer")
-
-
-def test_placed_gather_checks_its_buffers():
-    raises_everywhere(ValueError, lambda: iall_gather_placed(
-        torch.zeros(2, 4).t(), MPI.BYTE, torch.zeros(8), [MPI.BYTE] * WORLD.size, WORLD), match="contiguous")
 
 
 def test_bad_mode():
@@ -96,7 +91,7 @@ def test_thread_mode_exits_cleanly(tmp_path):
 
 def test_one_parameter_groups_match_single_process(mesh1d):
     """Groups of one bias-free Linear(8, 8): with even shards (1, 2, 4 ranks) the
-    all-gather is a plain Iallgather into the parameter, at 3 ranks the placed one."""
+    all-gather writes the parameter itself, at 3 ranks it is copied out of a buffer."""
     def stack():
         torch.manual_seed(3)
         return torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(3)))
@@ -116,3 +111,36 @@ def test_one_parameter_groups_match_single_process(mesh1d):
         opt.zero_grad()
     for p, q in zip(net.parameters(), ref.parameters()):
         assert_close(p.full_tensor(), q.detach(), **TOL)
+
+
+@pytest.mark.parametrize("mode", ["off", "hooks"], indirect=True)
+def test_even_and_uneven_groups_match_single_process(mesh1d, mode):
+    """``Linear(8, 48)``: 48 rows split evenly at 1-4 ranks, 16-byte pieces, so its group
+    is copied out of the gathered rows in one op and its gradients packed with one ``cat``;
+    ``Linear(48, 8)`` has 8 rows (uneven at 3 ranks, 8-byte bias pieces at 4): per-parameter
+    copies where that is so. Blocking (``off``) and non-blocking reduce-scatters alike."""
+    def stack():
+        torch.manual_seed(4)
+        return torch.nn.Sequential(torch.nn.Linear(8, 48), torch.nn.Tanh(), torch.nn.Linear(48, 8))
+    ref, net = stack(), stack()
+    for layer in (net[0], net[2]):
+        fully_shard(layer, mesh=mesh1d)
+    fully_shard(net, mesh=mesh1d)
+    world = WORLD.size
+    x = global_tensor((4 * world, 8), seed=6)
+    mine = x[4 * WORLD.rank:4 * (WORLD.rank + 1)]
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=0.02), torch.optim.AdamW(net.parameters(), lr=0.02)
+    for _ in range(3):
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with CollectiveLog() as log:
+            net(mine).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert_all_ranks(log.calls.count("reduce_scatter") == 2 and progress.in_flight() == 0, f"{log.calls}")
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert_close(p.full_tensor(), q.detach(), **TOL)
+    first, last = net[0]._fsdp_state.group._split_sizes, net[2]._fsdp_state.group._split_sizes
+    assert_all_ranks(first == [48 // world * 8 * 4, 48 // world * 4] and (last is not None) == (world <= 2),
+                     f"one-copy layouts: {first}, {last}")

@@ -16,7 +16,8 @@ from typing import Any, Sequence
 import torch
 from mpi4py import MPI
 
-from ..mesh import accounting
+from ..mesh import accounting, progress
+from ..mesh.collectives import reduce_scatter
 from ..mesh.nonblocking import Handle, iall_gather, ireduce_scatter
 from ..mesh.pool import pool
 
@@ -61,10 +62,20 @@ def start_all_gather(custom: Any, send: torch.Tensor, comm: MPI.Intracomm, out: 
     return _Done(custom(output_tensor=out, input_tensor=send, group=comm, async_op=True), out)
 
 
-def start_reduce_scatter(custom: Any, send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor) -> Handle | _Done:
-    """Start summing ``send`` over ``comm``, this rank's piece into ``out``."""
+def start_reduce_scatter(custom: Any, send: torch.Tensor, comm: MPI.Intracomm) -> Handle | _Done:
+    """Start summing the 1-D ``send`` over ``comm``; ``wait()`` returns this rank's piece.
+
+    Without a custom collective and with MPI progress ``"off"`` (the default: nothing moves
+    a started collective before its wait) this is the blocking ``Reduce_scatter``, done on
+    return: MPICH's non-blocking one costs more CPU, and FSDP's wait for it would move all
+    of its data anyway (docs/performance.md, "FSDP step")."""
+    piece = send.numel() // comm.size
     if custom is None:
-        return ireduce_scatter(send, comm, "sum", out=out)
+        if progress.mode() == "off":
+            return _Done(None, reduce_scatter(send.view(comm.size, piece), comm, "sum", dim=0,
+                                              sizes=[1] * comm.size).view(piece))
+        return ireduce_scatter(send, comm, "sum", out=allocate(None, (piece,), send.dtype, send.device))
+    out = allocate(custom, (piece,), send.dtype, send.device)
     return _Done(custom(output_tensor=out, input_tensor=send, group=comm, op="sum", async_op=True), out)
 
 

@@ -9,19 +9,21 @@ Buffers (all sizes from global shapes, so every rank agrees):
   buffer (no copy). With ``param_dtype`` or an all-gather extension, a send buffer is
   packed instead.
 * ``unsharded_flat``, where each unsharded parameter is a contiguous view, built once.
-  Plain parameters in their own dtype on the host are gathered straight into it: one
-  ``Ialltoallw`` whose datatypes send each rank's rows from ``shard_flat`` and place
-  rank r's rows of every parameter where they belong (no padding sent, no copy).
-  Otherwise (``param_dtype``, extensions, a custom all-gather, offload) one
-  ``Iallgather`` of every rank's send buffer in rank order is copied into it (for a
-  shard dim > 0 a strided copy: at most two ``copy_`` calls, full pieces and the one
-  short piece). Resharding frees that storage (``resize_(0)``); the next all-gather
-  refills the same tensors, so autograd's saved references stay valid.
-* gradients: packed into one buffer in ``reduce_dtype`` with the same padded layout,
-  one ``Ireduce_scatter`` (then an all-reduce over the replicate dim for HSDP) and a
-  division by the data-parallel size (or ``set_gradient_divide_factor``'s, split as
-  ``comms.divide_factors`` says around the all-reduce hook); the sharded ``.grad``s are
-  made from the result.
+  One ``Iallgather`` of every rank's send buffer, in rank order, into a pooled buffer
+  (``mesh.pool``), copied into it: for plain parameters split evenly along dim 0 one
+  ``split_with_sizes_copy`` for the whole group, otherwise at most two ``copy_`` calls per
+  parameter (full pieces and the one short piece). A group of one such parameter on the
+  host is gathered straight into it (the ranks' shards back to back are the parameter).
+  Contiguous ``Iallgather`` rather than an ``Ialltoallw`` whose datatypes place each rank's
+  rows (no copy out): the derived-datatype transfer took 2-3x as long on ranks that share
+  cores (docs/performance.md, "FSDP step"). Resharding frees that storage (``resize_(0)``);
+  the next all-gather refills the same tensors, so autograd's saved references stay valid.
+* gradients: packed into one buffer in ``reduce_dtype`` with the same padded layout (one
+  ``torch.cat`` when every gradient splits evenly along dim 0), one reduce-scatter
+  (blocking unless MPI progress is on, see ``comms.start_reduce_scatter``; then an
+  all-reduce over the replicate dim for HSDP) and a division by the data-parallel size
+  (or ``set_gradient_divide_factor``'s, split as ``comms.divide_factors`` says around the
+  all-reduce hook); the sharded ``.grad``s are made from the result.
   Replicated parameters (TP-sharded on every dim) are left out of both buffers: their
   gradients are packed into one buffer and all-reduced over the data-parallel mesh.
 
@@ -41,7 +43,6 @@ resize reported), so ``memory_allocated()`` shows sharded + currently gathered b
 """
 from __future__ import annotations
 
-import weakref
 from math import prod
 from typing import Callable
 
@@ -51,7 +52,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..mesh import accounting
 from ..dtensor import DTensor
-from ..mesh.nonblocking import Handle, iall_gather, iall_gather_placed, iall_reduce
+from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
 from . import comms
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import OffloadPolicy, compute_device, host_device, pinned
@@ -118,7 +119,8 @@ class ParamGroup:
         self._gather_nbytes = 0
         self._gather: Handle | None = None
         self._gather_placed = False  # the running all-gather writes into unsharded_flat itself
-        self._types: tuple[MPI.Datatype, list[MPI.Datatype]] | None = None  # of the placed all-gather
+        self._split_sizes: list[int] | None = None  # see _make_layout
+        self._split_views: tuple[torch.Tensor | None, list[torch.Tensor]] = (None, [])
         self._meta: dict[int, object] = {}
         self._pending: tuple[Handle | None, list[FSDPParam], Handle | None, list[FSDPParam]] | None = None
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced (summed)
@@ -180,16 +182,11 @@ class ParamGroup:
         if not self.gathered:
             self._gather = _NO_GATHER
             return
-        if self._placeable():
+        if self._placeable():  # the unsharded parameter is the ranks' shards back to back
             self._ensure_unsharded_storage()
             comm = self.info.shard_comm
-            if self._rank_major:  # the unsharded parameter is the ranks' shards back to back
-                nbytes = self.gathered[0].local_numel * self.gathered[0].orig_dtype.itemsize
-                out = self.unsharded_flat[:nbytes * comm.size]
-                self._gather = iall_gather(self.shard_flat[:nbytes], comm, out=out)
-            else:
-                send_type, recv_types = self._placed_types()
-                self._gather = iall_gather_placed(self.shard_flat, send_type, self.unsharded_flat, recv_types, comm)
+            nbytes = self.gathered[0].local_numel * self.gathered[0].orig_dtype.itemsize
+            self._gather = iall_gather(self.shard_flat[:nbytes], comm, out=self.unsharded_flat[:nbytes * comm.size])
             self._gather_placed = True
             return
         if self.direct:
@@ -209,22 +206,11 @@ class ParamGroup:
         self._start_gather(send, self.info.shard_comm)
 
     def _placeable(self) -> bool:
-        """Whether the all-gather can write straight into ``unsharded_flat``: plain
-        parameters in their own dtype, on the host, with torch's default collective."""
-        return (self.direct and bool(self.gathered) and self.custom_all_gather is None
+        """Whether the all-gather can write straight into ``unsharded_flat``: one plain
+        parameter in its own dtype, split evenly along dim 0 (its ranks' shards back to
+        back), on the host, with torch's default collective."""
+        return (self._rank_major and self.direct and self.custom_all_gather is None
                 and self.offload_to is None and self.shard_flat.device.type == "cpu")
-
-    def _placed_types(self) -> tuple[MPI.Datatype, list[MPI.Datatype]]:
-        """The datatypes of the placed all-gather (made once per group): what each rank
-        sends (its rows of every parameter, in ``shard_flat``) and, per source rank, where
-        those rows go in ``unsharded_flat`` (for a shard dim > 0, ``pre`` strided blocks)."""
-        if self._types is None:
-            send_lens = [p.local_numel * p.orig_dtype.itemsize for p in self.gathered]
-            send = MPI.BYTE.Create_hindexed(send_lens, [p.shard_offset for p in self.gathered]).Commit()
-            recv = [_rows_type(self.gathered, rank, self.info.shard_size) for rank in range(self.info.shard_size)]
-            self._types = (send, recv)
-            weakref.finalize(self, _free_types, [send, *recv])
-        return self._types
 
     def _ensure_unsharded_storage(self) -> None:
         """Allocate ``unsharded_flat`` (first gather) or give back its freed storage."""
@@ -243,7 +229,7 @@ class ParamGroup:
     def _start_gather(self, send: torch.Tensor, comm: MPI.Comm) -> None:
         """Start gathering ``send`` over ``comm`` into a buffer of every shard rank's rows."""
         nbytes = self._gather_nbytes * self.info.shard_size
-        out = comms.allocate(self.custom_all_gather, (nbytes,), torch.uint8, self.device)
+        out = comms.allocate(self.custom_all_gather, (nbytes,), torch.uint8, self.device, reusable=True)
         self._gather = comms.start_all_gather(self.custom_all_gather, send, comm, out)
 
     def _make_layout(self, inputs: dict[int, tuple[torch.Tensor, ...]]) -> None:
@@ -261,6 +247,23 @@ class ParamGroup:
                 offset += nbytes
             pieces.append(own)
         self._pieces, self._gather_nbytes = pieces, offset
+        # plain parameters split evenly along dim 0 with no alignment gap between their pieces:
+        # column block i of the gathered (world, bytes) rows is parameter i, seen as (world, piece)
+        world = self.info.shard_size
+        if all(not p.extension and p.pre == 1 and p.rows == p.pad_rows * world
+               and own[0][3] == p.shard_numel * p.param_dtype.itemsize for p, own in zip(self.gathered, pieces)):
+            self._split_sizes = [own[0][3] for own in pieces]
+
+    def _split_outputs(self) -> list[torch.Tensor]:
+        """The unsharded parameters as (world, piece) byte views of ``unsharded_flat``, made
+        once per buffer (a view follows its storage through the resizes)."""
+        flat, views = self._split_views
+        if flat is not self.unsharded_flat:
+            world = self.info.shard_size
+            views = [self.unsharded_flat[p.unsharded_offset:p.unsharded_offset + world * n].view(world, n)
+                     for p, n in zip(self.gathered, self._split_sizes)]
+            self._split_views = (self.unsharded_flat, views)
+        return views
 
     @staticmethod
     def _check_inputs(p: FSDPParam, inputs: tuple[torch.Tensor, ...], pieces: list) -> None:
@@ -288,15 +291,18 @@ class ParamGroup:
                         p.unsharded = p.wrap_unsharded(self._unsharded_view(p).view(p.shape))
             elif out is not None:
                 rows_of_ranks = out.view(self.info.shard_size, self._gather_nbytes)
+                if self._split_sizes is not None:  # every parameter in one copy
+                    torch.split_with_sizes_copy(rows_of_ranks, self._split_sizes, dim=1, out=self._split_outputs())
                 for i, p in enumerate(self.gathered):
                     if p.extension:
                         self._post_all_gather(i, p, rows_of_ranks)
                         continue
-                    _, _, off, n = self._pieces[i][0]
-                    dst = self._unsharded_view(p)
-                    _from_ranks(dst, rows_of_ranks[:, off:off + n].view(p.param_dtype), p.pad_rows)
+                    if self._split_sizes is None:
+                        _, _, off, n = self._pieces[i][0]
+                        piece = rows_of_ranks[:, off:off + n].view(p.param_dtype)
+                        _from_ranks(self._unsharded_view(p), piece, p.pad_rows)
                     if p.unsharded is None:
-                        p.unsharded = p.wrap_unsharded(dst.view(p.shape))
+                        p.unsharded = p.wrap_unsharded(self._unsharded_view(p).view(p.shape))
             for p in self.params:
                 if p.replicated:
                     self._unshard_replica(p)
@@ -368,7 +374,8 @@ class ParamGroup:
             return
         for p in self.params:
             p.install(p.sharded)
-            p.free_gathered()
+            if p.extension:
+                p.free_gathered()
         self._free_unsharded_storage()
         self.is_unsharded = False
 
@@ -414,13 +421,9 @@ class ParamGroup:
                 device = sharded[0][1].device
                 send = comms.allocate(self.custom_reduce_scatter, (world * total,), self.reduce_dtype, device,
                                       reusable=True)
-                per_rank, offset = send.view(world, total), 0
-                for p, g in sharded:
-                    _to_ranks(per_rank[:, offset:offset + p.shard_numel], g.reshape(p.pre, p.rows, p.post), p.pad_rows)
-                    offset += p.shard_numel
+                _pack_ranks(send.view(world, total), sharded)
                 comms.divide(send, pre)
-                out = comms.allocate(self.custom_reduce_scatter, (total,), self.reduce_dtype, device)
-                scatter = comms.start_reduce_scatter(self.custom_reduce_scatter, send, self.info.shard_comm, out)
+                scatter = comms.start_reduce_scatter(self.custom_reduce_scatter, send, self.info.shard_comm)
             if replicated:
                 flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for _, g in replicated])
                 comms.divide(flat, pre)
@@ -459,11 +462,11 @@ class ParamGroup:
             if self.all_reduce_hook is not None:
                 self.all_reduce_hook(flat)
             comms.divide(flat, post)
-            offset = 0
-            for p, size in zip(params, sizes):
-                piece = flat[offset:offset + p.local_numel].view(p.local_shape)
-                offset += size
-                local = piece.to(device=self.offload_to or piece.device, dtype=p.orig_dtype)
+            to_device = self.offload_to or flat.device
+            for p, padded in zip(params, flat.split(sizes)):
+                local = padded[:p.local_numel].view(p.local_shape)
+                if local.dtype != p.orig_dtype or local.device != to_device:
+                    local = local.to(device=to_device, dtype=p.orig_dtype)
                 if p.sharded.grad is None:
                     p.sharded.grad = DTensor(local, p.spec, requires_grad=False)
                 else:
@@ -509,30 +512,6 @@ def _plain_grad(grad: torch.Tensor, p: FSDPParam) -> torch.Tensor:
                     "FSDP cannot reduce-scatter it; return a plain gradient from the subclass's backward")
 
 
-def _rows_type(params: list[FSDPParam], rank: int, world: int) -> MPI.Datatype:
-    """Where shard rank ``rank``'s rows of ``params`` lie in the unsharded flat buffer:
-    per parameter, rows ``[rank * pad, (rank + 1) * pad)`` of its shard dim (clipped to
-    its rows; ``pre`` blocks ``rows * post`` elements apart), in bytes."""
-    types, displs = [], []
-    for p in params:
-        lo, hi = min(rank * p.pad_rows, p.rows), min((rank + 1) * p.pad_rows, p.rows)
-        if hi == lo:
-            continue
-        item = p.param_dtype.itemsize
-        types.append(MPI.BYTE.Create_vector(p.pre, (hi - lo) * p.post * item, p.rows * p.post * item))
-        displs.append(p.unsharded_offset + lo * p.post * item)
-    placed = MPI.Datatype.Create_struct([1] * len(types), displs, types).Commit()
-    for t in types:
-        t.Free()
-    return placed
-
-
-def _free_types(types: list[MPI.Datatype]) -> None:
-    if not MPI.Is_finalized():
-        for t in types:
-            t.Free()
-
-
 class _NoGather:
     """The all-gather of a group with nothing to gather (only replicated parameters)."""
 
@@ -542,6 +521,21 @@ class _NoGather:
 
 
 _NO_GATHER = _NoGather()
+
+
+def _pack_ranks(per_rank: torch.Tensor, grads: list[tuple[FSDPParam, torch.Tensor]]) -> None:
+    """Lay ``grads`` out for the reduce-scatter: row ``r`` of ``per_rank`` (world, total) holds
+    rank r's padded piece of each gradient, back to back. Gradients split evenly along dim 0
+    are the common case: each is then its ranks' pieces already, seen as (world, piece), and
+    one ``torch.cat`` along dim 1 packs them all; otherwise ``_to_ranks`` per gradient."""
+    world = per_rank.size(0)
+    if all(p.pre == 1 and p.rows == p.pad_rows * world and g.dtype == per_rank.dtype for p, g in grads):
+        torch.cat([g.reshape(world, p.shard_numel) for p, g in grads], dim=1, out=per_rank)
+        return
+    offset = 0
+    for p, g in grads:
+        _to_ranks(per_rank[:, offset:offset + p.shard_numel], g.reshape(p.pre, p.rows, p.post), p.pad_rows)
+        offset += p.shard_numel
 
 
 def _to_ranks(dst: torch.Tensor, src: torch.Tensor, pad: int) -> None:

@@ -170,7 +170,9 @@ class FSDPState:
         if grad:
             leaves = (output,) if type(output) is torch.Tensor else tree_flatten(output)[0]
             tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
+            if len(tensors) == 1:  # the common case: a tensor hook fires as a one-tensor multi-grad hook
+                tensors[0].register_hook(self._pre_backward)
+            elif tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         return cast_floats(output, self.mp.output_dtype)
 
@@ -183,14 +185,13 @@ class FSDPState:
     def _hook_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Route the inputs that need gradients through ``_PostBackward``, whose backward runs
         once the module's whole backward (frozen parameters' uses included) is done."""
-        if args and not kwargs and all(type(a) is torch.Tensor and a.requires_grad for a in args):
-            return tuple(_PostBackward.apply(self, *args)), kwargs  # the common case, without pytree
-        flat, spec = tree_flatten((args, kwargs))
+        plain = not kwargs and all(type(a) is torch.Tensor for a in args)  # the common case, without pytree
+        flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
         index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if index:
             for i, t in zip(index, _PostBackward.apply(self, *(flat[i] for i in index))):
                 flat[i] = t
-            args, kwargs = tree_unflatten(flat, spec)
+            args, kwargs = (tuple(flat), kwargs) if plain else tree_unflatten(flat, spec)
         return args, kwargs
 
     def post_backward(self) -> None:

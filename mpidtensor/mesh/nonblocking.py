@@ -72,24 +72,6 @@ def iall_gather(send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor | Non
     return Handle(request, (src, dst), lambda: out if dst is out else out.copy_(dst))
 
 
-def iall_gather_placed(send: torch.Tensor, send_type: MPI.Datatype, out: torch.Tensor,
-                       recv_types: list[MPI.Datatype], comm: MPI.Intracomm) -> Handle:
-    """Start an all-gather whose pieces land where ``recv_types`` put them: every rank
-    sends ``send_type`` (one instance, from the start of ``send``), and rank r's
-    contribution is received into ``out`` as one ``recv_types[r]`` (byte displacements
-    from ``out``'s start). One ``Ialltoallw``, so a gather can write each rank's rows
-    straight into the unsharded parameters it fills, with no copy out of a staging
-    buffer. Host tensors only; the types must match (same bytes) pairwise."""
-    if send.is_cuda or out.is_cuda or not send.is_contiguous() or not out.is_contiguous():
-        raise ValueError("iall_gather_placed takes contiguous host tensors")
-    size = comm.size
-    tracing.record("all_gather", send_type.size)
-    ones, zeros = [1] * size, [0] * size
-    request = comm.Ialltoallw([as_buffer(send), ones, zeros, [send_type] * size],
-                              [as_buffer(out), ones, zeros, list(recv_types)])
-    return Handle(request, (send, out), lambda: out)
-
-
 def ireduce_scatter(
     send: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum", out: torch.Tensor | None = None
 ) -> Handle:
