@@ -148,3 +148,48 @@ def test_linear_subclass_keeps_hooks(tp_mesh):
     assert_all_ranks(all(m._forward_pre_hooks and "forward" not in vars(m) for m in (model[0], model[2])))
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(8))
     check_against(ref, model, ref(x), model(x))
+
+
+DTENSOR_OUTPUTS = {
+    # Rowwise reduce-scatters to a DTensor the Function makes; Colwise hands its shard on as one
+    "rowwise Shard(1)": {"0": ColwiseParallel(input_layouts=Shard(1)),
+                         "2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)},
+    "rowwise Replicate": {"0": ColwiseParallel(),
+                          "2": RowwiseParallel(use_local_output=False)},
+    "colwise Shard(-1)": {"0": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                               use_local_output=False)},
+    # an output wanted in another layout than the Function gives: redistributed after it
+    "colwise Replicate": {"0": ColwiseParallel(output_layouts=Replicate(), use_local_output=False)},
+    "colwise Replicate, local": {"0": ColwiseParallel(output_layouts=Replicate())},
+}
+
+
+@pytest.mark.parametrize("downstream", ["sum", "weighted"])
+@pytest.mark.parametrize("case", sorted(DTENSOR_OUTPUTS))
+def test_dtensor_output_takes_any_gradient_layout(tp_mesh, case, downstream):
+    """A DTensor output made by the Function: its gradient, in the output's layout (a
+    weighting of the full tensor) or another one (``sum``'s backward: replicated), gives
+    one process's gradients; 7 tokens and hidden 11: uneven shards."""
+    ref = mlp()
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, DTENSOR_OUTPUTS[case])
+    body = model if "2" in DTENSOR_OUTPUTS[case] else model[0]
+    ref_body = ref if "2" in DTENSOR_OUTPUTS[case] else ref[0]
+    x = torch.randn(2, 7, 6, generator=torch.Generator().manual_seed(9))
+    given = body[0].forward.given if isinstance(body, nn.Sequential) else body.forward.given
+    xs = distribute_tensor(x, tp_mesh, [given]).requires_grad_()
+    out = body(xs)
+    ref_x = x.clone().requires_grad_()
+    ref_out = ref_body(ref_x)
+    if downstream == "sum":
+        assert_all_ranks(isinstance(out, DTensor) or "local" in case, type(out).__name__)
+        loss, ref_loss = (out.sum() if isinstance(out, DTensor) else out.sum()), ref_out.sum()
+    else:
+        weight = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(10))
+        loss, ref_loss = (full_of(out, tp_mesh) * weight).sum(), (ref_out * weight).sum()
+    loss.backward()
+    ref_loss.backward()
+    assert_close(full_of(out, tp_mesh), ref_out, atol=1e-5, rtol=1e-5)
+    assert_close(xs.grad.full_tensor(), ref_x.grad, atol=1e-5, rtol=1e-5)
+    got = {n: p.grad.full_tensor() for n, p in body.named_parameters()}
+    for name, p in ref_body.named_parameters():
+        assert_close(got[name], p.grad, atol=1e-5, rtol=1e-5)

@@ -22,9 +22,11 @@ The path is taken per call when nothing needs the general one: a plain ``nn.Line
 its parameters still holding the style's placements on the style's mesh, the input a
 plain tensor or a DTensor on that mesh with the parameters' dtype, no autocast, not
 under ``torch.compile``. Inputs in another layout are first moved with the public
-(differentiable) ``from_local`` / ``redistribute``; outputs in another layout than the
-Function gives, or kept as DTensors, likewise. Every such decision reads facts all ranks
-share (placements, global shapes, dtypes), so all ranks take the same path.
+(differentiable) ``from_local`` / ``redistribute``. An output kept as a DTensor is made
+by the Function itself (its backward takes the DTensor gradient, in any layout): one
+autograd node per Linear; one wanted in another layout than the Function gives is then
+redistributed. Every such decision reads facts all ranks share (placements, global
+shapes, dtypes), so all ranks take the same path.
 """
 from __future__ import annotations
 
@@ -43,10 +45,37 @@ from ..placements import Partial, Placement, Replicate, Shard, normalize_placeme
 from ..spec import DTensorSpec
 
 
-def _grad_spec(x: DTensor, placements: tuple[Placement, ...]) -> DTensorSpec:
-    """The spec of a C-contiguous gradient of ``x`` with ``placements``."""
-    s = x._spec
-    return DTensorSpec(s.mesh, placements, s.shape, contiguous_strides(s.shape), s.dtype)
+_GRAD_SPECS: dict[tuple[DTensorSpec, bool], DTensorSpec] = {}  # (input spec, partial) -> gradient spec
+
+
+def _grad_spec(x: DTensor, partial: bool) -> DTensorSpec:
+    """The spec of a C-contiguous gradient of ``x`` on its 1-D mesh: ``Partial`` or in ``x``'s
+    placements (cached by ``x``'s interned spec: a call is one dict look-up)."""
+    key = (x._spec, partial)
+    spec = _GRAD_SPECS.get(key)
+    if spec is None:
+        s = x._spec
+        placements = (Partial(),) if partial else s.placements
+        spec = _GRAD_SPECS[key] = DTensorSpec(s.mesh, placements, s.shape, contiguous_strides(s.shape), s.dtype)
+    return spec
+
+
+def local_grad(gy: Any, spec: DTensorSpec) -> torch.Tensor:
+    """This rank's block of the gradient of a DTensor output of ``spec`` (Shard or Replicate),
+    in that layout: moved there first when it came in another one; a plain gradient is
+    taken as the block itself, as ``from_local``'s backward takes it."""
+    if not isinstance(gy, DTensor):
+        return gy
+    if gy._spec.placements != spec.placements:
+        gy = gy.redistribute(spec.mesh, spec.placements)
+    return gy._local_tensor
+
+
+def _wrap(y: torch.Tensor, out_spec: DTensorSpec | None):
+    """The Function's output: the local ``y``, or the DTensor of ``out_spec`` holding it."""
+    if out_spec is None:
+        return y
+    return DTensor(y if y.is_contiguous() else y.contiguous(), out_spec)
 
 
 def _weight_grads(ctx, gy: torch.Tensor, x: torch.Tensor, weight: DTensor, bias: DTensor | None):
@@ -62,18 +91,22 @@ def _weight_grads(ctx, gy: torch.Tensor, x: torch.Tensor, weight: DTensor, bias:
 
 
 class _ColwiseLinear(torch.autograd.Function):
-    """y = x W_r^T + b_r on this rank's output features; the input gradient is a partial sum."""
+    """y = x W_r^T + b_r on this rank's output features; the input gradient is a partial sum.
+    The output is local, or the DTensor of ``out_spec`` (one autograd node, not two)."""
 
     @staticmethod
-    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm) -> torch.Tensor:
+    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, out_spec: DTensorSpec | None):
         local = x._local_tensor if isinstance(x, DTensor) else x
-        ctx.comm, ctx.x_spec = comm, _grad_spec(x, (Partial(),)) if isinstance(x, DTensor) else None
-        ctx.bias = bias
+        ctx.comm, ctx.x_spec = comm, _grad_spec(x, True) if isinstance(x, DTensor) else None
+        ctx.bias, ctx.out_spec = bias, out_spec
         ctx.save_for_backward(local, weight)
-        return F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
+        y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
+        return _wrap(y, out_spec)
 
     @staticmethod
-    def backward(ctx, gy: torch.Tensor):
+    def backward(ctx, gy):
+        if ctx.out_spec is not None:
+            gy = local_grad(gy, ctx.out_spec)
         x, weight = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:
@@ -82,17 +115,19 @@ class _ColwiseLinear(torch.autograd.Function):
                 gx = DTensor(gx, ctx.x_spec)
             elif ctx.comm.size > 1:
                 gx = collectives.all_reduce(gx, ctx.comm, "sum", inplace=True)
-        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None)
+        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None)
 
 
 class _RowwiseLinear(torch.autograd.Function):
-    """y = reduce(x_r W_r^T) + b over the mesh: all-reduce, or reduce-scatter on ``dim``."""
+    """y = reduce(x_r W_r^T) + b over the mesh: all-reduce, or reduce-scatter on ``dim``.
+    The output is local, or the DTensor of ``out_spec`` (one autograd node, not two)."""
 
     @staticmethod
-    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, dim: int | None) -> torch.Tensor:
+    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, dim: int | None,
+                out_spec: DTensorSpec | None):
         local = x._local_tensor if isinstance(x, DTensor) else x
-        ctx.comm, ctx.dim, ctx.bias = comm, dim, bias
-        ctx.x_spec = _grad_spec(x, x._spec.placements) if isinstance(x, DTensor) else None
+        ctx.comm, ctx.dim, ctx.bias, ctx.out_spec = comm, dim, bias, out_spec
+        ctx.x_spec = _grad_spec(x, False) if isinstance(x, DTensor) else None
         ctx.save_for_backward(local, weight)
         y = F.linear(local, weight._local_tensor)
         if comm.size > 1:
@@ -103,10 +138,12 @@ class _RowwiseLinear(torch.autograd.Function):
                 y = collectives.reduce_scatter(y, comm, "sum", dim=dim, sizes=ctx.sizes)
         if bias is not None:
             y += bias._local_tensor
-        return y
+        return _wrap(y, out_spec)
 
     @staticmethod
-    def backward(ctx, gy: torch.Tensor):
+    def backward(ctx, gy):
+        if ctx.out_spec is not None:
+            gy = local_grad(gy, ctx.out_spec)
         x, weight = ctx.saved_tensors
         if ctx.dim is not None and ctx.comm.size > 1:
             gy = collectives.all_gather(gy, ctx.comm, dim=ctx.dim, sizes=ctx.sizes)
@@ -115,7 +152,7 @@ class _RowwiseLinear(torch.autograd.Function):
             gx = gy.matmul(weight._local_tensor)
             if ctx.x_spec is not None:
                 gx = DTensor(gx, ctx.x_spec)
-        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None)
+        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None)
 
 
 class LocalLinearForward:
@@ -131,13 +168,15 @@ class LocalLinearForward:
         self.prepare_input, self.prepare_output = prepare_input, prepare_output
         self.placements = {"weight": (Shard(0),) if colwise else (Shard(1),),
                            "bias": (Shard(0),) if colwise else (Replicate(),)}
+        self.comm = mesh.comm_for((0,))
         self.checked: tuple = ()  # the parameter specs seen to fit, by identity
-        self.layouts: dict[int, tuple[Placement, Placement] | None] = {}  # by input ndim
+        self.layouts: dict[int, tuple[Placement, ...] | None] = {}  # by input ndim (``_normalized``)
+        self.out_specs: dict[tuple, DTensorSpec] = {}  # by input shape and dtype (``_out_spec``)
 
     def __deepcopy__(self, memo: dict) -> "LocalLinearForward":
         twin = copy.copy(self)
         twin.module = copy.deepcopy(self.module, memo)
-        twin.checked, twin.layouts = (), {}
+        twin.checked, twin.layouts, twin.out_specs = (), {}, {}
         return twin
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,24 +185,29 @@ class LocalLinearForward:
             inputs = self.prepare_input(self.module, args, self.mesh)
             return self.prepare_output(self.module, nn.Linear.forward(self.module, *inputs, **kwargs), self.mesh)
         module = self.module
-        last = x.ndim - 1
-        given, wanted = self.layouts[x.ndim]
+        given, wanted, desired, natural = self.layouts[x.ndim]
+        x = self._input(x, given, desired)
+        out_spec = None if self.local_out and wanted == natural else self._out_spec(x, natural)
         if self.colwise:
-            x = self._input(x, given, Replicate())
-            y = _ColwiseLinear.apply(x, module.weight, module.bias, self.mesh.comm_for((0,)))
-            natural = Shard(last)
+            y = _ColwiseLinear.apply(x, module.weight, module.bias, self.comm, out_spec)
         else:
-            x = self._input(x, given, Shard(last))
-            natural = wanted  # Replicate, or Shard(d) of a leading dim (``_applies``)
-            y = _RowwiseLinear.apply(x, module.weight, module.bias, self.mesh.comm_for((0,)),
-                                     natural.dim if isinstance(natural, Shard) else None)
-        if self.local_out and wanted == natural:
+            y = _RowwiseLinear.apply(x, module.weight, module.bias, self.comm,
+                                     natural.dim if isinstance(natural, Shard) else None, out_spec)
+        if out_spec is None:
             return y
-        shape = (*x.shape[:-1], module.out_features)  # x's leading dims are whole here
-        out = DTensor.from_local(y, self.mesh, (natural,), shape=shape, stride=contiguous_strides(shape))
         if wanted != natural:
-            out = out.redistribute(self.mesh, (wanted,))
-        return out.to_local() if self.local_out else out
+            y = y.redistribute(self.mesh, (wanted,))
+        return y.to_local() if self.local_out else y
+
+    def _out_spec(self, x: torch.Tensor, natural: Placement) -> DTensorSpec:
+        """The spec of the Function's DTensor output for the input ``x`` (whose leading dims
+        are whole here), C-contiguous in the ``natural`` layout; cached by shape and dtype."""
+        key = (x.shape, x.dtype)
+        spec = self.out_specs.get(key)
+        if spec is None:
+            shape = (*x.shape[:-1], self.module.out_features)
+            spec = self.out_specs[key] = DTensorSpec(self.mesh, (natural,), shape, contiguous_strides(shape), x.dtype)
+        return spec
 
     def _applies(self, x: Any) -> bool:
         """Whether this call may take the local path (see the module docstring)."""
@@ -185,17 +229,22 @@ class LocalLinearForward:
             layouts = self.layouts[x.ndim] = self._normalized(x.ndim)
         return layouts is not None and x.dtype == weight.dtype
 
-    def _normalized(self, ndim: int) -> tuple[Placement, Placement] | None:
-        """(input, output) layouts for an input of ``ndim`` dims, or None where the local path
-        does not apply: a shard dim out of range (the general path says why), or a Rowwise
-        output sharded on its features (the bias would have to be sliced)."""
+    def _normalized(self, ndim: int) -> tuple[Placement, ...] | None:
+        """(given, wanted, desired, natural) for an input of ``ndim`` dims: the input and output
+        layouts of the style, the input layout the Function computes on and the output layout
+        it gives; None where the local path does not apply: a shard dim out of range (the
+        general path says why), or a Rowwise output sharded on its features (the bias would
+        have to be sliced)."""
         try:
             given, wanted = normalize_placements((self.given, self.wanted), 2, ndim)
         except ValueError:
             return None
-        if not self.colwise and wanted == Shard(ndim - 1):
+        last = Shard(ndim - 1)
+        if self.colwise:
+            return given, wanted, Replicate(), last
+        if wanted == last:
             return None
-        return given, wanted
+        return given, wanted, last, wanted  # Replicate, or Shard(d) of a leading dim
 
     def _fits(self, param: Any, name: str) -> bool:
         """A DTensor on the style's mesh with the style's placements, C-contiguous globally."""

@@ -19,7 +19,7 @@ these facts is shared by all ranks, so all ranks take the same path.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from .._layout import contiguous_strides
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh, collectives
 from ..placements import Replicate, Shard
+from .local_linear import local_grad
 
 _REPLICATE = (Replicate(),)
 
@@ -40,15 +41,6 @@ def _reduce_partial(grad: torch.Tensor | None, param: DTensor | None, comm) -> D
     if comm.size > 1:
         grad = collectives.all_reduce(grad.contiguous(), comm, "sum", inplace=True)
     return DTensor(grad, param._spec)
-
-
-def _local_grad(gy: Any, x_spec) -> torch.Tensor:
-    """The local block of the output's gradient in the input's layout."""
-    if not isinstance(gy, DTensor):
-        raise TypeError(f"SequenceParallel norm: expected a DTensor gradient, got {type(gy).__name__}")
-    if gy._spec.placements != x_spec.placements:
-        gy = gy.redistribute(x_spec.mesh, x_spec.placements)
-    return gy._local_tensor
 
 
 class _LocalRMSNorm(torch.autograd.Function):
@@ -66,7 +58,7 @@ class _LocalRMSNorm(torch.autograd.Function):
     @once_differentiable  # the gradients are built on local tensors: no double backward
     def backward(ctx, gy):
         x, rstd = ctx.saved_tensors
-        gy = _local_grad(gy, ctx.x_spec)
+        gy = local_grad(gy, ctx.x_spec)
         weight = ctx.weight
         dims = tuple(range(x.ndim - ctx.ndims, x.ndim))
         xhat = x * rstd
@@ -100,7 +92,7 @@ class _LocalLayerNorm(torch.autograd.Function):
     def backward(ctx, gy):
         x, mean, rstd = ctx.saved_tensors
         weight, bias = ctx.params
-        gy = _local_grad(gy, ctx.x_spec).contiguous()
+        gy = local_grad(gy, ctx.x_spec).contiguous()
         mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
                 bias is not None and ctx.needs_input_grad[2]]
         w, b = (None if p is None else p._local_tensor for p in (weight, bias))
@@ -113,40 +105,58 @@ class _LocalLayerNorm(torch.autograd.Function):
 class LocalNormForward:
     """``forward`` of a ``SequenceParallel`` ``nn.RMSNorm`` / ``nn.LayerNorm``: the local path
     when it applies (see the module docstring), else the module's own forward on DTensors.
-    An object, not a closure, so that ``copy.deepcopy`` of the model rebinds it to the copy."""
+    The style's input and output conversions (``prepare_input`` / ``prepare_output``, its
+    hooks otherwise) run here, so the module has no hooks and ``nn.Module`` calls it on its
+    fast path. An object, not a closure, so that ``copy.deepcopy`` of the model rebinds it
+    to the copy."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, prepare_input: Callable | None = None,
+                 prepare_output: Callable | None = None) -> None:
         self.module, self.mesh = module, mesh
+        self.prepare_input, self.prepare_output = prepare_input, prepare_output
         self.comm = mesh.comm_for((0,))
+        self.decided: dict[tuple, bool] = {}  # by the input's and the parameters' specs (``_applies``)
 
     def __deepcopy__(self, memo: dict) -> "LocalNormForward":
         twin = copy.copy(self)
         twin.module = copy.deepcopy(self.module, memo)
+        twin.decided = {}
         return twin
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
+        if self.prepare_input is not None:
+            args = self.prepare_input(module, args, self.mesh)
         x = args[0] if len(args) == 1 and not kwargs else None
         if x is None or not self._applies(x):
-            return type(module).forward(module, *args, **kwargs)
-        shape = tuple(module.normalized_shape)
-        if isinstance(module, nn.RMSNorm):
-            return _LocalRMSNorm.apply(x, module.weight, shape, module.eps, self.comm)
-        return _LocalLayerNorm.apply(x, module.weight, module.bias, shape, module.eps, self.comm)
+            out = type(module).forward(module, *args, **kwargs)
+        elif isinstance(module, nn.RMSNorm):
+            out = _LocalRMSNorm.apply(x, module.weight, tuple(module.normalized_shape), module.eps, self.comm)
+        else:
+            out = _LocalLayerNorm.apply(x, module.weight, module.bias, tuple(module.normalized_shape), module.eps,
+                                        self.comm)
+        return out if self.prepare_output is None else self.prepare_output(module, out, self.mesh)
 
     def _applies(self, x: Any) -> bool:
         if not isinstance(x, DTensor) or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
             return False
-        spec = x._spec
+        params = (self.module.weight, getattr(self.module, "bias", None))
+        key = (x._spec, *(p._spec if isinstance(p, DTensor) else p is None for p in params))
+        fits = self.decided.get(key)
+        if fits is None:
+            fits = self.decided[key] = self._fits(x._spec, params)
+        return fits
+
+    def _fits(self, spec, params: tuple) -> bool:
+        """Whether an input of ``spec`` and these parameters take the local path (the specs decide)."""
         if not self._on_mesh(spec.mesh) or len(spec.placements) != 1 or spec.stride != contiguous_strides(spec.shape):
             return False
         placement = spec.placements[0]
         normalized = len(self.module.normalized_shape)
-        if not isinstance(placement, Shard) or not 0 <= placement.dim < x.ndim - normalized:
+        if not isinstance(placement, Shard) or not 0 <= placement.dim < len(spec.shape) - normalized:
             return False
-        params = (self.module.weight, getattr(self.module, "bias", None))
         return all(p is None or (isinstance(p, DTensor) and self._on_mesh(p._spec.mesh)
-                                 and p._spec.placements == _REPLICATE and p.dtype == x.dtype) for p in params)
+                                 and p._spec.placements == _REPLICATE and p.dtype == spec.dtype) for p in params)
 
     def _on_mesh(self, mesh: DeviceMesh) -> bool:
         return mesh is self.mesh or mesh == self.mesh

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..dtensor import DTensor
+from ..mesh import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 
 
@@ -75,16 +76,16 @@ def _row_placements(placements: Sequence[Placement], class_dim: int, mesh_dim: i
     return rows
 
 
-def _all_reduce(local: torch.Tensor, comm: tuple, op: str, lead: int = 0) -> torch.Tensor:
-    """``local`` (``lead`` stacked dims, then a row statistic) reduced by ``op`` over the
-    class-sharding mesh dim: one all-reduce; the global shape is known, nothing else moves."""
-    mesh, rows, mesh_dim, row_shape = comm
-    settled = [Shard(p.dim + lead) if isinstance(p, Shard) else p for p in rows]
-    partial = list(settled)
-    partial[mesh_dim] = Partial(op)
-    shape = (*local.shape[:lead], *row_shape)
-    dt = DTensor.from_local(local, mesh, partial, run_check=False, shape=shape)
-    return dt.redistribute(mesh, settled).to_local()
+def _all_reduce(local: torch.Tensor, comm: tuple, op: str) -> torch.Tensor:
+    """``local`` (row statistics this call made) reduced by ``op`` over the class-sharding mesh
+    dim: one in-place all-reduce on that dim's communicator, the collective a ``Partial`` to
+    ``Replicate`` there is; the other mesh dims shard or replicate the rows, nothing moves there.
+    ``comm`` is ``(mesh, row placements, class mesh dim)``."""
+    mesh, _, mesh_dim = comm
+    group = mesh.comm_for((mesh_dim,))
+    if group.size == 1:
+        return local
+    return collectives.all_reduce(local, group, op, inplace=True)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -105,7 +106,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         stats = [shifted.exp().sum(-1), torch.where(mine, picked, 0.0)]
         if smoothing:
             stats.append((shifted if w_local is None else shifted * w_local).sum(-1))
-        stats = _all_reduce(torch.stack(stats), comm, "sum", lead=1)
+        stats = _all_reduce(torch.stack(stats), comm, "sum")
         lse = stats[0].log()  # log-sum-exp of the shifted logits, per row
         valid = target != ignore_index
         w_target = torch.ones_like(lse) if weight is None else weight[target.clamp(0, n_classes - 1)]
@@ -177,7 +178,7 @@ def _cross_entropy(
     n_classes = input.shape[class_dim]
     offset = spec.local_shape_and_offset()[1][class_dim]
     x = input.to_local().movedim(class_dim, -1)
-    comm = (mesh, rows, mesh_dim, tuple(row_shape))
+    comm = (mesh, rows, mesh_dim)
     local = _VocabParallelCrossEntropy.apply(x, local_target, offset, n_classes, weight, ignore_index,
                                              float(label_smoothing), comm)
     per_row = DTensor.from_local(local, mesh, rows, run_check=False, shape=row_shape)

@@ -78,14 +78,17 @@ class SequenceParallel(ParallelStyle):
         def prepare_output(_: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
             return out.to_local() if local_out and isinstance(out, DTensor) else out
 
-        module = distribute_module(
-            module, device_mesh, None, prepare_input, prepare_output, src_data_rank=self.src_data_rank
-        )
+        # A DTensor output is handed on as it is: no output conversion. A norm's forward
+        # (``local_norm``) converts its input and output itself: no hooks.
+        finish = prepare_output if local_out else None
+        local = local_norm_supported(module)
+        module = distribute_module(module, device_mesh, None, None if local else prepare_input,
+                                   None if local else finish, src_data_rank=self.src_data_rank)
         for param in module.parameters():
             if param.requires_grad:
                 param.register_hook(_settle_partial_grad)
-        if local_norm_supported(module):
-            module.forward = LocalNormForward(module, device_mesh)
+        if local:
+            module.forward = LocalNormForward(module, device_mesh, prepare_input, finish)
         return module
 
     def __repr__(self) -> str:

@@ -7,9 +7,10 @@ the local shard of ``input_layouts``, redistributed to what the sharded module n
 and the output is redistributed to ``output_layouts`` (handed on as a local tensor with
 ``use_local_output``). Every style first checks, without changing anything, that it
 fits the module and the mesh (``_check``), so ``parallelize_module`` can validate a
-whole plan before applying any of it. A plain ``nn.Linear`` gets a forward that runs
-on its local blocks with Megatron's collectives only (``local_linear``), falling back
-per call to that general path.
+whole plan before applying any of it. A plain ``nn.Linear``, and a plain ``nn.Embedding``
+under ``RowwiseParallel``, get a forward that runs on their local blocks with Megatron's
+collectives only (``local_linear``, ``local_embedding``), falling back per call to that
+general path.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..api import distribute_module, distribute_tensor
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
+from .local_embedding import LocalEmbeddingForward
 from .local_linear import LocalLinearForward
 
 
@@ -102,6 +104,8 @@ def as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, what: str,
 
 def to_layout(x: DTensor, layout: Placement) -> DTensor:
     """``x`` redistributed to ``layout`` on its 1-D mesh (no-op when it already has it)."""
+    if x._spec.placements == (layout,):  # the common case, without normalizing
+        return x
     target = normalize_placements((layout,), 1, x.ndim)
     return x if x.placements == target else x.redistribute(x.device_mesh, target)
 
@@ -172,15 +176,23 @@ class _MatmulStyle(ParallelStyle):
             out = to_layout(out, wanted)
             return out.to_local() if local_out else out
 
-        if not (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward):
+        linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+        vocab = (isinstance(self, RowwiseParallel) and isinstance(module, nn.Embedding)
+                 and type(module).forward is nn.Embedding.forward)
+        if not (linear or vocab):
             return distribute_module(
                 module, device_mesh, partition, prepare_input, prepare_output, src_data_rank=self.src_data_rank
             )
-        # A plain Linear runs on its local blocks with Megatron's collectives; its forward
-        # falls back to the hooks' work (prepare_input, DTensor forward, prepare_output).
+        # A plain Linear, or a vocabulary-parallel Embedding, runs on its local blocks with
+        # Megatron's collectives; its forward falls back to the hooks' work (prepare_input,
+        # DTensor forward, prepare_output).
         distribute_module(module, device_mesh, partition, src_data_rank=self.src_data_rank)
-        module.forward = LocalLinearForward(module, device_mesh, isinstance(self, ColwiseParallel), given, wanted,
-                                            local_out, prepare_input, prepare_output)
+        if linear:
+            module.forward = LocalLinearForward(module, device_mesh, isinstance(self, ColwiseParallel), given,
+                                                wanted, local_out, prepare_input, prepare_output)
+        else:
+            module.forward = LocalEmbeddingForward(module, device_mesh, given, wanted, local_out, prepare_input,
+                                                   prepare_output)
         return module
 
     def __repr__(self) -> str:

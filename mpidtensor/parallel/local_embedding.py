@@ -1,0 +1,152 @@
+"""``RowwiseParallel`` ``nn.Embedding`` (vocabulary-parallel) run on the local block, as Megatron does.
+
+The general path (input hook, ``nn.Embedding.forward`` on DTensors, output hook) looks the
+tokens up through DTensor dispatch (a masked lookup, output ``Partial``), reduces the
+output with the public ``redistribute``, and in backward computes the weight gradient of
+the whole vocabulary on every rank (``embedding_dense_backward`` on replicated tokens).
+Here one autograd Function does the masked lookup of this rank's rows, then one
+all-reduce (output ``Replicate``) or reduce-scatter (output ``Shard(d)``, sequence
+parallelism); backward, the output gradient is all-gathered first for a sharded output
+and the gradient of this rank's rows alone is computed: a DTensor with the weight's spec.
+
+Taken per call when nothing needs the general path: a plain ``nn.Embedding`` without
+``padding_idx``, ``max_norm``, ``scale_grad_by_freq`` or ``sparse``, its weight still
+``Shard(0)`` on the style's mesh, the tokens a plain integer tensor read as replicated (or
+a replicated DTensor on that mesh), the output wanted replicated or sharded on a token
+dim, not under ``torch.compile``. These facts are shared by all ranks.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._layout import chunk_sizes, contiguous_strides
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh, collectives
+from ..placements import Placement, Replicate, Shard, normalize_placements
+from ..spec import DTensorSpec
+from .local_linear import local_grad
+
+_REPLICATE = (Replicate(),)
+_VOCAB = (Shard(0),)
+
+
+class _VocabParallelEmbedding(torch.autograd.Function):
+    """y = reduce(lookup of the tokens in rows [start, start + n), zeros elsewhere) over the
+    mesh: all-reduce, or reduce-scatter on ``dim``; a DTensor of ``out_spec`` or local."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, weight: DTensor, start: int, comm, dim: int | None,
+                out_spec: DTensorSpec | None):
+        w = weight._local_tensor
+        rows = w.shape[0]
+        outside = (tokens < start) | (tokens >= start + rows)
+        rel = (tokens - start).masked_fill_(outside, 0)
+        if rows:
+            y = F.embedding(rel, w).masked_fill_(outside.unsqueeze(-1), 0)
+        else:
+            y = w.new_zeros((*tokens.shape, w.shape[1]))
+        ctx.comm, ctx.dim, ctx.out_spec, ctx.weight = comm, dim, out_spec, weight
+        ctx.save_for_backward(rel, outside)
+        if comm.size > 1:
+            if dim is None:
+                y = collectives.all_reduce(y, comm, "sum", inplace=True)
+            else:
+                ctx.sizes = chunk_sizes(y.shape[dim], comm.size)
+                y = collectives.reduce_scatter(y, comm, "sum", dim=dim, sizes=ctx.sizes)
+        return y if out_spec is None else DTensor(y, out_spec)
+
+    @staticmethod
+    def backward(ctx, gy):
+        if ctx.out_spec is not None:
+            gy = local_grad(gy, ctx.out_spec)
+        rel, outside = ctx.saved_tensors
+        gw = None
+        if ctx.needs_input_grad[1]:
+            if ctx.dim is not None and ctx.comm.size > 1:
+                gy = collectives.all_gather(gy, ctx.comm, dim=ctx.dim, sizes=ctx.sizes)
+            weight = ctx.weight
+            gy = gy.masked_fill(outside.unsqueeze(-1), 0)
+            local = torch.ops.aten.embedding_dense_backward(gy, rel, weight._local_tensor.shape[0], -1, False)
+            gw = DTensor(local.to(weight.dtype), weight._spec)
+        return None, gw, None, None, None, None
+
+
+class LocalEmbeddingForward:
+    """``forward`` of a ``RowwiseParallel`` ``nn.Embedding``: the local path when it applies
+    (see the module docstring), else the style's general one. An object, not a closure,
+    so that ``copy.deepcopy`` of the model rebinds it to the copy."""
+
+    def __init__(self, module: nn.Embedding, mesh: DeviceMesh, given: Placement, wanted: Placement,
+                 local_out: bool, prepare_input: Callable, prepare_output: Callable) -> None:
+        self.module, self.mesh, self.comm = module, mesh, mesh.comm_for((0,))
+        self.given, self.wanted, self.local_out = given, wanted, local_out
+        self.prepare_input, self.prepare_output = prepare_input, prepare_output
+        self.starts: dict[DTensorSpec, int | None] = {}  # weight spec -> this rank's first row, or None: unfit
+        self.outputs: dict[tuple, tuple | None] = {}  # tokens' shape -> (dim, out spec), or None: general path
+
+    def __deepcopy__(self, memo: dict) -> "LocalEmbeddingForward":
+        twin = copy.copy(self)
+        twin.module = copy.deepcopy(self.module, memo)
+        twin.starts, twin.outputs = {}, {}
+        return twin
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if len(args) == 1 and not kwargs else None
+        route = None if x is None else self._route(x)
+        if route is None:
+            inputs = self.prepare_input(self.module, args, self.mesh)
+            return self.prepare_output(self.module, nn.Embedding.forward(self.module, *inputs, **kwargs), self.mesh)
+        start, dim, out_spec = route
+        tokens = x._local_tensor if isinstance(x, DTensor) else x
+        y = _VocabParallelEmbedding.apply(tokens, self.module.weight, start, self.comm, dim,
+                                          None if self.local_out else out_spec)
+        return y
+
+    def _route(self, x: Any) -> tuple | None:
+        """(first row, reduce dim, out spec) when this call takes the local path, else None."""
+        if isinstance(x, DTensor):
+            if not (x._spec.mesh is self.mesh or x._spec.mesh == self.mesh) or x._spec.placements != _REPLICATE:
+                return None
+        elif type(x) is not torch.Tensor or self.given != Replicate():
+            return None
+        if x.dtype not in (torch.int64, torch.int32) or torch.compiler.is_compiling():
+            return None
+        module, weight = self.module, self.module.weight
+        if not isinstance(weight, DTensor) or module.padding_idx is not None or module.max_norm is not None \
+                or module.scale_grad_by_freq or module.sparse:
+            return None
+        start = self.starts.get(weight._spec, False)
+        if start is False:
+            start = self.starts[weight._spec] = self._first_row(weight._spec)
+        if start is None:
+            return None
+        key = (x.shape, weight.dtype)
+        out = self.outputs.get(key, False)
+        if out is False:
+            out = self.outputs[key] = self._output(x.shape, weight._spec)
+        return None if out is None else (start, *out)
+
+    def _first_row(self, spec: DTensorSpec) -> int | None:
+        """This rank's first vocabulary row for a fitting weight spec, else None."""
+        on_mesh = spec.mesh is self.mesh or spec.mesh == self.mesh
+        if not on_mesh or spec.placements != _VOCAB or spec.stride != contiguous_strides(spec.shape):
+            return None
+        return spec.local_shape_and_offset()[1][0]
+
+    def _output(self, tokens_shape: torch.Size, weight_spec: DTensorSpec) -> tuple | None:
+        """(reduce-scatter dim or None for an all-reduce, out spec) for tokens of this shape,
+        or None where the output is wanted sharded on the embedding dim (general path)."""
+        shape = (*tokens_shape, weight_spec.shape[1])
+        try:
+            (wanted,) = normalize_placements((self.wanted,), 1, len(shape))
+        except ValueError:
+            return None  # out of range: the general path says why
+        if wanted == Shard(len(shape) - 1):
+            return None
+        dim = wanted.dim if isinstance(wanted, Shard) else None
+        return dim, DTensorSpec(self.mesh, (wanted,), shape, contiguous_strides(shape), weight_spec.dtype)

@@ -1,0 +1,107 @@
+"""The local path of a vocabulary-parallel ``RowwiseParallel`` ``nn.Embedding``
+(parallel/local_embedding.py): a step does Megatron's work only (no aten op through DTensor
+dispatch but AccumulateGrad's ``detach``; one reduction forward, one all-gather backward
+for a sharded output), equals one process (13 rows and 7 tokens: uneven shards at 2-4
+ranks), takes any gradient layout, and hands over to the general path where it does not
+apply (``padding_idx``, tokens read as sharded)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import CollectiveLog, assert_all_ranks, assert_close
+from mpidtensor import DTensor, Replicate, Shard
+from mpidtensor.parallel import RowwiseParallel, parallelize_module
+from mpidtensor.parallel.local_embedding import LocalEmbeddingForward
+from test_parallel import full_of, tp_mesh  # noqa: F401 (a fixture)
+from test_tp_local_linear import DispatchLog
+
+TOL = dict(atol=1e-6, rtol=1e-6)
+
+
+def embedding(**kwargs) -> nn.Embedding:
+    torch.manual_seed(11)
+    return nn.Embedding(13, 5, **kwargs)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 13, (2, 7), generator=torch.Generator().manual_seed(12))
+
+
+def compare(ref: nn.Embedding, model: nn.Embedding, out, layout, downstream: str = "weighted",
+            local_path: bool = True) -> None:
+    """Output and weight gradient against one process, for a fixed weighting of the output
+    (its gradient in the output's layout) or a plain sum (a replicated gradient). The local
+    path gives the gradient of this rank's rows only: the weight's own ``Shard(0)``."""
+    ids = tokens()
+    want = ref(ids)
+    got = full_of(out, model.weight.device_mesh, layout)
+    assert_close(got, want, **TOL)
+    if downstream == "sum" and isinstance(out, DTensor):
+        out.sum().backward()
+        want.sum().backward()
+    else:
+        weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(13))
+        (got * weight).sum().backward()
+        (want * weight).sum().backward()
+    grad = model.weight.grad
+    assert_all_ranks(isinstance(grad, DTensor) and (grad.placements == (Shard(0),) or not local_path), repr(grad))
+    assert_close(grad.full_tensor(), ref.weight.grad, **TOL)
+
+
+@pytest.mark.parametrize("output, local", [(Shard(1), False), (Shard(1), True), (Replicate(), True),
+                                           (Replicate(), False), (Shard(0), False)])
+def test_step_is_megatrons_work(tp_mesh, monkeypatch, output, local):
+    ref = embedding()
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=output, use_local_output=local))
+    assert_all_ranks(isinstance(model.forward, LocalEmbeddingForward))
+    log = DispatchLog(monkeypatch)
+    with CollectiveLog() as comms:
+        out = model(tokens())
+        forward_comms = list(comms.calls)
+    sharded = isinstance(output, Shard)
+    if tp_mesh.size() > 1:
+        assert_all_ranks(forward_comms == ["reduce_scatter" if sharded else "all_reduce"], str(forward_comms))
+    assert_all_ranks(isinstance(out, DTensor) != local, type(out).__name__)
+    assert_all_ranks(log.ops == [], str(log.ops))
+    with CollectiveLog() as comms:
+        compare(ref, model, out, output if local else None)
+    if tp_mesh.size() > 1 and sharded and not local:  # the gradient's all-gather comes first
+        assert_all_ranks(comms.calls[-2:] == ["all_gather", "all_gather"], str(comms.calls))
+
+
+def test_gradient_in_another_layout(tp_mesh):
+    """A sequence-sharded output whose gradient comes replicated (``sum``'s backward)."""
+    ref = embedding()
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False))
+    compare(ref, model, model(tokens()), None, downstream="sum")
+
+
+@pytest.mark.parametrize("case", ["padding_idx", "sharded tokens"])
+def test_general_path_where_local_does_not_apply(tp_mesh, monkeypatch, case):
+    ref = embedding(padding_idx=3) if case == "padding_idx" else embedding()
+    given = Replicate() if case == "padding_idx" else Shard(-1)
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
+        input_layouts=given, output_layouts=Replicate(), use_local_output=False))
+    log = DispatchLog(monkeypatch)
+    ids = tokens()
+    local_ids = ids
+    if case == "sharded tokens":  # torch.chunk's layout: 7 tokens in chunks of ceil(7 / n)
+        chunks, rank = ids.chunk(tp_mesh.size(), -1), tp_mesh.get_local_rank()
+        local_ids = chunks[rank] if rank < len(chunks) else ids[:, :0]
+    out = model(local_ids)
+    assert_all_ranks("aten.embedding.default" in log.ops, str(log.ops))
+    compare(ref, model, out, None, local_path=False)
+
+
+def test_deepcopy_rebinds_forward(tp_mesh):
+    ref = embedding()
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False))
+    twin = copy.deepcopy(model)
+    assert_all_ranks(twin.forward.module is twin)
+    compare(ref, twin, twin(tokens()), None)
+    assert_all_ranks(model.weight.grad is None, "the original got a gradient")
