@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._layout import chunk_sizes, contiguous_strides
+from .._layout import contiguous_strides
 from ..dtensor import DTensor
-from ..mesh import DeviceMesh, collectives
+from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard, normalize_placements
 from ..spec import DTensorSpec
-from .local_linear import local_grad
+from .local_linear import gather_reduced_grad, local_grad, reduce_partial
 
 _REPLICATE = (Replicate(),)
 _VOCAB = (Shard(0),)
@@ -52,12 +52,7 @@ class _VocabParallelEmbedding(torch.autograd.Function):
             y = w.new_zeros((*tokens.shape, w.shape[1]))
         ctx.comm, ctx.dim, ctx.out_spec, ctx.weight = comm, dim, out_spec, weight
         ctx.save_for_backward(rel, outside)
-        if comm.size > 1:
-            if dim is None:
-                y = collectives.all_reduce(y, comm, "sum", inplace=True)
-            else:
-                ctx.sizes = chunk_sizes(y.shape[dim], comm.size)
-                y = collectives.reduce_scatter(y, comm, "sum", dim=dim, sizes=ctx.sizes)
+        y = reduce_partial(ctx, y, comm, dim)
         return y if out_spec is None else DTensor(y, out_spec)
 
     @staticmethod
@@ -67,8 +62,7 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         rel, outside = ctx.saved_tensors
         gw = None
         if ctx.needs_input_grad[1]:
-            if ctx.dim is not None and ctx.comm.size > 1:
-                gy = collectives.all_gather(gy, ctx.comm, dim=ctx.dim, sizes=ctx.sizes)
+            gy = gather_reduced_grad(ctx, gy)
             weight = ctx.weight
             gy = gy.masked_fill(outside.unsqueeze(-1), 0)
             local = torch.ops.aten.embedding_dense_backward(gy, rel, weight._local_tensor.shape[0], -1, False)

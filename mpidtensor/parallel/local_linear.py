@@ -71,6 +71,25 @@ def local_grad(gy: Any, spec: DTensorSpec) -> torch.Tensor:
     return gy._local_tensor
 
 
+def reduce_partial(ctx, y: torch.Tensor, comm, dim: int | None) -> torch.Tensor:
+    """The sum over ``comm`` of this rank's partial ``y``: an in-place all-reduce, or a
+    reduce-scatter on ``dim`` (its piece sizes kept in ``ctx.sizes`` for the backward)."""
+    if comm.size == 1:
+        return y
+    if dim is None:
+        return collectives.all_reduce(y, comm, "sum", inplace=True)
+    ctx.sizes = chunk_sizes(y.shape[dim], comm.size)
+    return collectives.reduce_scatter(y, comm, "sum", dim=dim, sizes=ctx.sizes)
+
+
+def gather_reduced_grad(ctx, gy: torch.Tensor) -> torch.Tensor:
+    """The backward of :func:`reduce_partial` (``ctx.comm``, ``ctx.dim``): the gradient of a
+    reduce-scatter is all-gathered; that of an all-reduce is already whole."""
+    if ctx.dim is None or ctx.comm.size == 1:
+        return gy
+    return collectives.all_gather(gy, ctx.comm, dim=ctx.dim, sizes=ctx.sizes)
+
+
 def _wrap(y: torch.Tensor, out_spec: DTensorSpec | None):
     """The Function's output: the local ``y``, or the DTensor of ``out_spec`` holding it."""
     if out_spec is None:
@@ -129,13 +148,7 @@ class _RowwiseLinear(torch.autograd.Function):
         ctx.comm, ctx.dim, ctx.bias, ctx.out_spec = comm, dim, bias, out_spec
         ctx.x_spec = _grad_spec(x, False) if isinstance(x, DTensor) else None
         ctx.save_for_backward(local, weight)
-        y = F.linear(local, weight._local_tensor)
-        if comm.size > 1:
-            if dim is None:
-                y = collectives.all_reduce(y, comm, "sum", inplace=True)
-            else:
-                ctx.sizes = chunk_sizes(y.shape[dim], comm.size)
-                y = collectives.reduce_scatter(y, comm, "sum", dim=dim, sizes=ctx.sizes)
+        y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, dim)
         if bias is not None:
             y += bias._local_tensor
         return _wrap(y, out_spec)
@@ -145,8 +158,7 @@ class _RowwiseLinear(torch.autograd.Function):
         if ctx.out_spec is not None:
             gy = local_grad(gy, ctx.out_spec)
         x, weight = ctx.saved_tensors
-        if ctx.dim is not None and ctx.comm.size > 1:
-            gy = collectives.all_gather(gy, ctx.comm, dim=ctx.dim, sizes=ctx.sizes)
+        gy = gather_reduced_grad(ctx, gy)
         gx = None
         if ctx.needs_input_grad[0]:
             gx = gy.matmul(weight._local_tensor)
