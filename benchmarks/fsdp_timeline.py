@@ -5,7 +5,8 @@
 The model is ``record_steps.LinearStack`` (bias-free ``Linear(width, width)`` layers),
 every layer and the root ``fully_shard``-ed over all ranks; a step is forward, backward
 and AdamW. The groups' methods are wrapped (in this script only) to time-stamp, per rank:
-when each all-gather and reduce-scatter starts, the span its wait blocks (``wait``), and
+when each all-gather and reduce-scatter starts, the span its wait blocks (``wait``; with
+progress ``off`` FSDP's reduce-scatter is the blocking call, counted whole as a wait), and
 each layer's forward compute. Overlap fraction = 1 - (time blocked in waits) / (the same
 collectives' time run alone, start then wait at once): 0 when every byte moves inside
 the waits, 1 when all of it moved during compute. Each progress mode of
@@ -78,7 +79,10 @@ class Recorder:
                 self.span("ag wait", label, t)
 
         def start_rs(params):
+            t = self.now()
             start_reduce(params)
+            if progress.mode() == "off":  # the reduce-scatter is the blocking call: all of it blocked
+                self.span("rs wait", label, t)
             self.span("rs start", label, self.now())
 
         def finish_rs():
