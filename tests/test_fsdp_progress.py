@@ -99,16 +99,25 @@ def test_one_parameter_groups_match_single_process(mesh1d):
     for layer in net:
         fully_shard(layer, mesh=mesh1d)
     fully_shard(net, mesh=mesh1d)
-    x = global_tensor((4 * WORLD.size, 8), seed=5)
+    _train_alongside(ref, net, seed=5)
+
+
+def _train_alongside(ref, net, seed: int, each_step=None) -> None:
+    """Three AdamW steps of ``ref`` on the whole batch and of the FSDP ``net`` on this rank's
+    rows, then every parameter compared; ``each_step(log)`` sees each FSDP step's collectives."""
+    x = global_tensor((4 * WORLD.size, 8), seed=seed)
     mine = x[4 * WORLD.rank:4 * (WORLD.rank + 1)]
     ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=0.02), torch.optim.AdamW(net.parameters(), lr=0.02)
     for _ in range(3):
         ref(x).square().mean().backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        net(mine).square().mean().backward()
+        with CollectiveLog() as log:
+            net(mine).square().mean().backward()
         opt.step()
         opt.zero_grad()
+        if each_step is not None:
+            each_step(log)
     for p, q in zip(net.parameters(), ref.parameters()):
         assert_close(p.full_tensor(), q.detach(), **TOL)
 
@@ -126,21 +135,9 @@ def test_even_and_uneven_groups_match_single_process(mesh1d, mode):
     for layer in (net[0], net[2]):
         fully_shard(layer, mesh=mesh1d)
     fully_shard(net, mesh=mesh1d)
+    _train_alongside(ref, net, seed=6, each_step=lambda log: assert_all_ranks(
+        log.calls.count("reduce_scatter") == 2 and progress.in_flight() == 0, f"{log.calls}"))
     world = WORLD.size
-    x = global_tensor((4 * world, 8), seed=6)
-    mine = x[4 * WORLD.rank:4 * (WORLD.rank + 1)]
-    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=0.02), torch.optim.AdamW(net.parameters(), lr=0.02)
-    for _ in range(3):
-        ref(x).square().mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        with CollectiveLog() as log:
-            net(mine).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        assert_all_ranks(log.calls.count("reduce_scatter") == 2 and progress.in_flight() == 0, f"{log.calls}")
-    for p, q in zip(net.parameters(), ref.parameters()):
-        assert_close(p.full_tensor(), q.detach(), **TOL)
     first, last = net[0]._fsdp_state.group._split_sizes, net[2]._fsdp_state.group._split_sizes
     assert_all_ranks(first == [48 // world * 8 * 4, 48 // world * 4] and (last is not None) == (world <= 2),
                      f"one-copy layouts: {first}, {last}")
