@@ -29,7 +29,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard, normalize_placements
 from ..spec import DTensorSpec
-from .local_linear import gather_reduced_grad, local_grad, reduce_partial
+from .local_linear import gather_reduced_grad, local_grad, reduce_partial, wrap_output
 
 _REPLICATE = (Replicate(),)
 _VOCAB = (Shard(0),)
@@ -53,12 +53,11 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         ctx.comm, ctx.dim, ctx.out_spec, ctx.weight = comm, dim, out_spec, weight
         ctx.save_for_backward(rel, outside)
         y = reduce_partial(ctx, y, comm, dim)
-        return y if out_spec is None else DTensor(y, out_spec)
+        return wrap_output(y, out_spec)
 
     @staticmethod
     def backward(ctx, gy):
-        if ctx.out_spec is not None:
-            gy = local_grad(gy, ctx.out_spec)
+        gy = local_grad(gy, ctx.out_spec)
         rel, outside = ctx.saved_tensors
         gw = None
         if ctx.needs_input_grad[1]:

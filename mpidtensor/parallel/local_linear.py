@@ -60,11 +60,12 @@ def _grad_spec(x: DTensor, partial: bool) -> DTensorSpec:
     return spec
 
 
-def local_grad(gy: Any, spec: DTensorSpec) -> torch.Tensor:
+def local_grad(gy: Any, spec: DTensorSpec | None) -> torch.Tensor:
     """This rank's block of the gradient of a DTensor output of ``spec`` (Shard or Replicate),
-    in that layout: moved there first when it came in another one; a plain gradient is
-    taken as the block itself, as ``from_local``'s backward takes it."""
-    if not isinstance(gy, DTensor):
+    in that layout: moved there first when it came in another one; a plain gradient (or
+    ``spec`` None: the output was handed on local) is taken as the block itself, as
+    ``from_local``'s backward takes it."""
+    if spec is None or not isinstance(gy, DTensor):
         return gy
     if gy._spec.placements != spec.placements:
         gy = gy.redistribute(spec.mesh, spec.placements)
@@ -90,7 +91,7 @@ def gather_reduced_grad(ctx, gy: torch.Tensor) -> torch.Tensor:
     return collectives.all_gather(gy, ctx.comm, dim=ctx.dim, sizes=ctx.sizes)
 
 
-def _wrap(y: torch.Tensor, out_spec: DTensorSpec | None):
+def wrap_output(y: torch.Tensor, out_spec: DTensorSpec | None) -> Any:
     """The Function's output: the local ``y``, or the DTensor of ``out_spec`` holding it."""
     if out_spec is None:
         return y
@@ -120,12 +121,11 @@ class _ColwiseLinear(torch.autograd.Function):
         ctx.bias, ctx.out_spec = bias, out_spec
         ctx.save_for_backward(local, weight)
         y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
-        return _wrap(y, out_spec)
+        return wrap_output(y, out_spec)
 
     @staticmethod
     def backward(ctx, gy):
-        if ctx.out_spec is not None:
-            gy = local_grad(gy, ctx.out_spec)
+        gy = local_grad(gy, ctx.out_spec)
         x, weight = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:
@@ -151,12 +151,11 @@ class _RowwiseLinear(torch.autograd.Function):
         y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, dim)
         if bias is not None:
             y += bias._local_tensor
-        return _wrap(y, out_spec)
+        return wrap_output(y, out_spec)
 
     @staticmethod
     def backward(ctx, gy):
-        if ctx.out_spec is not None:
-            gy = local_grad(gy, ctx.out_spec)
+        gy = local_grad(gy, ctx.out_spec)
         x, weight = ctx.saved_tensors
         gy = gather_reduced_grad(ctx, gy)
         gx = None
