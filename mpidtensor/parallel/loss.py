@@ -76,13 +76,11 @@ def _row_placements(placements: Sequence[Placement], class_dim: int, mesh_dim: i
     return rows
 
 
-def _all_reduce(local: torch.Tensor, comm: tuple, op: str) -> torch.Tensor:
-    """``local`` (row statistics this call made) reduced by ``op`` over the class-sharding mesh
-    dim: one in-place all-reduce on that dim's communicator, the collective a ``Partial`` to
-    ``Replicate`` there is; the other mesh dims shard or replicate the rows, nothing moves there.
-    ``comm`` is ``(mesh, row placements, class mesh dim)``."""
-    mesh, _, mesh_dim = comm
-    group = mesh.comm_for((mesh_dim,))
+def _all_reduce(local: torch.Tensor, group, op: str) -> torch.Tensor:
+    """``local`` (row statistics this call made) reduced by ``op`` over ``group``, the
+    class-sharding mesh dim's communicator: one in-place all-reduce, the collective a
+    ``Partial`` to ``Replicate`` there is; the other mesh dims shard or replicate the rows,
+    nothing moves there."""
     if group.size == 1:
         return local
     return collectives.all_reduce(local, group, op, inplace=True)
@@ -91,13 +89,13 @@ def _all_reduce(local: torch.Tensor, comm: tuple, op: str) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-row cross entropy of local class-sharded logits ``x`` (class dim last, classes
     ``[offset, offset + width)`` of ``n_classes``) with the matching local ``target``
-    rows: the statistics all-reduced in forward (``comm``), the gradient local."""
+    rows: the statistics all-reduced in forward over ``group``, the gradient local."""
 
     @staticmethod
-    def forward(ctx, x, target, offset, n_classes, weight, ignore_index, smoothing, comm):
+    def forward(ctx, x, target, offset, n_classes, weight, ignore_index, smoothing, group):
         width = x.shape[-1]
         row_max = x.amax(-1) if width else x.new_full(x.shape[:-1], float("-inf"))
-        shifted = x - _all_reduce(row_max, comm, "max").unsqueeze(-1)
+        shifted = x - _all_reduce(row_max, group, "max").unsqueeze(-1)
         rel = target - offset
         mine = (rel >= 0) & (rel < width)
         idx = rel.clamp(0, max(width - 1, 0)).unsqueeze(-1)
@@ -106,7 +104,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         stats = [shifted.exp().sum(-1), torch.where(mine, picked, 0.0)]
         if smoothing:
             stats.append((shifted if w_local is None else shifted * w_local).sum(-1))
-        stats = _all_reduce(torch.stack(stats), comm, "sum")
+        stats = _all_reduce(torch.stack(stats), group, "sum")
         lse = stats[0].log()  # log-sum-exp of the shifted logits, per row
         valid = target != ignore_index
         w_target = torch.ones_like(lse) if weight is None else weight[target.clamp(0, n_classes - 1)]
@@ -178,9 +176,8 @@ def _cross_entropy(
     n_classes = input.shape[class_dim]
     offset = spec.local_shape_and_offset()[1][class_dim]
     x = input.to_local().movedim(class_dim, -1)
-    comm = (mesh, rows, mesh_dim)
     local = _VocabParallelCrossEntropy.apply(x, local_target, offset, n_classes, weight, ignore_index,
-                                             float(label_smoothing), comm)
+                                             float(label_smoothing), mesh.comm_for((mesh_dim,)))
     per_row = DTensor.from_local(local, mesh, rows, run_check=False, shape=row_shape)
     if reduction == "none":
         return per_row
@@ -188,19 +185,20 @@ def _cross_entropy(
     if reduction == "sum":
         return total
     return total / _mean_divisor(target if plain_target else local_target, weight, ignore_index, n_classes,
-                                 None if plain_target else comm)
+                                 None if plain_target else (mesh, rows))
 
 
 def _mean_divisor(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int, n_classes: int,
-                  comm: tuple | None) -> float:
+                  rows_on: tuple | None) -> float:
     """The mean's divisor, the total weight of the non-ignored targets: local from a whole
-    (plain) target; from a DTensor target's local rows, summed over the batch shards."""
+    (plain) target; from a DTensor target's local rows, summed over the batch shards
+    (``rows_on``: the mesh and the rows' placements)."""
     valid = target != ignore_index
     w = valid.to(torch.float64) if weight is None else torch.where(
         valid, weight[target.clamp(0, n_classes - 1)].to(torch.float64), 0.0)
     total = w.sum()
-    if comm is not None and any(isinstance(p, Shard) for p in comm[1]):
-        mesh, rows = comm[0], comm[1]
+    if rows_on is not None and any(isinstance(p, Shard) for p in rows_on[1]):
+        mesh, rows = rows_on
         partial = [Partial() if isinstance(p, Shard) else Replicate() for p in rows]
         total = DTensor.from_local(total, mesh, partial, run_check=False, shape=()).full_tensor()
     return total.item()
