@@ -20,21 +20,22 @@ from test_tp_local_linear import DispatchLog
 TOL = dict(atol=1e-6, rtol=1e-6)
 
 
-def embedding(**kwargs) -> nn.Embedding:
+def embedding(vocab: int = 13, **kwargs) -> nn.Embedding:
     torch.manual_seed(11)
-    return nn.Embedding(13, 5, **kwargs)
+    return nn.Embedding(vocab, 5, **kwargs)
 
 
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 13, (2, 7), generator=torch.Generator().manual_seed(12))
+def tokens(vocab: int = 13, length: int = 7) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(12))
 
 
 def compare(ref: nn.Embedding, model: nn.Embedding, out, layout, downstream: str = "weighted",
-            local_path: bool = True) -> None:
+            local_path: bool = True, ids: torch.Tensor | None = None) -> None:
     """Output and weight gradient against one process, for a fixed weighting of the output
     (its gradient in the output's layout) or a plain sum (a replicated gradient). The local
-    path gives the gradient of this rank's rows only: the weight's own ``Shard(0)``."""
-    ids = tokens()
+    path gives the gradient of this rank's rows only: the weight's own ``Shard(0)``. ``ids``:
+    the tokens ``out`` was computed from (default :func:`tokens`)."""
+    ids = tokens() if ids is None else ids
     want = ref(ids)
     got = full_of(out, model.weight.device_mesh, layout)
     assert_close(got, want, **TOL)
@@ -78,6 +79,18 @@ def test_gradient_in_another_layout(tp_mesh):
     model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
         input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False))
     compare(ref, model, model(tokens()), None, downstream="sum")
+
+
+@pytest.mark.parametrize("output", [Shard(1), Replicate()])
+def test_vocabulary_and_sequence_smaller_than_the_mesh(tp_mesh, output):
+    """3 rows and 1 position over up to 4 ranks: a rank may hold no row (its lookup is all
+    zeros, its gradient block empty) and no position of a sequence-sharded output."""
+    ref = embedding(vocab=3)
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=output, use_local_output=False))
+    assert_all_ranks(isinstance(model.forward, LocalEmbeddingForward))
+    ids = tokens(vocab=3, length=1)
+    compare(ref, model, model(ids), None, ids=ids)
 
 
 @pytest.mark.parametrize("case", ["padding_idx", "sharded tokens"])
