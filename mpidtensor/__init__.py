@@ -13,14 +13,11 @@ from . import ops  # noqa: F401  (registers the sharding rules)
 
 _torch.Tensor.to_dtensor = _to_dtensor  # local_tensor.to_dtensor(device_mesh=..., placements=...)
 
-# As torch's DTensor does: optimizers and gradient clipping take their multi-tensor
-# (foreach) kernels for DTensor parameters wherever they would for plain tensors.
-from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types  # noqa: E402
-from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types  # noqa: E402
+# Optimizers and gradient clipping take their multi-tensor (foreach) kernels for DTensor
+# parameters, on CPU too (one dispatch per op for all parameters, not one per parameter).
+from . import foreach as _foreach  # noqa: E402
 
-for _types in (_optim_foreach_types, _util_foreach_types):
-    if DTensor not in _types:
-        _types.append(DTensor)
+_foreach.install()
 
 __all__ = [
     "DTensor",

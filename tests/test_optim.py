@@ -1,10 +1,15 @@
-"""torch.optim on sharded parameters: no communication, the same numbers as on full tensors."""
+"""torch.optim on sharded parameters: no communication, the same numbers as on full tensors;
+the multi-tensor (foreach) path by default for CPU DTensor parameters (mpidtensor.foreach)."""
+import importlib
+
 import pytest
 import torch
 
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import Replicate, Shard, distribute_tensor
 from mpidtensor.debug import CommDebugMode
+
+ADAM = importlib.import_module("torch.optim.adam")  # torch.optim deletes its submodules' names
 
 OPTIMIZERS = [
     (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
@@ -13,7 +18,7 @@ OPTIMIZERS = [
 ]
 
 
-@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("foreach", [None, False, True])
 @pytest.mark.parametrize("cls,kwargs", OPTIMIZERS)
 def test_optimizer_steps(mesh1d, cls, kwargs, foreach, monkeypatch):
     monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
@@ -47,3 +52,63 @@ def test_dtensor_parameters_get_the_foreach_kernels_plain_ones_get(mesh1d):
     assert_all_ranks(_default_to_fused_or_foreach([p], False) == _default_to_fused_or_foreach([plain], False)
                      and _has_foreach_support([p], p.device) == _has_foreach_support([plain], plain.device),
                      "DTensor is not a foreach-supported type")
+
+
+@pytest.fixture
+def adam_paths(monkeypatch):
+    """Which of Adam's implementations each step ran: "foreach" or "loop"."""
+    taken = []
+    for name, label in (("_multi_tensor_adam", "foreach"), ("_single_tensor_adam", "loop")):
+        original = getattr(ADAM, name)
+
+        def recorded(*args, _original=original, _label=label, **kwargs):
+            taken.append(_label)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(ADAM, name, recorded)
+    return taken
+
+
+def sharded_params(mesh, count=3):
+    """``count`` DTensor parameters (13 x 5, uneven at 2-4 ranks), gradients set."""
+    params = []
+    for i in range(count):
+        p = torch.nn.Parameter(distribute_tensor(global_tensor((13, 5), seed=i), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(global_tensor((13, 5), seed=50 + i), mesh, [Shard(0)])
+        params.append(p)
+    return params
+
+
+def test_cpu_dtensor_params_take_the_foreach_path_by_default(mesh1d, adam_paths):
+    """Left unset, ``foreach`` is True for the step (one dispatch per op for all parameters)
+    and unset again after it; explicit choices, a tensor lr and plain-tensor groups are
+    left to torch; the values equal the per-parameter loop's exactly."""
+    default = torch.optim.AdamW(sharded_params(mesh1d), lr=0.01)
+    loop = torch.optim.AdamW(sharded_params(mesh1d), lr=0.01, foreach=False)
+    tensor_lr = torch.optim.AdamW(sharded_params(mesh1d), lr=torch.tensor(0.01))
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.01)
+    plain.param_groups[0]["params"][0].grad = torch.ones(3)
+    seen = {}
+    for name, opt in (("default", default), ("loop", loop), ("tensor lr", tensor_lr), ("plain", plain)):
+        adam_paths.clear()
+        opt.step()
+        seen[name] = (list(adam_paths), opt.param_groups[0]["foreach"])
+    expected = {"default": (["foreach"], None), "loop": (["loop"], False), "tensor lr": (["loop"], None),
+                "plain": (["loop"], None)}
+    same = all(torch.equal(a.to_local(), b.to_local())
+               for a, b in zip(default.param_groups[0]["params"], loop.param_groups[0]["params"]))
+    assert_all_ranks(seen == expected and same, f"paths and foreach after the step: {seen}; equal values: {same}")
+
+
+def test_a_step_that_raises_leaves_the_group_unset_after_the_next(mesh1d, monkeypatch):
+    opt = torch.optim.AdamW(sharded_params(mesh1d), lr=0.01)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken step")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ADAM, "_multi_tensor_adam", broken)
+        with pytest.raises(RuntimeError, match="broken step"):
+            opt.step()
+    opt.step()
+    assert_all_ranks(opt.param_groups[0]["foreach"] is None, f"foreach left {opt.param_groups[0]['foreach']}")
