@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import time
 import zlib
@@ -57,14 +58,20 @@ def interleaved(fns: dict, budget: float | None) -> dict:
     """Median over repetitions of the slowest rank's seconds per call, for each of ``fns``,
     run in turn within each repetition: at least MIN_REPS repetitions, more while the cell
     has used less than ``budget`` seconds. The callers' checks were the warm-up. None for
-    a library without a callable, and for all of them when ``budget`` is None (check only)."""
+    a library without a callable, and for all of them when ``budget`` is None (check only).
+
+    Each repetition runs them in a shuffled order, the same on every rank (a seeded RNG):
+    in a fixed cycle one library always follows another and pays for what that one leaves
+    running (gloo's threads, memory being freed) while the others never do."""
     live = {k: f for k, f in fns.items() if f is not None}
     if budget is None or not live:
         return dict.fromkeys(fns)
     samples = {k: [] for k in live}
+    order = random.Random(len(live))
 
     def repetition(calls: int) -> None:
-        for k, f in live.items():
+        for k in order.sample(list(live), len(live)):
+            f = live[k]
             COMM.Barrier()
             t0 = time.perf_counter()
             for _ in range(calls):
