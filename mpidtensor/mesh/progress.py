@@ -43,8 +43,9 @@ interval = 100e-6  # seconds between the thread's probes
 
 
 def set_mode(mode: str) -> None:
-    """Choose ``"off"``, ``"hooks"`` or ``"thread"`` (the same on every rank, or not: it
-    changes no result, only when data moves)."""
+    """Choose ``"off"``, ``"hooks"`` or ``"thread"``, the same on every rank: it changes no
+    result, but FSDP's reduce-scatter is blocking in ``"off"`` and non-blocking otherwise,
+    and MPI matches a blocking collective with no non-blocking one."""
     global _mode, _thread
     if mode not in MODES:
         raise ValueError(f"progress mode must be one of {MODES}, got {mode!r}")
