@@ -14,9 +14,12 @@ rank (even and uneven shards, ``bench_record``'s cases, each checked first), the
 ``x.redistribute(mesh, placements).to_local()`` against the same bare mpi4py call as the
 record's, interleaved in batches of 20 calls after a barrier: the median and the minimum
 over batches (at least ``--calls`` calls each) of the slowest rank, and their difference,
-µs above bare (issue 17's target: within 15 µs with one rank per core).
+µs above bare (issue 17's target: within 15 µs with one rank per core); and, since wall
+times follow the machine's load, the Python calls of one public call (cProfile, rank 0,
+the benchmark's own call included), which do not.
 """
 import argparse
+import cProfile
 import os
 import statistics
 import time
@@ -72,6 +75,16 @@ def init_gloo():
         return None
 
 
+def python_calls(fn, calls: int = 200) -> float:
+    """Python-level calls (functions and builtins, cProfile) per call of ``fn``, ``fn`` included."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    return sum(stat[1] for stat in profile.getstats()) / calls - 1 / calls  # less ``disable``
+
+
 def overhead(calls: int, nbytes: int = 4 << 10, batch: int = 20) -> None:
     """The public path's µs above the bare collective per transition (see the module doc)."""
     import bench_record as record  # it imports this module: import it here, not at the top
@@ -96,13 +109,15 @@ def overhead(calls: int, nbytes: int = 4 << 10, batch: int = 20) -> None:
                         fn()
                     samples[k].append((time.perf_counter() - start) / batch * 1e6)
             rows.append([case.name, "uneven" if uneven else "even"] + [
-                world.allreduce(stat(samples[k]), op=MPI.MAX) for stat in (statistics.median, min) for k in fns])
+                world.allreduce(stat(samples[k]), op=MPI.MAX) for stat in (statistics.median, min) for k in fns]
+                + [python_calls(fns["md"])])
     if rank == 0:
         print(f"\n{n} ranks, {nbytes} B of float32 per rank, {calls} calls per figure in batches of {batch}, "
               f"load average {load:.2f} -> {os.getloadavg()[0]:.2f}; µs per call, slowest rank")
-        header = ["transition", "shards", "md median", "bare median", "above", "md min", "bare min", "above (min)"]
+        header = ["transition", "shards", "md median", "bare median", "above", "md min", "bare min", "above (min)",
+                  "md calls"]
         text_table.print_table(header, [[name, shards, f"{a:.1f}", f"{b:.1f}", f"{a - b:.1f}", f"{c:.1f}", f"{d:.1f}",
-                                         f"{c - d:.1f}"] for name, shards, a, b, c, d in rows])
+                                         f"{c - d:.1f}", f"{e:.0f}"] for name, shards, a, b, c, d, e in rows])
 
 
 def main():

@@ -57,13 +57,8 @@ class DTensor(torch.Tensor):
             out = DTensor.from_local(local_tensor, device_mesh if spec is None else spec, placements,
                                      run_check=run_check, shape=shape, stride=stride)
             return out.requires_grad_() if requires_grad else out
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local_tensor.device,
-            layout=local_tensor.layout, requires_grad=requires_grad,
-        )
-        r._local_tensor = local_tensor
-        r._spec = spec
-        return r
+        r = _wrap(local_tensor, spec, cls)
+        return r.requires_grad_() if requires_grad else r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -178,12 +173,12 @@ class DTensor(torch.Tensor):
         spec = self._spec
         cacheable = isinstance(placements, (list, tuple)) and (device_mesh is None or device_mesh is spec.mesh)
         if cacheable:
-            target = _TARGETS.get((spec, tuple(placements)))
+            target = _TARGETS.get((spec, *placements))
             if target is not None:  # a cache hit: validated before
                 return redistribute_dtensor(self, target, same_ok=True)
         target = self._target_spec(device_mesh, placements)
         if cacheable:
-            _TARGETS[(spec, tuple(placements))] = target
+            _TARGETS[(spec, *placements)] = target
         return redistribute_dtensor(self, target, same_ok=True)
 
     def _target_spec(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> DTensorSpec:
@@ -242,7 +237,7 @@ def _settled(placements) -> list[Placement]:
 
 
 # Cache-hit paths of the public entry points: every key is checked once, on its first use.
-_TARGETS: dict[tuple, DTensorSpec] = {}  # (spec, placements as given) -> redistribute's target
+_TARGETS: dict[tuple, DTensorSpec] = {}  # (spec, *placements as given) -> redistribute's target
 _REPLICATED: dict[DTensorSpec, DTensorSpec] = {}  # spec -> its all-Replicate spec (full_tensor)
 _FROM_LOCAL: dict[tuple, tuple[DTensorSpec, torch.Size]] = {}  # from_local(shape=...) -> (spec, local shape)
 
@@ -254,9 +249,22 @@ def redistribute_dtensor(x: DTensor, spec: DTensorSpec, *, same_ok: bool = False
     DTensor). Without autograd to record, the step plan runs without an autograd Function."""
     if x._spec is spec and not same_ok:
         return x
-    if torch.is_grad_enabled() and x.requires_grad:
+    if x.requires_grad and torch.is_grad_enabled():
         return _Redistribute.apply(x, spec)
-    return DTensor(redistribute_local(x._local_tensor, x._spec, spec), spec)
+    return _wrap(redistribute_local(x._local_tensor, x._spec, spec), spec)
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _wrap(local: torch.Tensor, spec: DTensorSpec, cls: type = DTensor) -> DTensor:
+    """``DTensor(local, spec)``: ``local`` wrapped as it is, not requiring grad (the hot path of
+    redistribute: no constructor to go through)."""
+    r = _make_wrapper(cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device,
+                      layout=local.layout)
+    r._local_tensor = local
+    r._spec = spec
+    return r
 
 
 class _FromLocal(torch.autograd.Function):

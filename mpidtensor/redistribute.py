@@ -40,15 +40,20 @@ class _Collective:
             entry = kept.get(inplace)
             if entry is not None and entry[0] is mesh:
                 return entry[1](t)
-        comm = mesh.comm_for(self.mesh_dims)
         if type(t) is not torch.Tensor:  # e.g. traced by torch.compile: nothing to keep
-            return self.collective(t, comm, inplace)
+            return self.collective(t, mesh.comm_for(self.mesh_dims), inplace)
+        return self.prepared(t, mesh, inplace)(t)
+
+    def prepared(self, t: torch.Tensor, mesh, inplace: bool = False) -> collectives.Prepared:
+        """The collective prepared for ``t``'s shape and dtype on ``mesh``, kept on the step."""
+        kept = self.__dict__.get("_kept")
         if kept is None:
             kept = {}
             object.__setattr__(self, "_kept", kept)  # not a field: equality and hash ignore it
-        prepared = self.prepare(t.shape, t.dtype, comm, inplace)
-        kept[inplace] = (mesh, prepared)
-        return prepared(t)
+        entry = kept.get(inplace)
+        if entry is None or entry[0] is not mesh:
+            entry = kept[inplace] = (mesh, self.prepare(t.shape, t.dtype, mesh.comm_for(self.mesh_dims), inplace))
+        return entry[1]
 
 
 @dataclass(frozen=True)
@@ -187,17 +192,29 @@ def _memory_order(shape, stride) -> tuple[int, ...]:
 def clear_plans() -> None:
     """Forget every cached redistribution plan."""
     _PLANS.clear()
+    _PREPARED.clear()
 
 
 _MAKES_BUFFER = (AllGather, AllToAll, AllReduce, ReduceScatter)  # steps whose result is a new buffer
 
+# Plans of one collective, by (source spec, target spec): the collective as prepared on the
+# first plain tensor, so that a repeated redistribution is one dict lookup from MPI.
+_PREPARED: dict[tuple[DTensorSpec, DTensorSpec], collectives.Prepared] = {}
+
 
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
     """This rank's local tensor of ``dst`` from its local tensor ``local`` of ``src``."""
+    prepared = _PREPARED.get((src, dst))
+    if prepared is not None:  # it takes the general function for any other input
+        return prepared(local)
     steps = plan(src, dst)
     mesh = src.mesh
     if len(steps) == 1:  # the common case: one collective on the caller's tensor
-        return steps[0].run(local, mesh)
+        step = steps[0]
+        if isinstance(step, _Collective) and type(local) is torch.Tensor:
+            prepared = _PREPARED[src, dst] = step.prepared(local, mesh)
+            return prepared(local)
+        return step.run(local, mesh)
     made = False  # whether ``local`` is a buffer an earlier step made, seen by nobody else
     for step in steps:
         if made and type(step) is AllReduce:

@@ -8,6 +8,7 @@ from mpi4py import MPI
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from mpidtensor.debug import CommDebugMode
+from mpidtensor.redistribute import clear_plans
 
 WORLD = MPI.COMM_WORLD
 ONE_D = [Shard(0), Shard(1), Shard(-1), Replicate()]
@@ -194,13 +195,14 @@ def test_2d_all_reduce_of_a_gathered_buffer_is_in_place(mesh2d, monkeypatch):
     kept = local.clone()
     d = DTensor.from_local(local, mesh2d, [Partial(), Shard(0)], shape=(8, 6), stride=(6, 1))
     calls = []
-    real = collectives._all_reduce  # the MPI call of all_reduce and of its prepared form
+    real = collectives._all_reduce_fn  # makes the MPI call of all_reduce and of its prepared form
 
-    def spy(send, comm, datatype, mpi_op, op, inplace):
+    def spy(comm, datatype, mpi_op, op, inplace, host=False):
         calls.append(inplace)
-        return real(send, comm, datatype, mpi_op, op, inplace)
+        return real(comm, datatype, mpi_op, op, inplace, host)
 
-    monkeypatch.setattr(collectives, "_all_reduce", spy)
+    monkeypatch.setattr(collectives, "_all_reduce_fn", spy)
+    clear_plans()  # the step prepares its all-reduce in this test (an earlier one may have)
     out = d.redistribute(mesh2d, [Replicate(), Replicate()]).to_local()
     assert_close(out, parts[0] + parts[1])
     assert_all_ranks(torch.equal(local, kept) and calls == [True], f"input changed or calls {calls}")

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from mpidtensor.mesh import collectives, guard
+from mpidtensor.mesh import buffers, collectives, guard
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank
@@ -155,6 +155,19 @@ def test_changed_thresholds_are_followed(mesh1d, monkeypatch):
     monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
     check_repeated(x, mesh1d, "S1", calls=2)
     assert_all_ranks(len(packed) == (2 if N > 1 else 0), f"packed all-to-alls: {len(packed)}")
+
+
+def test_prepared_gather_owns_its_datatype(mesh1d):
+    """A prepared typed all-gather (a small S(1) -> R) keeps a datatype of its own: the shared
+    cache of derived datatypes frees what it evicts, and filling it leaves the step working."""
+    if N == 1:
+        pytest.skip("nothing to communicate on one rank")
+    full = global_tensor((3, 2 * N))
+    x = source(full, mesh1d, "S1")
+    check_repeated(x, mesh1d, "R", calls=1)  # prepared
+    for k in range(buffers.derived._maxsize + 1):
+        buffers.derived(("filler", k), lambda k=k: MPI.BYTE.Create_contiguous(k + 1))
+    check_repeated(x, mesh1d, "R")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.int32])

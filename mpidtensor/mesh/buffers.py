@@ -7,7 +7,8 @@
   staged through host memory when MPI is not CUDA-aware. This is the only place
   that decision is made.
 * ``as_buffer``: a zero-copy byte view of a C-contiguous tensor (its raw address on
-  the host, CuPy on a GPU), always paired with an explicit MPI datatype.
+  the host, CuPy on a GPU), always paired with an explicit MPI datatype;
+  ``host_buffer`` the same for a tensor already known to be a contiguous host one.
 * ``derived``: a cache of committed derived datatypes, freed on eviction.
 """
 from __future__ import annotations
@@ -114,10 +115,9 @@ def stage(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool 
 def empty(shape: torch.Size | tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An uninitialised C-contiguous tensor on ``like``'s communication device; on the
     host from the buffer pool (``mesh.pool``), elsewhere from torch's allocator."""
-    dtype = dtype or like.dtype
     if not like.is_cuda and pool.limit_bytes:
-        return pool.take(tuple(shape), dtype)
-    return track_buffer(torch.empty(shape, dtype=dtype, device=comm_device(like)))
+        return pool.take(shape, dtype or like.dtype)  # a torch.Size keys the pool as its tuple does
+    return track_buffer(torch.empty(shape, dtype=dtype or like.dtype, device=comm_device(like)))
 
 
 def unstage(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -128,6 +128,9 @@ def unstage(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return result.to(like.device, like.dtype, memory_format=torch.contiguous_format).contiguous()
 
 
+_from_address = MPI.buffer.fromaddress
+
+
 def as_buffer(tensor: torch.Tensor) -> Any:
     """A zero-copy byte view of a C-contiguous tensor that mpi4py accepts as a buffer.
 
@@ -136,7 +139,7 @@ def as_buffer(tensor: torch.Tensor) -> Any:
     if not tensor.is_contiguous():
         raise ValueError("only C-contiguous tensors may be handed to MPI")
     if not tensor.is_cuda:
-        return MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)
+        return _from_address(tensor.data_ptr(), tensor.nbytes)
     # bytes (NumPy/CuPy lack some torch dtypes); as_strided, since a contiguous tensor of
     # 0 or 1 element may carry any stride, which reshape would keep and view refuse
     data = tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8)
@@ -145,3 +148,9 @@ def as_buffer(tensor: torch.Tensor) -> Any:
     torch.cuda.current_stream(data.device).synchronize()
     with cupy.cuda.Device(data.device.index):
         return cupy.asarray(data)
+
+
+def host_buffer(tensor: torch.Tensor) -> Any:
+    """``as_buffer`` of a tensor its caller knows to be a C-contiguous host tensor, without
+    checking it: for the prepared collectives, whose calls check their inputs once."""
+    return _from_address(tensor.data_ptr(), tensor.nbytes)

@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import guard, tracing, watchdog
-from .buffers import as_buffer, derived, empty, has_mpi_type, mpi_type, stage, unstage
+from .buffers import as_buffer, derived, empty, has_mpi_type, host_buffer, mpi_type, stage, unstage
 from .mpi_library import collective_thresholds
 from .rounds import all_gather_rounds, offsets, reduce_scatter_rounds, scatter_rounds, span, spans
 
@@ -128,45 +128,63 @@ def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, *, dim: int, sizes: Se
     tracing.record("all_gather", send.nbytes)
     _enter("all_gather", comm, tensor.dtype, list(lay.counts))
     try:
-        out = _gather(lay, send, comm)
+        out = _gather_fn(lay, comm, send.dtype, derived)(send)
     finally:
         _leave()
     return unstage(out, tensor)
 
 
-def _gather(lay: _Gather, send: torch.Tensor, comm: MPI.Intracomm) -> torch.Tensor:
-    """The all-gather of ``lay`` of the staged ``send``: MPI, then the interleaving copy if any."""
-    mode, datatype = lay.mode, lay.datatype
+Run = Callable[[torch.Tensor], torch.Tensor]  # a collective as a function of its staged input
+
+
+def _gather_fn(lay: _Gather, comm: MPI.Intracomm, dtype: torch.dtype,
+               types: Callable[[Hashable, Callable[[], MPI.Datatype]], MPI.Datatype], host: bool = False) -> Run:
+    """The all-gather of ``lay`` as a function of the staged send tensor: MPI, then the
+    interleaving copy if any. ``types`` gives its derived datatype (as for ``_blocks``);
+    ``host``: every send will be a C-contiguous host tensor (a prepared collective's), so
+    buffers reach MPI unchecked. Made per call by :func:`all_gather`, once by a prepared one."""
+    mode, datatype, shape, count = lay.mode, lay.datatype, lay.shape, lay.counts[0]
+    buf = host_buffer if host else as_buffer
     if mode == "typed":  # piece r lands as rows of columns[r] elements, ``r`` pieces in
-        out = empty(lay.shape, send)
-        columns, width = lay.columns[0], prod(lay.shape[lay.dim:])
-        pieces = derived(("columns", send.dtype, lay.rows, columns, width),
-                         lambda: _column_blocks(datatype, lay.rows, columns, width))
-        comm.Allgather([as_buffer(send), lay.counts[0], datatype], [as_buffer(out), 1, pieces])
-        return out
-    if mode == "padded":
+        columns, width = lay.columns[0], prod(shape[lay.dim:])
+        pieces = types(("columns", dtype, lay.rows, columns, width),
+                       lambda: _column_blocks(datatype, lay.rows, columns, width))
+
+        def typed(send: torch.Tensor) -> torch.Tensor:
+            out = empty(shape, send)
+            comm.Allgather([buf(send), count, datatype], [buf(out), 1, pieces])
+            return out
+        return typed
+    if mode in ("even", "v"):  # received straight into the result, or back to back and interleaved
+        runs, size, mine = lay.runs, comm.size, lay.counts[comm.rank]
+        flat_shape = shape if runs else (sum(lay.counts),)
+        gather, recv = (comm.Allgather, count) if mode == "even" else (comm.Allgatherv, (lay.counts, lay.offsets))
+
+        def direct(send: torch.Tensor) -> torch.Tensor:
+            flat = empty(flat_shape, send)
+            gather([buf(send), mine, datatype], [buf(flat), recv, datatype])
+            return flat if runs else _interleave(flat, lay, size, send)
+        return direct
+    return lambda send: _gather_padded_or_rounds(lay, send, comm)
+
+
+def _gather_padded_or_rounds(lay: _Gather, send: torch.Tensor, comm: MPI.Intracomm) -> torch.Tensor:
+    """An all-gather of pieces padded to the longest for one ``Allgather`` ("padded") or in "rounds"."""
+    datatype = lay.datatype
+    if lay.mode == "padded":
         staged = send  # a full piece is sent as it is; a short one is padded first
         if send.numel() != lay.width:
             staged = empty((lay.width,), send)
             staged[:send.numel()] = send.view(-1)
         flat = empty((lay.width * comm.size,), send)
-    elif lay.runs and mode != "rounds":
-        flat = empty(lay.shape, send)  # received straight into the result
+        comm.Allgather([as_buffer(staged), lay.width, datatype], [as_buffer(flat), lay.width, datatype])
+        if lay.runs:  # the result is the padded pieces' prefix: no copy out
+            return flat[:sum(lay.counts)].view(lay.shape)
     else:
         flat = empty((sum(lay.counts),), send)  # the pieces back to back, in rank order
-    if mode == "even":
-        comm.Allgather([as_buffer(send), lay.counts[0], datatype], [as_buffer(flat), lay.counts[0], datatype])
-    elif mode == "padded":
-        comm.Allgather([as_buffer(staged), lay.width, datatype], [as_buffer(flat), lay.width, datatype])
-    elif mode == "v":
-        comm.Allgatherv([as_buffer(send), send.numel(), datatype],
-                        [as_buffer(flat), (lay.counts, lay.offsets), datatype])
-    else:
         all_gather_rounds(send.view(-1), flat, lay.counts, comm, datatype, MAX_COUNT)
-    if lay.runs:
-        if mode == "padded":  # the result is the padded pieces' prefix: no copy out
-            return flat[:sum(lay.counts)].view(lay.shape)
-        return flat.view(lay.shape) if mode == "rounds" else flat
+        if lay.runs:
+            return flat.view(lay.shape)
     return _interleave(flat, lay, comm.size, send)
 
 
@@ -230,8 +248,8 @@ def all_to_all(
         if packed:
             out = _all_to_all_packed(send, comm, split_dim, concat_dim, split_sizes, concat_sizes, shape)
         else:
-            out = _all_to_all_typed(send, comm, shape, _blocks(send.shape, send.dtype, split_dim, split_sizes, derived),
-                                    _blocks(shape, send.dtype, concat_dim, concat_sizes, derived))
+            out = _all_to_all_typed_fn(comm, shape, _blocks(send.shape, send.dtype, split_dim, split_sizes, derived),
+                                       _blocks(shape, send.dtype, concat_dim, concat_sizes, derived))(send)
     finally:
         _leave()
     return unstage(out, tensor)
@@ -261,11 +279,18 @@ def _all_to_all_layout(shape: torch.Size, itemsize: int, split_dim: int, concat_
     return split_dim, concat_dim, result, fits and _beyond(ALLTOALL_PACKED_MIN, size, total)
 
 
-def _all_to_all_typed(send, comm, shape, send_blocks, recv_blocks) -> torch.Tensor:
-    """One ``Alltoallw`` with a subarray datatype per piece (``_blocks``): no local copies."""
-    out = empty(shape, send)
-    comm.Alltoallw([as_buffer(send), *send_blocks], [as_buffer(out), *recv_blocks])
-    return out
+def _all_to_all_typed_fn(comm: MPI.Intracomm, shape: tuple[int, ...], send_blocks: tuple, recv_blocks: tuple,
+                         host: bool = False) -> Run:
+    """One ``Alltoallw`` with a subarray datatype per piece (``_blocks``), as a function of the
+    staged send tensor: no local copies (``host`` as for ``_gather_fn``)."""
+    buf = host_buffer if host else as_buffer
+    (send_counts, send_types), (recv_counts, recv_types) = send_blocks, recv_blocks
+
+    def typed(send: torch.Tensor) -> torch.Tensor:
+        out = empty(shape, send)
+        comm.Alltoallw([buf(send), send_counts, send_types], [buf(out), recv_counts, recv_types])
+        return out
+    return typed
 
 
 def _all_to_all_packed(send, comm, split_dim, concat_dim, split_sizes, concat_sizes, shape) -> torch.Tensor:
@@ -305,31 +330,37 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum", 
     tracing.record("all_reduce", send.nbytes)
     _enter("all_reduce", comm, dtype, [send.numel()])
     try:
-        out = _all_reduce(send, comm, mpi_type(dtype), mpi_op, op, inplace and send.data_ptr() == tensor.data_ptr())
+        inplace = inplace and send.data_ptr() == tensor.data_ptr()
+        out = _all_reduce_fn(comm, mpi_type(dtype), mpi_op, op, inplace)(send)
     finally:
         _leave()
     return unstage(out, tensor)
 
 
-def _all_reduce(send: torch.Tensor, comm: MPI.Intracomm, datatype: MPI.Datatype, mpi_op: MPI.Op, op: str,
-                inplace: bool) -> torch.Tensor:
-    """The all-reduce of the staged ``send``: into ``send`` itself (``MPI_IN_PLACE``) or a new buffer."""
-    out = send if inplace else empty(send.shape, send)
-    numel = send.numel()
-    if MAX_COUNT is None or numel <= MAX_COUNT:  # the common case: one call
-        if inplace:
-            comm.Allreduce(MPI.IN_PLACE, [as_buffer(out), numel, datatype], mpi_op)
-        else:
-            comm.Allreduce([as_buffer(send), numel, datatype], [as_buffer(out), numel, datatype], mpi_op)
-    else:
-        for start, n in spans(numel, MAX_COUNT):
+def _all_reduce_fn(comm: MPI.Intracomm, datatype: MPI.Datatype, mpi_op: MPI.Op, op: str, inplace: bool,
+                   host: bool = False) -> Run:
+    """The all-reduce as a function of the staged send tensor: into it (``MPI_IN_PLACE``) or
+    into a new buffer (``host`` as for ``_gather_fn``)."""
+    buf, avg, size = host_buffer if host else as_buffer, op == "avg", comm.size
+
+    def reduce(send: torch.Tensor) -> torch.Tensor:
+        out = send if inplace else empty(send.shape, send)
+        numel = send.numel()
+        if MAX_COUNT is None or numel <= MAX_COUNT:  # the common case: one call
             if inplace:
-                comm.Allreduce(MPI.IN_PLACE, [span(out, start, n), n, datatype], mpi_op)
+                comm.Allreduce(MPI.IN_PLACE, [buf(out), numel, datatype], mpi_op)
             else:
-                comm.Allreduce([span(send, start, n), n, datatype], [span(out, start, n), n, datatype], mpi_op)
-    if op == "avg":
-        out /= comm.size
-    return out
+                comm.Allreduce([buf(send), numel, datatype], [buf(out), numel, datatype], mpi_op)
+        else:
+            for start, n in spans(numel, MAX_COUNT):
+                if inplace:
+                    comm.Allreduce(MPI.IN_PLACE, [span(out, start, n), n, datatype], mpi_op)
+                else:
+                    comm.Allreduce([span(send, start, n), n, datatype], [span(out, start, n), n, datatype], mpi_op)
+        if avg:
+            out /= size
+        return out
+    return reduce
 
 
 def reduce_scatter(
@@ -350,7 +381,7 @@ def reduce_scatter(
     tracing.record("reduce_scatter", send.nbytes)
     _enter("reduce_scatter", comm, dtype, counts)
     try:
-        out = _reduce_scatter(send, comm, datatype, mpi_op, op, counts, out_shape)
+        out = _reduce_scatter_fn(comm, datatype, mpi_op, op, counts, out_shape)(send)
     finally:
         _leave()
     if dim:
@@ -358,18 +389,23 @@ def reduce_scatter(
     return unstage(out, tensor)
 
 
-def _reduce_scatter(send: torch.Tensor, comm: MPI.Intracomm, datatype: MPI.Datatype, mpi_op: MPI.Op, op: str,
-                    counts: list[int], out_shape: tuple[int, ...]) -> torch.Tensor:
-    """The reduce-scatter of the staged ``send`` (its scattered dim leading) into a new buffer."""
-    out = empty(out_shape, send)
-    if MAX_COUNT is not None and send.numel() > MAX_COUNT:
-        reduce_scatter_rounds(send.view(-1), out.view(-1), counts, comm, datatype, mpi_op, MAX_COUNT)
-    else:
-        comm.Reduce_scatter([as_buffer(send), send.numel(), datatype],
-                            [as_buffer(out), counts[comm.rank], datatype], counts, mpi_op)
-    if op == "avg":
-        out /= comm.size
-    return out
+def _reduce_scatter_fn(comm: MPI.Intracomm, datatype: MPI.Datatype, mpi_op: MPI.Op, op: str, counts: list[int],
+                       out_shape: tuple[int, ...], host: bool = False) -> Run:
+    """The reduce-scatter into a new buffer as a function of the staged send tensor (its
+    scattered dim leading; ``host`` as for ``_gather_fn``)."""
+    buf, avg, size = host_buffer if host else as_buffer, op == "avg", comm.size
+    total, mine = sum(counts), counts[comm.rank]
+
+    def reduce_scatter(send: torch.Tensor) -> torch.Tensor:
+        out = empty(out_shape, send)
+        if MAX_COUNT is not None and total > MAX_COUNT:
+            reduce_scatter_rounds(send.view(-1), out.view(-1), counts, comm, datatype, mpi_op, MAX_COUNT)
+        else:
+            comm.Reduce_scatter([buf(send), total, datatype], [buf(out), mine, datatype], counts, mpi_op)
+        if avg:
+            out /= size
+        return out
+    return reduce_scatter
 
 
 @lru_cache(maxsize=1024)
@@ -439,8 +475,9 @@ class Prepared:
     Calling it on a host tensor of that signature goes straight to MPI (after ``stage``: a
     contiguous copy if it is not C-contiguous), with debug mode and the watchdog off and the
     thresholds as they were; any other input, or those settings on, takes the general function (which
-    checks and stages as usual). Redistribution steps keep one per plan (docs/performance.md,
-    "Where the time goes at 4 KiB")."""
+    checks and stages as usual). ``fast`` is the collective as a function of a staged host
+    tensor, its constants bound (``_gather_fn`` and the like with ``host=True``). Redistribution
+    steps keep one per plan (docs/performance.md, "Where the time goes at 4 KiB")."""
 
     __slots__ = ("kind", "shape", "dtype", "nbytes", "limits", "fast", "general", "__weakref__")
 
@@ -454,12 +491,13 @@ class Prepared:
         self.general = general
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        if (self.fast is not None and type(tensor) is torch.Tensor and tensor.dtype is self.dtype
-                and tensor.shape == self.shape and not tensor.is_cuda and not guard.ENABLED
-                and not watchdog.ENABLED
+        if (type(tensor) is torch.Tensor and tensor.shape == self.shape and tensor.dtype is self.dtype
+                and self.fast is not None and not tensor.is_cuda and not (guard.ENABLED or watchdog.ENABLED)
                 and (MAX_COUNT, ALLGATHER_PADDED_MIN, ALLTOALL_PACKED_MIN, GATHER_TYPED_MAX) == self.limits):
             tracing.record(self.kind, self.nbytes)
-            return self.fast(stage(tensor))
+            if tensor.requires_grad or not tensor.is_contiguous() or tensor.is_neg() or tensor.is_conj():
+                tensor = stage(tensor)  # what ``stage`` would return as it is, checked inline
+            return self.fast(tensor)
         return self.general(tensor)
 
 
@@ -468,8 +506,11 @@ def prepare_all_gather(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intra
     """:func:`all_gather` of tensors of ``shape`` and ``dtype`` on ``comm``, prepared."""
     sizes = tuple(sizes)
     lay = _gather_layout(torch.Size(shape), dtype, dim, sizes, comm.size, comm.rank, _limits())
-    return Prepared("all_gather", shape, dtype, lambda send: _gather(lay, send, comm),
-                    lambda t: all_gather(t, comm, dim=dim, sizes=sizes))
+    owned, own = _own_types()
+    prepared = Prepared("all_gather", shape, dtype, _gather_fn(lay, comm, dtype, own, host=True),
+                        lambda t: all_gather(t, comm, dim=dim, sizes=sizes))
+    weakref.finalize(prepared, _free_types, owned)
+    return prepared
 
 
 def prepare_all_to_all(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intracomm, *, split_dim: int,
@@ -487,15 +528,11 @@ def prepare_all_to_all(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intra
     if packed:
         return Prepared("all_to_all", shape, dtype, lambda send: _all_to_all_packed(
             send, comm, split_dim, concat_dim, split_sizes, concat_sizes, out_shape), general)
-    owned: list[MPI.Datatype] = []
-
-    def own(key, make):
-        owned.append(make().Commit())
-        return owned[-1]
+    owned, own = _own_types()
     send_blocks = _blocks(shape, dtype, split_dim, split_sizes, own)
     recv_blocks = _blocks(out_shape, dtype, concat_dim, concat_sizes, own)
     prepared = Prepared("all_to_all", shape, dtype,
-                        lambda send: _all_to_all_typed(send, comm, out_shape, send_blocks, recv_blocks), general)
+                        _all_to_all_typed_fn(comm, out_shape, send_blocks, recv_blocks, host=True), general)
     weakref.finalize(prepared, _free_types, owned)
     return prepared
 
@@ -507,7 +544,7 @@ def prepare_all_reduce(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intra
     reduce_dtype, mpi_op = _reduction(dtype, op)
     fast = None
     if reduce_dtype == dtype:  # otherwise staging converts: the general function's work
-        fast = lambda send: _all_reduce(send, comm, mpi_type(dtype), mpi_op, op, inplace)  # noqa: E731
+        fast = _all_reduce_fn(comm, mpi_type(dtype), mpi_op, op, inplace, host=True)
     return Prepared("all_reduce", shape, dtype, fast, lambda t: all_reduce(t, comm, op, inplace=inplace))
 
 
@@ -519,8 +556,20 @@ def prepare_reduce_scatter(shape: Sequence[int], dtype: torch.dtype, comm: MPI.I
         torch.Size(shape), dtype, op, dim, sizes, comm.size, comm.rank)
     fast = None
     if dim == 0 and reduce_dtype == dtype:  # otherwise staging moves or converts
-        fast = lambda send: _reduce_scatter(send, comm, datatype, mpi_op, op, counts, out_shape)  # noqa: E731
+        fast = _reduce_scatter_fn(comm, datatype, mpi_op, op, counts, out_shape, host=True)
     return Prepared("reduce_scatter", shape, dtype, fast, lambda t: reduce_scatter(t, comm, op, dim=dim, sizes=sizes))
+
+
+def _own_types() -> tuple[list[MPI.Datatype], Callable[[Hashable, Callable[[], MPI.Datatype]], MPI.Datatype]]:
+    """``(owned, own)``: ``own(key, make)`` commits a datatype of a prepared collective's own
+    (``types`` of ``_blocks``, ``_gather_fn``), listed in ``owned`` to be freed with it: the
+    shared ``derived`` cache could free one it still uses."""
+    owned: list[MPI.Datatype] = []
+
+    def own(key, make):
+        owned.append(make().Commit())
+        return owned[-1]
+    return owned, own
 
 
 def _free_types(types: list[MPI.Datatype]) -> None:
