@@ -104,9 +104,11 @@ def describe() -> MPILibrary:
 # Alltoall and a padded Allgather at large sizes; Open MPI's do not.
 _NEVER = ()  # the irregular form at every size
 _COLLECTIVE_THRESHOLDS: dict[str, dict[str, tuple[tuple[int, int], ...]]] = {
-    # alltoall_packed at 4 ranks from 256 KiB (was 4 MiB): S(0) -> S(1) against pack + Alltoall,
-    # 2026-12-02 (docs/performance.md, "Collective choices"): Alltoallw 1.5-2.2x at 256K, 3.0x at 1M.
-    "MPICH": {"alltoall_packed": ((4, 256 << 10),), "allgather_padded": ((2, 1 << 20), (4, 256 << 10))},
+    # alltoall_packed from 256 KiB at 2 ranks and more (was 4 ranks only; 4 MiB before that):
+    # S(0) -> S(1), 2026-12-02 (docs/performance.md, "Collective choices"): Alltoallw / packed
+    # 1.5-2.2x at 256K and 3.0x at 1M at 4 ranks; 2.2-2.6 / 1.3-1.9 (even / uneven) at 256K and
+    # 4.3-7.2 / 1.3-7.0 at 1M at 2 ranks, 1.0-1.9 below 256K.
+    "MPICH": {"alltoall_packed": ((2, 256 << 10),), "allgather_padded": ((2, 1 << 20), (4, 256 << 10))},
     "Open MPI": {"alltoall_packed": _NEVER, "allgather_padded": _NEVER},
 }
 
