@@ -32,7 +32,14 @@ _FLOAT_BY_VALUE: dict[int, bool] = {}  # by id(func): OpOverload hashes in Pytho
 _NO_META = object()  # the op could not run on meta tensors
 
 
+_DETACH = torch.ops.aten.detach.default
+
+
 def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    if func is _DETACH:  # AccumulateGrad detaches every DTensor gradient: same spec, no plan to run
+        x = args[0]
+        if x.__class__ is DTensor and getattr(x, "_not_a_view_of", None) is None:
+            return DTensor(x._local_tensor.detach(), x._spec)
     fid = id(func)  # op overloads live for the whole process
     by_value = _FLOAT_BY_VALUE.get(fid)
     if by_value is None:

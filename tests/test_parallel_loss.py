@@ -160,3 +160,29 @@ def test_dtensor_target_on_2d_mesh(mesh2d, reduction):
     assert_all_ranks(loss.placements[1] == Replicate(), repr(loss.placements))
     assert_close(loss.full_tensor(), loss_ref, **TOL)
     assert_close(x.grad.full_tensor(), grad_ref, **TOL)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_reduced_loss_is_one_node(tp_mesh, monkeypatch, reduction, smoothing):
+    """A whole plain target and a reduced loss: one autograd node from the logits to the loss
+    (no to_local / from_local, no dispatched sum or division), the logits' gradient in their
+    spec; values and gradient as F.cross_entropy's."""
+    from test_tp_local_linear import DispatchLog
+
+    logits, target = global_tensor((6, CLASSES)), _targets((6,))
+    ref = logits.clone().requires_grad_()
+    F.cross_entropy(ref, target, reduction=reduction, label_smoothing=smoothing).backward()
+    x = distribute_tensor(logits, tp_mesh, [Shard(1)]).requires_grad_()
+    log = DispatchLog(monkeypatch)
+    with loss_parallel():
+        loss = F.cross_entropy(x, target, reduction=reduction, label_smoothing=smoothing)
+        loss.backward()
+    assert_all_ranks(type(loss.grad_fn.next_functions[0][0]).__name__ == "AccumulateGrad",
+                     str(loss.grad_fn.next_functions))
+    # dispatch sees backward's seed (ones_like) and AccumulateGrad's detach only
+    assert_all_ranks(sorted(log.ops) == ["aten.detach.default", "aten.ones_like.default"], str(log.ops))
+    assert_all_ranks(x.grad._spec is x._spec and loss.placements == (Replicate(),), repr(x.grad._spec))
+    assert_close(loss.full_tensor(),
+                 F.cross_entropy(logits, target, reduction=reduction, label_smoothing=smoothing), **TOL)
+    assert_close(x.grad.full_tensor(), ref.grad, **TOL)

@@ -61,6 +61,19 @@ def test_step_is_megatrons_work(tp_mesh, monkeypatch, bias):
     assert_all_ranks(log.ops == ["aten.detach.default"] * len(list(model.parameters())), str(log.ops))
 
 
+def test_gradient_detach_keeps_spec_and_memory(tp_mesh):
+    """AccumulateGrad's ``detach`` of a parameter gradient (dispatch's short path): the same
+    spec and local memory, no autograd; a view tagged as computed on a copy keeps its tag."""
+    model = parallelize_module(mlp(True), tp_mesh, MEGATRON)
+    model(torch.randn(4, 3, 6)).sum().backward()
+    grad = model[0].weight.grad
+    alias = grad.detach()
+    assert_all_ranks(alias._spec is grad._spec and not alias.requires_grad, repr(alias._spec))
+    assert_all_ranks(alias.to_local().data_ptr() == grad.to_local().data_ptr(), "detach copied the gradient")
+    grad._not_a_view_of = "a test tag"
+    assert_all_ranks(getattr(grad.detach(), "_not_a_view_of", None) == "a test tag", "the view tag was dropped")
+
+
 def test_sequence_parallel_block(tp_mesh):
     """Megatron-SP: the sequence-sharded input is all-gathered into Colwise, Rowwise
     reduce-scatters its output; backward the mirror (reduce-scatter, all-gather)."""

@@ -22,7 +22,9 @@ The path is taken per call when nothing needs the general one: a plain ``nn.Line
 its parameters still holding the style's placements on the style's mesh, the input a
 plain tensor or a DTensor on that mesh with the parameters' dtype, no autocast, not
 under ``torch.compile``. Inputs in another layout are first moved with the public
-(differentiable) ``from_local`` / ``redistribute``. An output kept as a DTensor is made
+(differentiable) ``from_local`` / ``redistribute``; a sharded DTensor input of a Colwise
+Linear is all-gathered by its Function (``local_gather``'s route), its gradient
+reduce-scattered back there. An output kept as a DTensor is made
 by the Function itself (its backward takes the DTensor gradient, in any layout): one
 autograd node per Linear; one wanted in another layout than the Function gives is then
 redistributed. Every such decision reads facts all ranks share (placements, global
@@ -43,6 +45,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh, collectives
 from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..spec import DTensorSpec
+from .local_gather import gather_route
 
 
 _GRAD_SPECS: dict[tuple[DTensorSpec, bool], DTensorSpec] = {}  # (input spec, partial) -> gradient spec
@@ -112,12 +115,17 @@ def _weight_grads(ctx, gy: torch.Tensor, x: torch.Tensor, weight: DTensor, bias:
 
 class _ColwiseLinear(torch.autograd.Function):
     """y = x W_r^T + b_r on this rank's output features; the input gradient is a partial sum.
-    The output is local, or the DTensor of ``out_spec`` (one autograd node, not two)."""
+    The output is local, or the DTensor of ``out_spec`` (one autograd node, not two). With a
+    ``gather`` route (``local_gather``), ``x`` is a sharded DTensor all-gathered first and its
+    gradient reduce-scattered back (Megatron's sequence-parallel column Linear)."""
 
     @staticmethod
-    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, out_spec: DTensorSpec | None):
+    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, out_spec: DTensorSpec | None, gather=None):
         local = x._local_tensor if isinstance(x, DTensor) else x
-        ctx.comm, ctx.x_spec = comm, _grad_spec(x, True) if isinstance(x, DTensor) else None
+        if gather is not None:
+            local = gather.gather(local)
+        ctx.comm, ctx.gather = comm, gather
+        ctx.x_spec = _grad_spec(x, True) if isinstance(x, DTensor) and gather is None else None
         ctx.bias, ctx.out_spec = bias, out_spec
         ctx.save_for_backward(local, weight)
         y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
@@ -130,11 +138,13 @@ class _ColwiseLinear(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             gx = gy.matmul(weight._local_tensor)
-            if ctx.x_spec is not None:
+            if ctx.gather is not None:
+                gx = DTensor(ctx.gather.reduce(gx), ctx.gather.in_spec)
+            elif ctx.x_spec is not None:
                 gx = DTensor(gx, ctx.x_spec)
             elif ctx.comm.size > 1:
                 gx = collectives.all_reduce(gx, ctx.comm, "sum", inplace=True)
-        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None)
+        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None)
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -197,10 +207,10 @@ class LocalLinearForward:
             return self.prepare_output(self.module, nn.Linear.forward(self.module, *inputs, **kwargs), self.mesh)
         module = self.module
         given, wanted, desired, natural = self.layouts[x.ndim]
-        x = self._input(x, given, desired)
+        x, gather = self._input(x, given, desired)
         out_spec = None if self.local_out and wanted == natural else self._out_spec(x, natural)
         if self.colwise:
-            y = _ColwiseLinear.apply(x, module.weight, module.bias, self.comm, out_spec)
+            y = _ColwiseLinear.apply(x, module.weight, module.bias, self.comm, out_spec, gather)
         else:
             y = _RowwiseLinear.apply(x, module.weight, module.bias, self.comm,
                                      natural.dim if isinstance(natural, Shard) else None, out_spec)
@@ -266,11 +276,16 @@ class LocalLinearForward:
     def _on_mesh(self, t: DTensor) -> bool:
         return t._spec.mesh is self.mesh or t._spec.mesh == self.mesh
 
-    def _input(self, x: torch.Tensor, given: Placement, desired: Placement) -> torch.Tensor:
-        """``x`` as the Function takes it: this rank's plain block when it came as one in
-        the layout needed, else a DTensor moved there by the public path."""
+    def _input(self, x: torch.Tensor, given: Placement, desired: Placement) -> tuple[torch.Tensor, Any]:
+        """(``x`` as the Function takes it, the Colwise Function's gather route or None): this
+        rank's plain block when it came as one in the layout needed; a sharded DTensor that the
+        Colwise Function all-gathers itself (``local_gather``); else a DTensor moved to the
+        layout by the public path."""
         if isinstance(x, DTensor):
-            return x if x._spec.placements == (desired,) else x.redistribute(self.mesh, (desired,))
+            if x._spec.placements == (desired,):
+                return x, None
+            gather = gather_route(x) if self.colwise else None
+            return (x, gather) if gather is not None else (x.redistribute(self.mesh, (desired,)), None)
         if given == desired and x.shape[-1] == self.module.weight._local_tensor.shape[-1]:
-            return x
-        return self.prepare_input(self.module, (x,), self.mesh)[0]
+            return x, None
+        return self.prepare_input(self.module, (x,), self.mesh)[0], None

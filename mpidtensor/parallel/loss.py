@@ -8,7 +8,11 @@ smoothing, the weighted row sum of the logits): two all-reduces of row-sized ten
 over the class-sharding mesh dim. The backward is local: the gradient w.r.t. the logits
 is ``softmax - one_hot`` (smoothed and weighted), computed on each class shard. The
 per-row losses are a DTensor replicated over the class mesh dim, reduced by DTensor ops
-(local unless another mesh dim shards the batch). Outside the context nothing changes.
+(local unless another mesh dim shards the batch). Where every row is on every rank (a
+plain target, no other mesh dim sharding the logits, the class dim last, C-contiguous
+logits) and the loss is reduced, the one Function takes the logits DTensor and returns
+the reduced loss DTensor itself: no ``to_local`` / ``from_local`` nodes, no dispatched
+sum and division forward or backward. Outside the context nothing changes.
 """
 from __future__ import annotations
 
@@ -19,9 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .._layout import contiguous_strides
 from ..dtensor import DTensor
 from ..mesh import collectives
 from ..placements import Partial, Placement, Replicate, Shard
+from ..spec import DTensorSpec
+from .local_linear import local_grad
 
 
 @contextlib.contextmanager
@@ -89,10 +96,19 @@ def _all_reduce(local: torch.Tensor, group, op: str) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-row cross entropy of local class-sharded logits ``x`` (class dim last, classes
     ``[offset, offset + width)`` of ``n_classes``) with the matching local ``target``
-    rows: the statistics all-reduced in forward over ``group``, the gradient local."""
+    rows: the statistics all-reduced in forward over ``group``, the gradient local.
+
+    With ``out_spec`` (the fused path), ``x`` is the logits DTensor whose local tensor
+    holds every row, and the output is their sum (``mean``: over the weight of the
+    non-ignored targets), the DTensor of ``out_spec``; the logits' gradient is a DTensor
+    of their spec."""
 
     @staticmethod
-    def forward(ctx, x, target, offset, n_classes, weight, ignore_index, smoothing, group):
+    def forward(ctx, x, target, offset, n_classes, weight, ignore_index, smoothing, group, mean=False,
+                out_spec=None):
+        ctx.x_spec = x._spec if out_spec is not None else None
+        if out_spec is not None:
+            x = x._local_tensor
         width = x.shape[-1]
         row_max = x.amax(-1) if width else x.new_full(x.shape[:-1], float("-inf"))
         shifted = x - _all_reduce(row_max, group, "max").unsqueeze(-1)
@@ -115,11 +131,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             loss = loss + torch.where(valid, w_sum * lse - stats[2], 0.0) * (smoothing / n_classes)
         ctx.save_for_backward(shifted, lse, rel, mine, valid, w_target)
         ctx.w_local, ctx.w_sum, ctx.smoothing, ctx.n_classes = w_local, w_sum, smoothing, n_classes
-        return loss
+        ctx.out_spec, ctx.divisor = out_spec, None
+        if out_spec is None:
+            return loss
+        loss = loss.sum()
+        if mean:  # the total weight as _mean_divisor takes it: summed in float64, a Python float
+            ctx.divisor = w_target.sum(dtype=torch.float64).item()
+            loss = loss / ctx.divisor
+        return DTensor(loss, out_spec)
 
     @staticmethod
     def backward(ctx, grad):
         shifted, lse, rel, mine, valid, w_target = ctx.saved_tensors
+        if ctx.out_spec is not None:  # the reduced loss's gradient, one number, to every row
+            grad = local_grad(grad, ctx.out_spec)
+            grad = (grad if ctx.divisor is None else grad / ctx.divisor).expand(lse.shape)
         smoothing, n_classes, width = ctx.smoothing, ctx.n_classes, shifted.shape[-1]
         probs = (shifted - lse.unsqueeze(-1)).exp()
         g = grad * w_target * (1 - smoothing)  # d loss / d x = g * (softmax - one_hot) + smoothing
@@ -131,7 +157,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             gs = (torch.where(valid, grad, 0.0) * (smoothing / n_classes)).unsqueeze(-1)
             w_local = 1.0 if ctx.w_local is None else ctx.w_local
             out += gs * (ctx.w_sum * probs - w_local)
-        return out, None, None, None, None, None, None, None
+        if ctx.x_spec is not None:
+            out = DTensor(out, ctx.x_spec)
+        return out, None, None, None, None, None, None, None, None, None
 
 
 def _cross_entropy(
@@ -164,6 +192,16 @@ def _cross_entropy(
         raise ValueError(f"loss_parallel: target shape {tuple(target.shape)} does not match the logits' "
                          f"{tuple(input.shape)} without the class dim")
     plain_target = not isinstance(target, DTensor)
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+    n_classes = input.shape[class_dim]
+    offset = spec.local_shape_and_offset()[1][class_dim]
+    group = mesh.comm_for((mesh_dim,))
+    if (reduction != "none" and plain_target and class_dim == input.ndim - 1 and _rows_whole(spec, mesh_dim)
+            and not torch.compiler.is_compiling()):
+        out_spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, (), (), spec.dtype)
+        return _VocabParallelCrossEntropy.apply(input, target, offset, n_classes, weight, ignore_index,
+                                                float(label_smoothing), group, reduction == "mean", out_spec)
     if plain_target:
         target_dt = DTensor.from_local(target, mesh, [Replicate()] * mesh.ndim, run_check=False,
                                        shape=target.shape)
@@ -171,13 +209,9 @@ def _cross_entropy(
         target_dt = target
     local_target = target_dt.redistribute(mesh, rows).to_local() if target_dt.placements != tuple(rows) \
         else target_dt.to_local()
-    if isinstance(weight, DTensor):
-        weight = weight.full_tensor()
-    n_classes = input.shape[class_dim]
-    offset = spec.local_shape_and_offset()[1][class_dim]
     x = input.to_local().movedim(class_dim, -1)
     local = _VocabParallelCrossEntropy.apply(x, local_target, offset, n_classes, weight, ignore_index,
-                                             float(label_smoothing), mesh.comm_for((mesh_dim,)))
+                                             float(label_smoothing), group)
     per_row = DTensor.from_local(local, mesh, rows, run_check=False, shape=row_shape)
     if reduction == "none":
         return per_row
@@ -186,6 +220,13 @@ def _cross_entropy(
         return total
     return total / _mean_divisor(target if plain_target else local_target, weight, ignore_index, n_classes,
                                  None if plain_target else (mesh, rows))
+
+
+def _rows_whole(spec: DTensorSpec, mesh_dim: int) -> bool:
+    """Whether the logits' local tensor holds every row (no mesh dim but the class one
+    shards them) and is laid out as the global one (C-contiguous: its gradient takes the spec)."""
+    return (all(isinstance(p, Replicate) for m, p in enumerate(spec.placements) if m != mesh_dim)
+            and spec.stride == contiguous_strides(spec.shape))
 
 
 def _mean_divisor(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int, n_classes: int,

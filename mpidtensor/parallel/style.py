@@ -25,6 +25,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
 from .local_embedding import LocalEmbeddingForward
+from .local_gather import gather_shards
 from .local_linear import LocalLinearForward
 
 
@@ -103,9 +104,14 @@ def as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, what: str,
 
 
 def to_layout(x: DTensor, layout: Placement) -> DTensor:
-    """``x`` redistributed to ``layout`` on its 1-D mesh (no-op when it already has it)."""
+    """``x`` redistributed to ``layout`` on its 1-D mesh (no-op when it already has it);
+    ``Shard(d)`` -> ``Replicate`` by the local all-gather (``local_gather``) where it applies."""
     if x._spec.placements == (layout,):  # the common case, without normalizing
         return x
+    if isinstance(layout, Replicate):
+        y = gather_shards(x)
+        if y is not None:
+            return y
     target = normalize_placements((layout,), 1, x.ndim)
     return x if x.placements == target else x.redistribute(x.device_mesh, target)
 

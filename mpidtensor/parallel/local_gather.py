@@ -1,0 +1,121 @@
+"""``Shard(d)`` -> ``Replicate`` of a DTensor on a 1-D mesh run on the local block, as Megatron's
+sequence-parallel all-gather.
+
+A sequence-parallel region (``PrepareModuleInput``'s input, a ``ColwiseParallel`` input
+read as ``Shard(1)``) starts with this move. The public ``redistribute`` does it through
+its entry checks, its autograd Function and the redistribution plan, and its backward
+plans ``Partial`` -> ``Shard(d)`` alike. Here one autograd Function calls the all-gather
+on the local block; its backward reduce-scatters the ``Partial`` gradient (the sum of
+the column-parallel matmuls' input gradients), takes its own block of a replicated one,
+and hands any other layout to the public path.
+
+Taken when the DTensor's spec says so (facts every rank shares): a 1-D mesh holding this
+rank, placements ``(Shard(d),)``, C-contiguous globally (its gradient then has its spec),
+not under ``torch.compile``. Uneven blocks (``torch.chunk``'s, e.g. 3 ranks) are
+all-gathered with their sizes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._layout import chunk_sizes, chunk_span, contiguous_strides
+from ..dtensor import DTensor
+from ..mesh import collectives
+from ..placements import Partial, Replicate, Shard
+from ..spec import DTensorSpec
+
+_PARTIAL_SUM = (Partial("sum"),)
+
+
+class _Route:
+    """How one input spec is all-gathered: the output spec, the communicator, the dim, this
+    rank's (offset, size) along it, and the two collectives prepared for this rank's block
+    (``collectives.prepare_*``: checks and choices made once, later calls go to MPI)."""
+
+    __slots__ = ("in_spec", "out_spec", "comm", "dim", "span", "all_gather", "reduce_scatter")
+
+    def __init__(self, spec: DTensorSpec, dim: int) -> None:
+        mesh, shape = spec.mesh, spec.shape
+        self.in_spec, self.dim = spec, dim
+        self.out_spec = DTensorSpec(mesh, (Replicate(),), shape, spec.stride, spec.dtype)
+        comm = self.comm = mesh.comm_for((0,))
+        sizes = chunk_sizes(shape[dim], comm.size)
+        self.span = chunk_span(shape[dim], comm.size, comm.rank)
+        block = (*shape[:dim], self.span[1], *shape[dim + 1:])
+        self.all_gather = collectives.prepare_all_gather(block, spec.dtype, comm, dim=dim, sizes=sizes)
+        # MPI splits memory in order: the reduce-scatter takes the gradient with ``dim`` leading
+        leading = (shape[dim], *shape[:dim], *shape[dim + 1:])
+        self.reduce_scatter = collectives.prepare_reduce_scatter(leading, spec.dtype, comm, "sum", dim=0, sizes=sizes)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        if self.comm.size == 1:  # the block is the whole
+            return local
+        return self.all_gather(local)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the sum of every rank's ``partial`` (of the gathered shape)."""
+        if self.comm.size == 1:
+            return partial.contiguous()
+        if not self.dim:
+            return self.reduce_scatter(partial)
+        return self.reduce_scatter(partial.movedim(self.dim, 0)).movedim(0, self.dim).contiguous()
+
+    def block(self, grad: Any) -> torch.Tensor:
+        """This rank's block of the gradient of the gathered output, in the input's layout."""
+        if isinstance(grad, DTensor):
+            placements = grad._spec.placements
+            if placements == _PARTIAL_SUM:
+                return self.reduce(grad._local_tensor)
+            if placements != self.out_spec.placements:  # another layout: the public path
+                spec = self.in_spec
+                return grad.redistribute(spec.mesh, spec.placements)._local_tensor.contiguous()
+            grad = grad._local_tensor
+        # a replicated gradient (a plain one is the output's local tensor, as from_local's backward reads it)
+        return grad.narrow(self.dim, *self.span).contiguous()
+
+
+_ROUTES: dict[DTensorSpec, _Route | None] = {}  # input spec -> its route, or None: the public path
+
+
+def gather_route(x: DTensor) -> _Route | None:
+    """How ``x`` is replicated by the local path (a ``_Route``: ``gather`` its local block,
+    ``reduce`` a partial gradient back to it), or None where that path does not apply."""
+    return None if torch.compiler.is_compiling() else _route(x._spec)
+
+
+def _route(spec: DTensorSpec) -> _Route | None:
+    route = _ROUTES.get(spec, False)
+    if route is False:
+        mesh, placements = spec.mesh, spec.placements
+        fits = (mesh.ndim == 1 and mesh.get_coordinate() is not None and len(placements) == 1
+                and isinstance(placements[0], Shard) and spec.stride == contiguous_strides(spec.shape))
+        route = _ROUTES[spec] = _Route(spec, placements[0].dim) if fits else None
+    return route
+
+
+class _GatherShards(torch.autograd.Function):
+    """The all-gather of ``route`` forward; this rank's block of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, route: _Route) -> DTensor:
+        ctx.route = route
+        return DTensor(route.gather(x._local_tensor), route.out_spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        route = ctx.route
+        return DTensor(route.block(grad), route.in_spec), None
+
+
+def gather_shards(x: DTensor) -> DTensor | None:
+    """``x`` (sharded on one dim over a 1-D mesh) replicated by the local path, as
+    ``x.redistribute(x.device_mesh, [Replicate()])`` gives it; None where that path does
+    not apply (the caller takes the public one)."""
+    route = gather_route(x)
+    if route is None:
+        return None
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GatherShards.apply(x, route)
+    return DTensor(route.gather(x._local_tensor), route.out_spec)
