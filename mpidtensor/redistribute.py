@@ -35,11 +35,6 @@ class _Collective:
     ``inplace``: the caller owns ``t`` and no longer needs it (an all-reduce may reuse it)."""
 
     def run(self, t, mesh, inplace=False):
-        kept = self.__dict__.get("_kept")
-        if kept is not None:
-            entry = kept.get(inplace)
-            if entry is not None and entry[0] is mesh:
-                return entry[1](t)
         if type(t) is not torch.Tensor:  # e.g. traced by torch.compile: nothing to keep
             return self.collective(t, mesh.comm_for(self.mesh_dims), inplace)
         return self.prepared(t, mesh, inplace)(t)
