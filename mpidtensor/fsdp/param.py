@@ -96,6 +96,7 @@ class FSDPParam:
         self.shard_numel = self.pre * self.pad_rows * self.post  # one rank's padded piece
         self.local_numel = self.pre * self.local_rows * self.post
         self.local_shape = self.shape[:d] + (self.local_rows,) + self.shape[d + 1:]
+        self.local_stride = contiguous_strides(self.local_shape)
         self.extension = hasattr(data, "fsdp_pre_all_gather")
         mesh, placements = info.spec_for(self.tp_spec, dim)
         self.spec = DTensorSpec(mesh, placements, param.shape, contiguous_strides(param.shape), param.dtype)
@@ -120,11 +121,6 @@ class FSDPParam:
     def install(self, param: nn.Parameter) -> None:
         for module, name in self.users:
             module._parameters[name] = param
-
-    def current(self) -> nn.Parameter:
-        """The parameter the first user module holds now (load_state_dict/to_empty may replace it)."""
-        module, name = self.users[0]
-        return module._parameters[name]
 
     def adopt(self, param: nn.Parameter) -> None:
         """Take ``param`` (a replacement of the sharded parameter) as the sharded parameter."""

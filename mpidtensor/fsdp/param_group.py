@@ -11,9 +11,10 @@ Buffers (all sizes from global shapes, so every rank agrees):
 * ``unsharded_flat``, where each unsharded parameter is a contiguous view, built once.
   One ``Iallgather`` of every rank's send buffer, in rank order, into a pooled buffer
   (``mesh.pool``), copied into it: for plain parameters split evenly along dim 0 one
-  ``split_with_sizes_copy`` for the whole group, otherwise at most two ``copy_`` calls per
-  parameter (full pieces and the one short piece). A group of one such parameter on the
-  host is gathered straight into it (the ranks' shards back to back are the parameter).
+  ``split_with_sizes_copy`` for the whole group, otherwise one ``_foreach_copy_`` of strided
+  views (per parameter its full pieces and the one short piece). A group of one such
+  parameter on the host is gathered straight into it (the ranks' shards back to back are
+  the parameter).
   Contiguous ``Iallgather`` rather than an ``Ialltoallw`` whose datatypes place each rank's
   rows (no copy out): the derived-datatype transfer took 2-3x as long on ranks that share
   cores (docs/performance.md, "FSDP step"). Resharding frees that storage (``resize_(0)``);
@@ -43,6 +44,7 @@ resize reported), so ``memory_allocated()`` shows sharded + currently gathered b
 """
 from __future__ import annotations
 
+import functools
 from math import prod
 from typing import Callable
 
@@ -51,7 +53,7 @@ from mpi4py import MPI
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..mesh import accounting
-from ..dtensor import DTensor
+from ..dtensor import DTensor, _wrap
 from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
 from . import comms
 from .mixed_precision import MixedPrecisionPolicy
@@ -88,6 +90,10 @@ class ParamGroup:
         trainable = [p for p in params if p.requires_grad]
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype or (trainable[0].orig_dtype if trainable else None)
         self.gathered = [p for p in params if not p.replicated]
+        self._plain = [p for p in self.gathered if not p.extension]
+        self._extensions = [(i, p) for i, p in enumerate(self.gathered) if p.extension]
+        self._replicated = [p for p in params if p.replicated]
+        self._users = [(module, name, p) for p in params for module, name in p.users]
         self.direct = all(not p.extension and p.param_dtype == p.orig_dtype for p in self.gathered)
         shard_total = unsharded_total = 0
         for p in self.gathered:
@@ -121,6 +127,7 @@ class ParamGroup:
         self._gather_placed = False  # the running all-gather writes into unsharded_flat itself
         self._split_sizes: list[int] | None = None  # see _make_layout
         self._split_views: tuple[torch.Tensor | None, list[torch.Tensor]] = (None, [])
+        self._from_ranks_views: tuple[torch.Tensor | None, list[torch.Tensor], list[tuple]] = (None, [], [])
         self._meta: dict[int, object] = {}
         self._pending: tuple[Handle | None, list[FSDPParam], Handle | None, list[FSDPParam]] | None = None
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced (summed)
@@ -138,10 +145,11 @@ class ParamGroup:
         """Make every sharded parameter a view into ``shard_flat`` again, after
         ``load_state_dict(assign=True)``, ``to_empty`` or a moved module replaced it."""
         for p in self.params:
-            current = p.current()
+            module, name = p.users[0]
+            current = module._parameters[name]
             if current is not p.sharded and current is not p.unsharded:
                 p.adopt(current)
-        plain = [p for p in self.gathered if not p.extension]
+        plain = self._plain
         if not plain:
             return
         device = plain[0].sharded._local_tensor.device
@@ -153,8 +161,7 @@ class ParamGroup:
             for p in self.params:
                 p.forget_gathered()
         base = self.shard_flat.data_ptr()
-        moved = [p for p in plain if p.sharded._local_tensor.data_ptr() != base + p.shard_offset
-                 or p.sharded._local_tensor.device != self.shard_flat.device]
+        moved = [p for p in plain if p.sharded._local_tensor.data_ptr() != base + p.shard_offset]
         if moved:  # (the common case: nothing moved, no view built)
             with torch.no_grad():
                 for p in moved:
@@ -285,38 +292,67 @@ class ParamGroup:
         existing = [p.unsharded for p in self.params if p.unsharded is not None]
         versions = [t._version for t in existing]
         with torch.no_grad():
-            if placed:  # the all-gather wrote the parameters in place
-                for p in self.gathered:
-                    if p.unsharded is None:
-                        p.unsharded = p.wrap_unsharded(self._unsharded_view(p).view(p.shape))
-            elif out is not None:
+            if not placed and out is not None:  # (placed: the all-gather wrote the parameters in place)
                 rows_of_ranks = out.view(self.info.shard_size, self._gather_nbytes)
                 if self._split_sizes is not None:  # every parameter in one copy
                     torch.split_with_sizes_copy(rows_of_ranks, self._split_sizes, dim=1, out=self._split_outputs())
-                for i, p in enumerate(self.gathered):
-                    if p.extension:
-                        self._post_all_gather(i, p, rows_of_ranks)
-                        continue
-                    if self._split_sizes is None:
-                        _, _, off, n = self._pieces[i][0]
-                        piece = rows_of_ranks[:, off:off + n].view(p.param_dtype)
-                        _from_ranks(self._unsharded_view(p), piece, p.pad_rows)
+                else:
+                    self._copy_from_ranks(rows_of_ranks)
+                for i, p in self._extensions:
+                    self._post_all_gather(i, p, rows_of_ranks)
+            if placed or out is not None:
+                for p in self._plain:
                     if p.unsharded is None:
                         p.unsharded = p.wrap_unsharded(self._unsharded_view(p).view(p.shape))
-            for p in self.params:
-                if p.replicated:
-                    self._unshard_replica(p)
+            for p in self._replicated:
+                self._unshard_replica(p)
         torch._C._autograd._unsafe_set_version_counter(existing, versions)
         self.is_unsharded = True
-        for p in self.params:
-            p.install(p.unsharded)
+        self._install(unsharded=True)
+
+    def _install(self, unsharded: bool) -> None:
+        """Put every parameter's unsharded (else sharded) form on its user modules."""
+        for module, name, p in self._users:
+            module._parameters[name] = p.unsharded if unsharded else p.sharded
+
+    def _copy_from_ranks(self, rows_of_ranks: torch.Tensor) -> None:
+        """Copy the plain parameters' gathered chunks (padding dropped) into ``unsharded_flat``
+        with one ``_foreach_copy_`` of strided views (``_chunk_layout``): those into
+        ``unsharded_flat`` made once per buffer (a view follows its storage through the
+        resizes), those of the all-gather buffer (a new one every time) from kept strides."""
+        flat, dsts, places = self._from_ranks_views
+        if flat is not self.unsharded_flat:
+            dsts, places = [], []
+            for i, p in enumerate(self.gathered):
+                if p.extension:
+                    continue
+                dtype, n = p.param_dtype, p.param_dtype.itemsize
+                whole = self.unsharded_flat.view(dtype)
+                at, col = whole.storage_offset() + p.unsharded_offset // n, self._pieces[i][0][2] // n
+                for size, stride, offset, rank_stride, rank_offset in _chunk_layout(
+                        (p.pre, p.rows, p.post), p.pad_rows, self._gather_nbytes // n):
+                    dsts.append(whole.as_strided(size, stride, at + offset))
+                    places.append((dtype, size, rank_stride, col + rank_offset))
+            self._from_ranks_views = (self.unsharded_flat, dsts, places)
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        srcs = []
+        for dtype, size, stride, offset in places:
+            ranks = typed.get(dtype)
+            if ranks is None:
+                ranks = typed[dtype] = rows_of_ranks.view(dtype)
+            srcs.append(ranks.as_strided(size, stride, ranks.storage_offset() + offset))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
 
     def _post_all_gather(self, i: int, p: FSDPParam, rows_of_ranks: torch.Tensor) -> None:
         """Copy an extension parameter's gathered pieces (padding dropped) into its
         persistent outputs and let the subclass build (or refresh) its unsharded tensor."""
         kinds = [(dtype, rest, self.device) for dtype, rest, _, _ in self._pieces[i]]
-        for out, (dtype, rest, off, n) in zip(p.gather_outputs(kinds), self._pieces[i]):
-            _from_ranks(out.view(1, p.rows, prod(rest)), rows_of_ranks[:, off:off + n].view(dtype), p.pad_rows)
+        for out, (dtype, rest, off, _) in zip(p.gather_outputs(kinds), self._pieces[i]):
+            parts, places = _chunk_views((1, p.rows, prod(rest)), p.pad_rows, out, rows_of_ranks.view(dtype),
+                                         off // dtype.itemsize)
+            if parts:
+                torch._foreach_copy_(parts, places)
         self._kept_meta[i] = self._meta.pop(i)
         p.post_all_gather(self._kept_meta[i])
 
@@ -372,10 +408,9 @@ class ParamGroup:
                 self._free_unsharded_storage()
         if not self.is_unsharded:
             return
-        for p in self.params:
-            p.install(p.sharded)
-            if p.extension:
-                p.free_gathered()
+        self._install(unsharded=False)
+        for _, p in self._extensions:
+            p.free_gathered()
         self._free_unsharded_storage()
         self.is_unsharded = False
 
@@ -383,24 +418,30 @@ class ParamGroup:
     def post_backward(self) -> None:
         """Start reduce-scattering the unsharded gradients (or keep them while gradient
         sync is off); reshard if ``reshard_after_backward``."""
-        params = [p for p in self.params if p.requires_grad and p.unsharded is not None and p.unsharded.grad is not None]
-        grads = []
-        for p in params:
-            g = p.unsharded.grad
-            p.unsharded.grad = None
+        params, grads = [], []
+        for p in self.params:
+            unsharded = p.unsharded
+            g = unsharded.grad if unsharded is not None and p.requires_grad else None
+            if g is None:
+                continue
+            params.append(p)
+            unsharded.grad = None
             if isinstance(g, DTensor):
                 if g.placements != p.tp_spec.placements:
                     g = g.redistribute(p.tp_spec.mesh, p.tp_spec.placements)
                 g = g._local_tensor
-            g = _plain_grad(g, p)
-            grads.append(g if p.grad_acc is None else g + p.grad_acc)
-            p.grad_acc = None
+            if type(g) is not torch.Tensor:
+                g = _plain_grad(g, p)
+            if p.grad_acc is not None:
+                g, p.grad_acc = g + p.grad_acc, None
+            grads.append(g)
         # HSDP without the all-reduce: replicated parameters' gradients wait unreduced
         skip_all_reduce = not self.requires_all_reduce and self.info.replicate_comm is not None
         hold = not self.requires_gradient_sync or skip_all_reduce
-        for p, g in zip(params, grads):
-            if p.replicated and hold or not self.requires_gradient_sync:
-                p.grad_acc = g
+        if hold:
+            for p, g in zip(params, grads):
+                if p.replicated or not self.requires_gradient_sync:
+                    p.grad_acc = g
         if self.requires_gradient_sync and params:
             self.finish_reduce()  # a reduction left running (set_is_last_backward(False)) ends first
             self._start_reduce([(p, g) for p, g in zip(params, grads) if not (p.replicated and hold)])
@@ -411,8 +452,10 @@ class ParamGroup:
         """One reduce-scatter for the sharded parameters' gradients, one all-reduce for
         the replicated ones'."""
         world = self.info.shard_size
-        sharded = [(p, g) for p, g in params if not p.replicated]
-        replicated = [(p, g) for p, g in params if p.replicated]
+        sharded, replicated = params, []
+        if self._replicated:
+            sharded = [(p, g) for p, g in params if not p.replicated]
+            replicated = [(p, g) for p, g in params if p.replicated]
         pre, _, _ = self._factors()
         scatter = reduce = None
         with torch.no_grad():
@@ -463,12 +506,15 @@ class ParamGroup:
                 self.all_reduce_hook(flat)
             comms.divide(flat, post)
             to_device = self.offload_to or flat.device
-            for p, padded in zip(params, flat.split(sizes)):
-                local = padded[:p.local_numel].view(p.local_shape)
+            flat = flat.contiguous()  # (a custom collective's output may be strided)
+            at = flat.storage_offset()
+            for p, size in zip(params, sizes):
+                local = flat.as_strided(p.local_shape, p.local_stride, at)
+                at += size
                 if local.dtype != p.orig_dtype or local.device != to_device:
                     local = local.to(device=to_device, dtype=p.orig_dtype)
                 if p.sharded.grad is None:
-                    p.sharded.grad = DTensor(local, p.spec, requires_grad=False)
+                    p.sharded.grad = _wrap(local, p.spec)
                 else:
                     p.sharded.grad._local_tensor.add_(local)
 
@@ -499,11 +545,9 @@ class ParamGroup:
 
 
 def _plain_grad(grad: torch.Tensor, p: FSDPParam) -> torch.Tensor:
-    """``grad`` as a plain tensor: a gradient that came back as a tensor subclass (a
-    quantized weight's autograd may return its own type) is dequantized, or unwrapped
+    """``grad``, not a plain tensor, as one: a gradient that came back as a tensor subclass
+    (a quantized weight's autograd may return its own type) is dequantized, or unwrapped
     if it is a plain tensor underneath; the reduce-scatter packs plain values."""
-    if type(grad) is torch.Tensor:
-        return grad
     if hasattr(grad, "dequantize"):
         return grad.dequantize()
     if not is_traceable_wrapper_subclass(grad):
@@ -525,40 +569,80 @@ _NO_GATHER = _NoGather()
 
 def _pack_ranks(per_rank: torch.Tensor, grads: list[tuple[FSDPParam, torch.Tensor]]) -> None:
     """Lay ``grads`` out for the reduce-scatter: row ``r`` of ``per_rank`` (world, total) holds
-    rank r's padded piece of each gradient, back to back. Gradients split evenly along dim 0
-    are the common case: each is then its ranks' pieces already, seen as (world, piece), and
-    one ``torch.cat`` along dim 1 packs them all; otherwise ``_to_ranks`` per gradient."""
+    rank r's padded piece of each gradient, back to back, zero-padded. Gradients split evenly
+    along dim 0 are the common case: each is then its ranks' pieces already, seen as (world,
+    piece), and one ``torch.cat`` along dim 1 packs them all; otherwise one ``_foreach_copy_``
+    of every gradient's chunks (``_chunk_layout``) and one ``_foreach_zero_`` of the padding."""
     world = per_rank.size(0)
     if all(p.pre == 1 and p.rows == p.pad_rows * world and g.dtype == per_rank.dtype for p, g in grads):
         torch.cat([g.reshape(world, p.shard_numel) for p, g in grads], dim=1, out=per_rank)
         return
-    offset = 0
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    pads: list[torch.Tensor] = []
+    col = 0
     for p, g in grads:
-        _to_ranks(per_rank[:, offset:offset + p.shard_numel], g.reshape(p.pre, p.rows, p.post), p.pad_rows)
-        offset += p.shard_numel
+        parts, places = _chunk_views((p.pre, p.rows, p.post), p.pad_rows, g.contiguous(), per_rank, col)
+        srcs += parts
+        dsts += places
+        pads += _padding(p, per_rank, col)
+        col += p.shard_numel
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    if pads:
+        torch._foreach_zero_(pads)
 
 
-def _to_ranks(dst: torch.Tensor, src: torch.Tensor, pad: int) -> None:
-    """Copy ``src`` (pre, rows, post) into ``dst`` (world, >= padded piece): row ``r`` gets
-    rank r's chunk of dim 1 (``pad`` rows, the last ones short) as a contiguous (pre, its
-    rows, post) block, zero-padded. Two strided copies at most: the full chunks together,
-    then the one short chunk."""
-    world, (pre, rows, post) = dst.size(0), src.shape
+@functools.lru_cache(maxsize=None)
+def _chunk_layout(shape: tuple[int, int, int], pad: int, row: int) -> tuple[tuple, ...]:
+    """How a (pre, rows, post) tensor, contiguous, maps onto its rank chunks in rows of
+    ``row`` elements: row ``r`` holds rank r's chunk of dim 1 (``pad`` rows, the last one
+    short) as a contiguous (pre, its rows, post) block. Per matching pair of strided views
+    (two at most: the full chunks together, then the one short chunk): (size, stride and
+    offset in the tensor, stride and offset from the piece's first column). Cached: it
+    depends on global shapes only."""
+    pre, rows, post = shape
     if pad == 0:
-        return
+        return ()
     full, rem = divmod(rows, pad)
+    pairs = []
     if full:
-        dst[:full, :pre * pad * post].view(full, pre, pad, post).copy_(
-            src[:, :full * pad].view(pre, full, pad, post).transpose(0, 1))
-    if full < world:
-        n = pre * rem * post
-        dst[full, :n].view(pre, rem, post).copy_(src[:, full * pad:])
-        dst[full, n:].zero_()
-        dst[full + 1:].zero_()
+        pairs.append(((pre, full, pad, post), (rows * post, pad * post, post, 1), 0, (pad * post, row, post, 1), 0))
+    if rem:
+        pairs.append(((pre, rem, post), (rows * post, post, 1), full * pad * post, (rem * post, post, 1), full * row))
+    return tuple(pairs)
+
+
+def _chunk_views(shape: tuple[int, int, int], pad: int, whole: torch.Tensor, ranks: torch.Tensor,
+                 col: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The ``_chunk_layout`` view pairs of contiguous ``whole`` (seen as ``shape``) and of
+    its chunks in ``ranks`` (world, row) from column ``col``, to copy with one ``_foreach_copy_``."""
+    at, base = whole.storage_offset(), ranks.storage_offset() + col
+    parts, places = [], []
+    for size, stride, offset, rank_stride, rank_offset in _chunk_layout(shape, pad, ranks.stride(0)):
+        parts.append(whole.as_strided(size, stride, at + offset))
+        places.append(ranks.as_strided(size, rank_stride, base + rank_offset))
+    return parts, places
+
+
+def _padding(p: FSDPParam, ranks: torch.Tensor, col: int) -> list[torch.Tensor]:
+    """The padding of ``p``'s chunks in ``ranks`` (``_chunk_layout``): the short chunk's
+    tail and the rows of ranks past the last chunk."""
+    world, row = ranks.size(0), ranks.stride(0)
+    full, rem = divmod(p.rows, p.pad_rows) if p.pad_rows else (world, 0)
+    if full == world:
+        return []
+    base, used = ranks.storage_offset() + col + full * row, p.pre * rem * p.post
+    pads = []
+    if used < p.shard_numel:
+        pads.append(ranks.as_strided((p.shard_numel - used,), (1,), base + used))
+    if full + 1 < world:
+        pads.append(ranks.as_strided((world - full - 1, p.shard_numel), (row, 1), base + row))
+    return pads
 
 
 def _rank_rows(dst: torch.Tensor, src: torch.Tensor, pad: int, first: int) -> None:
-    """Rows ``first, first + 1, ...`` of ``_to_ranks``'s layout (one per row of ``dst``),
+    """Rows ``first, first + 1, ...`` of ``_chunk_layout``'s layout (one per row of ``dst``),
     built from ``src`` (pre, rows, post): those ranks' chunks, zero-padded."""
     pre, rows, post = src.shape
     for i in range(dst.size(0)):
@@ -566,17 +650,3 @@ def _rank_rows(dst: torch.Tensor, src: torch.Tensor, pad: int, first: int) -> No
         n = pre * (hi - lo) * post
         dst[i, :n].view(pre, hi - lo, post).copy_(src[:, lo:hi])
         dst[i, n:].zero_()
-
-
-def _from_ranks(dst: torch.Tensor, src: torch.Tensor, pad: int) -> None:
-    """The inverse of ``_to_ranks``: rank chunks of ``pad`` rows in ``src`` rows into
-    ``dst`` (pre, rows, post)."""
-    pre, rows, post = dst.shape
-    if pad == 0:
-        return
-    full, rem = divmod(rows, pad)
-    if full:
-        dst[:, :full * pad].view(pre, full, pad, post).copy_(
-            src[:full, :pre * pad * post].view(full, pre, pad, post).transpose(0, 1))
-    if rem:
-        dst[:, full * pad:].copy_(src[full, :pre * rem * post].view(pre, rem, post))

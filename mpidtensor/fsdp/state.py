@@ -168,7 +168,7 @@ class FSDPState:
                 root._recording = False
                 root.last_call = {id(s): i for i, s in enumerate(root.forward_order)}
         if grad:
-            leaves = (output,) if type(output) is torch.Tensor else tree_flatten(output)[0]
+            leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if len(tensors) == 1:  # the common case: a tensor hook fires as a one-tensor multi-grad hook
                 tensors[0].register_hook(self._pre_backward)
@@ -185,7 +185,7 @@ class FSDPState:
     def _hook_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Route the inputs that need gradients through ``_PostBackward``, whose backward runs
         once the module's whole backward (frozen parameters' uses included) is done."""
-        plain = not kwargs and all(type(a) is torch.Tensor for a in args)  # the common case, without pytree
+        plain = not kwargs and all(isinstance(a, torch.Tensor) for a in args)  # the common case, without pytree
         flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
         index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if index:

@@ -1,0 +1,109 @@
+"""FSDP's strided copies between a parameter and its rank chunks (``param_group._chunk_layout``):
+the gradient pack for the reduce-scatter and its inverse, the all-gather's copy-out, checked
+against ``torch.chunk`` at world sizes 1-5 with uneven and empty chunks; and the copy-out of a
+group that mixes dim-0 and dim-1 sharding (FSDP x TP's layout) under a full step."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from helpers import assert_all_ranks
+from mpidtensor import Shard
+from mpidtensor.fsdp import fully_shard
+from mpidtensor.fsdp.param_group import _chunk_views, _pack_ranks
+
+SHAPES = [(1, 8, 3), (2, 7, 3), (3, 2, 5), (1, 1, 4), (4, 9, 1), (2, 0, 3)]
+
+
+def stub(pre: int, rows: int, post: int, world: int) -> SimpleNamespace:
+    """The layout fields of an ``FSDPParam`` sharding dim 1 of a (pre, rows, post) tensor."""
+    pad = -(-rows // world)
+    return SimpleNamespace(pre=pre, rows=rows, post=post, pad_rows=pad, shard_numel=pre * pad * post)
+
+
+def expected_rows(t: torch.Tensor, world: int, pad: int) -> list[torch.Tensor]:
+    """Rank r's padded piece: its ``torch.chunk`` of dim 1, contiguous, then zeros."""
+    pieces = list(torch.chunk(t, world, dim=1)) if t.size(1) else []
+    rows = []
+    for r in range(world):
+        piece = pieces[r].reshape(-1) if r < len(pieces) else t.new_zeros(0)
+        rows.append(torch.cat([piece, t.new_zeros(t.size(0) * pad * t.size(2) - piece.numel())]))
+    return rows
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_pack_ranks_is_torch_chunk_zero_padded(world):
+    """Several gradients (some uneven, one empty) packed into (world, total) rows, cast to the
+    buffer's dtype; the padding is zeroed over whatever the buffer held."""
+    params = [stub(*shape, world) for shape in SHAPES]
+    grads = [torch.randn(p.pre, p.rows, p.post, dtype=torch.float64) for p in params]
+    total = sum(p.shard_numel for p in params)
+    per_rank = torch.full((world, total), float("nan"))
+    _pack_ranks(per_rank, list(zip(params, grads)))
+    col = 0
+    for p, g in zip(params, grads):
+        want = torch.stack(expected_rows(g, world, p.pad_rows)).float()
+        assert torch.equal(per_rank[:, col:col + p.shard_numel], want)
+        col += p.shard_numel
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_chunk_views_invert_the_pack(world):
+    """The all-gather's direction: every parameter rebuilt from the rank rows, bit for bit,
+    with the buffer's columns offset (a parameter after others) and a strided row."""
+    params = [stub(*shape, world) for shape in SHAPES]
+    grads = [torch.randn(p.pre, p.rows, p.post) for p in params]
+    total = sum(p.shard_numel for p in params)
+    wide = torch.zeros(world, total + 6)
+    per_rank = wide[:, 3:3 + total]  # a row stride longer than the row, a storage offset
+    _pack_ranks(per_rank, list(zip(params, grads)))
+    col = 0
+    for p, g in zip(params, grads):
+        out = torch.full((p.pre, p.rows, p.post), float("nan"))
+        parts, places = _chunk_views((p.pre, p.rows, p.post), p.pad_rows, out, per_rank, col)
+        if parts:
+            torch._foreach_copy_(parts, places)
+        assert torch.equal(out, g)
+        col += p.shard_numel
+
+
+def test_pack_ranks_even_dim0_is_one_cat():
+    """Gradients split evenly along dim 0 in the buffer's dtype take the ``torch.cat`` path:
+    the same rows as the strided one."""
+    world = 2
+    params = [stub(1, 4, 3, world), stub(1, 6, 1, world)]
+    grads = [torch.randn(4, 3), torch.randn(6)]
+    per_rank = torch.empty(world, sum(p.shard_numel for p in params))
+    _pack_ranks(per_rank, list(zip(params, grads)))
+    want = torch.cat([torch.stack(expected_rows(g.reshape(1, p.rows, p.post), world, p.pad_rows))
+                      for p, g in zip(params, grads)], dim=1)
+    assert torch.equal(per_rank, want)
+
+
+def dim1_for_matrices(param):
+    return Shard(1) if param.ndim > 1 else Shard(0)
+
+
+def test_mixed_dims_group_matches_full_tensor(mesh1d):
+    """A group mixing dim-1 sharded matrices (uneven at 3 ranks) and dim-0 sharded vectors:
+    the unsharded parameters equal the full tensors every step (the all-gather's copy-out),
+    and the sharded gradients equal a single process's (the gradient pack)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    net.load_state_dict(ref.state_dict())
+    full = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    x = torch.randn(4, 5)
+    ref(x).pow(2).sum().backward()
+    fully_shard(net, mesh=mesh1d, shard_placement_fn=dim1_for_matrices)
+    ok = net[0].weight.placements == (Shard(1),) and net[0].bias.placements == (Shard(0),)
+    for _ in range(2):
+        net.unshard()
+        ok &= all(torch.equal(p.detach(), full[n]) for n, p in net.named_parameters())
+        net.reshard()
+        net.zero_grad()
+        net(x).pow(2).sum().backward()
+    ok &= all(torch.allclose(dict(net.named_parameters())[n].grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-6)
+              for n, p in ref.named_parameters())
+    assert_all_ranks(ok, "a group of dim-1 and dim-0 shards")
