@@ -29,6 +29,8 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard, normalize_placements
 from ..spec import DTensorSpec
+from .direct_apply import direct_apply
+from .local_gather import Route, shard_route
 from .local_linear import gather_reduced_grad, local_grad, reduce_partial, wrap_output
 
 _REPLICATE = (Replicate(),)
@@ -37,10 +39,10 @@ _VOCAB = (Shard(0),)
 
 class _VocabParallelEmbedding(torch.autograd.Function):
     """y = reduce(lookup of the tokens in rows [start, start + n), zeros elsewhere) over the
-    mesh: all-reduce, or reduce-scatter on ``dim``; a DTensor of ``out_spec`` or local."""
+    mesh: all-reduce, or the reduce-scatter of ``route``; a DTensor of ``out_spec`` or local."""
 
     @staticmethod
-    def forward(ctx, tokens: torch.Tensor, weight: DTensor, start: int, comm, dim: int | None,
+    def forward(ctx, tokens: torch.Tensor, weight: DTensor, start: int, comm, route: Route | None,
                 out_spec: DTensorSpec | None):
         w = weight._local_tensor
         rows = w.shape[0]
@@ -50,9 +52,9 @@ class _VocabParallelEmbedding(torch.autograd.Function):
             y = F.embedding(rel, w).masked_fill_(outside.unsqueeze(-1), 0)
         else:
             y = w.new_zeros((*tokens.shape, w.shape[1]))
-        ctx.comm, ctx.dim, ctx.out_spec, ctx.weight = comm, dim, out_spec, weight
+        ctx.out_spec, ctx.weight = out_spec, weight
         ctx.save_for_backward(rel, outside)
-        y = reduce_partial(ctx, y, comm, dim)
+        y = reduce_partial(ctx, y, comm, route)
         return wrap_output(y, out_spec)
 
     @staticmethod
@@ -67,6 +69,9 @@ class _VocabParallelEmbedding(torch.autograd.Function):
             local = torch.ops.aten.embedding_dense_backward(gy, rel, weight._local_tensor.shape[0], -1, False)
             gw = DTensor(local.to(weight.dtype), weight._spec)
         return None, gw, None, None, None, None
+
+
+_vocab_parallel_embedding = direct_apply(_VocabParallelEmbedding)
 
 
 class LocalEmbeddingForward:
@@ -94,14 +99,15 @@ class LocalEmbeddingForward:
         if route is None:
             inputs = self.prepare_input(self.module, args, self.mesh)
             return self.prepare_output(self.module, nn.Embedding.forward(self.module, *inputs, **kwargs), self.mesh)
-        start, dim, out_spec = route
+        start, reduce_route, out_spec = route
         tokens = x._local_tensor if isinstance(x, DTensor) else x
-        y = _VocabParallelEmbedding.apply(tokens, self.module.weight, start, self.comm, dim,
-                                          None if self.local_out else out_spec)
+        y = _vocab_parallel_embedding(tokens, self.module.weight, start, self.comm, reduce_route,
+                                      None if self.local_out else out_spec)
         return y
 
     def _route(self, x: Any) -> tuple | None:
-        """(first row, reduce dim, out spec) when this call takes the local path, else None."""
+        """(first row, reduce-scatter route or None for an all-reduce, out spec) when this call
+        takes the local path, else None."""
         if isinstance(x, DTensor):
             if not (x._spec.mesh is self.mesh or x._spec.mesh == self.mesh) or x._spec.placements != _REPLICATE:
                 return None
@@ -132,7 +138,7 @@ class LocalEmbeddingForward:
         return spec.local_shape_and_offset()[1][0]
 
     def _output(self, tokens_shape: torch.Size, weight_spec: DTensorSpec) -> tuple | None:
-        """(reduce-scatter dim or None for an all-reduce, out spec) for tokens of this shape,
+        """(reduce-scatter route or None for an all-reduce, out spec) for tokens of this shape,
         or None where the output is wanted sharded on the embedding dim (general path)."""
         shape = (*tokens_shape, weight_spec.shape[1])
         try:
@@ -141,5 +147,5 @@ class LocalEmbeddingForward:
             return None  # out of range: the general path says why
         if wanted == Shard(len(shape) - 1):
             return None
-        dim = wanted.dim if isinstance(wanted, Shard) else None
-        return dim, DTensorSpec(self.mesh, (wanted,), shape, contiguous_strides(shape), weight_spec.dtype)
+        spec = DTensorSpec(self.mesh, (wanted,), shape, contiguous_strides(shape), weight_spec.dtype)
+        return (shard_route(spec) if isinstance(wanted, Shard) else None), spec

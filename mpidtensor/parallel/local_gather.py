@@ -25,14 +25,17 @@ from ..dtensor import DTensor
 from ..mesh import collectives
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec
+from .direct_apply import direct_apply
 
 _PARTIAL_SUM = (Partial("sum"),)
 
 
-class _Route:
+class Route:
     """How one input spec is all-gathered: the output spec, the communicator, the dim, this
     rank's (offset, size) along it, and the two collectives prepared for this rank's block
-    (``collectives.prepare_*``: checks and choices made once, later calls go to MPI)."""
+    (``collectives.prepare_*``: checks and choices made once, later calls go to MPI). Read
+    the other way, a partial whole reduce-scattered to the spec and its gradient gathered
+    back (a sequence-parallel row Linear or embedding, :func:`shard_route`)."""
 
     __slots__ = ("in_spec", "out_spec", "comm", "dim", "span", "all_gather", "reduce_scatter")
 
@@ -76,22 +79,26 @@ class _Route:
         return grad.narrow(self.dim, *self.span).contiguous()
 
 
-_ROUTES: dict[DTensorSpec, _Route | None] = {}  # input spec -> its route, or None: the public path
+_ROUTES: dict[DTensorSpec, Route | None] = {}  # input spec -> its route, or None: the public path
 
 
-def gather_route(x: DTensor) -> _Route | None:
-    """How ``x`` is replicated by the local path (a ``_Route``: ``gather`` its local block,
+def gather_route(x: DTensor) -> Route | None:
+    """How ``x`` is replicated by the local path (a ``Route``: ``gather`` its local block,
     ``reduce`` a partial gradient back to it), or None where that path does not apply."""
-    return None if torch.compiler.is_compiling() else _route(x._spec)
+    return None if torch.compiler.is_compiling() else shard_route(x._spec)
 
 
-def _route(spec: DTensorSpec) -> _Route | None:
+def shard_route(spec: DTensorSpec) -> Route | None:
+    """The ``Route`` between ``spec`` (``Shard(d)`` on a 1-D mesh holding this rank,
+    C-contiguous) and its replicated whole, with its collectives prepared; None for any
+    other spec. A row-parallel Linear's reduce-scatter is its ``reduce``, the gradient's
+    all-gather its ``gather``."""
     route = _ROUTES.get(spec, False)
     if route is False:
         mesh, placements = spec.mesh, spec.placements
         fits = (mesh.ndim == 1 and mesh.get_coordinate() is not None and len(placements) == 1
                 and isinstance(placements[0], Shard) and spec.stride == contiguous_strides(spec.shape))
-        route = _ROUTES[spec] = _Route(spec, placements[0].dim) if fits else None
+        route = _ROUTES[spec] = Route(spec, placements[0].dim) if fits else None
     return route
 
 
@@ -99,7 +106,7 @@ class _GatherShards(torch.autograd.Function):
     """The all-gather of ``route`` forward; this rank's block of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x: DTensor, route: _Route) -> DTensor:
+    def forward(ctx, x: DTensor, route: Route) -> DTensor:
         ctx.route = route
         return DTensor(route.gather(x._local_tensor), route.out_spec)
 
@@ -107,6 +114,9 @@ class _GatherShards(torch.autograd.Function):
     def backward(ctx, grad):
         route = ctx.route
         return DTensor(route.block(grad), route.in_spec), None
+
+
+_gather_shards = direct_apply(_GatherShards)
 
 
 def gather_shards(x: DTensor) -> DTensor | None:
@@ -117,5 +127,5 @@ def gather_shards(x: DTensor) -> DTensor | None:
     if route is None:
         return None
     if torch.is_grad_enabled() and x.requires_grad:
-        return _GatherShards.apply(x, route)
+        return _gather_shards(x, route)
     return DTensor(route.gather(x._local_tensor), route.out_spec)

@@ -40,12 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._layout import chunk_sizes, contiguous_strides
+from .._layout import contiguous_strides
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh, collectives
 from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..spec import DTensorSpec
-from .local_gather import gather_route
+from .direct_apply import direct_apply
+from .local_gather import Route, gather_route, shard_route
 
 
 _GRAD_SPECS: dict[tuple[DTensorSpec, bool], DTensorSpec] = {}  # (input spec, partial) -> gradient spec
@@ -75,23 +76,22 @@ def local_grad(gy: Any, spec: DTensorSpec | None) -> torch.Tensor:
     return gy._local_tensor
 
 
-def reduce_partial(ctx, y: torch.Tensor, comm, dim: int | None) -> torch.Tensor:
-    """The sum over ``comm`` of this rank's partial ``y``: an in-place all-reduce, or a
-    reduce-scatter on ``dim`` (its piece sizes kept in ``ctx.sizes`` for the backward)."""
+def reduce_partial(ctx, y: torch.Tensor, comm, route: Route | None) -> torch.Tensor:
+    """The sum over ``comm`` of this rank's partial ``y``: an in-place all-reduce, or the
+    reduce-scatter of ``route`` (``shard_route`` of the output's spec: its collectives
+    prepared), kept in ``ctx.route`` for the backward."""
+    ctx.route = route
+    if route is not None:
+        return route.reduce(y)
     if comm.size == 1:
         return y
-    if dim is None:
-        return collectives.all_reduce(y, comm, "sum", inplace=True)
-    ctx.sizes = chunk_sizes(y.shape[dim], comm.size)
-    return collectives.reduce_scatter(y, comm, "sum", dim=dim, sizes=ctx.sizes)
+    return collectives.all_reduce(y, comm, "sum", inplace=True)
 
 
 def gather_reduced_grad(ctx, gy: torch.Tensor) -> torch.Tensor:
-    """The backward of :func:`reduce_partial` (``ctx.comm``, ``ctx.dim``): the gradient of a
+    """The backward of :func:`reduce_partial` (``ctx.route``): the gradient of a
     reduce-scatter is all-gathered; that of an all-reduce is already whole."""
-    if ctx.dim is None or ctx.comm.size == 1:
-        return gy
-    return collectives.all_gather(gy, ctx.comm, dim=ctx.dim, sizes=ctx.sizes)
+    return gy if ctx.route is None else ctx.route.gather(gy)
 
 
 def wrap_output(y: torch.Tensor, out_spec: DTensorSpec | None) -> Any:
@@ -148,17 +148,17 @@ class _ColwiseLinear(torch.autograd.Function):
 
 
 class _RowwiseLinear(torch.autograd.Function):
-    """y = reduce(x_r W_r^T) + b over the mesh: all-reduce, or reduce-scatter on ``dim``.
+    """y = reduce(x_r W_r^T) + b over the mesh: all-reduce, or the reduce-scatter of ``route``.
     The output is local, or the DTensor of ``out_spec`` (one autograd node, not two)."""
 
     @staticmethod
-    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, dim: int | None,
+    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, route: Route | None,
                 out_spec: DTensorSpec | None):
         local = x._local_tensor if isinstance(x, DTensor) else x
-        ctx.comm, ctx.dim, ctx.bias, ctx.out_spec = comm, dim, bias, out_spec
+        ctx.bias, ctx.out_spec = bias, out_spec
         ctx.x_spec = _grad_spec(x, False) if isinstance(x, DTensor) else None
         ctx.save_for_backward(local, weight)
-        y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, dim)
+        y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, route)
         if bias is not None:
             y += bias._local_tensor
         return wrap_output(y, out_spec)
@@ -174,6 +174,9 @@ class _RowwiseLinear(torch.autograd.Function):
             if ctx.x_spec is not None:
                 gx = DTensor(gx, ctx.x_spec)
         return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None)
+
+
+_colwise_linear, _rowwise_linear = direct_apply(_ColwiseLinear), direct_apply(_RowwiseLinear)
 
 
 class LocalLinearForward:
@@ -210,10 +213,10 @@ class LocalLinearForward:
         x, gather = self._input(x, given, desired)
         out_spec = None if self.local_out and wanted == natural else self._out_spec(x, natural)
         if self.colwise:
-            y = _ColwiseLinear.apply(x, module.weight, module.bias, self.comm, out_spec, gather)
+            y = _colwise_linear(x, module.weight, module.bias, self.comm, out_spec, gather)
         else:
-            y = _RowwiseLinear.apply(x, module.weight, module.bias, self.comm,
-                                     natural.dim if isinstance(natural, Shard) else None, out_spec)
+            route = shard_route(self._out_spec(x, natural)) if isinstance(natural, Shard) else None
+            y = _rowwise_linear(x, module.weight, module.bias, self.comm, route, out_spec)
         if out_spec is None:
             return y
         if wanted != natural:

@@ -29,6 +29,7 @@ from .._layout import contiguous_strides
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh, collectives
 from ..placements import Replicate, Shard
+from .direct_apply import direct_apply
 from .local_linear import local_grad
 
 _REPLICATE = (Replicate(),)
@@ -102,6 +103,9 @@ class _LocalLayerNorm(torch.autograd.Function):
                 _reduce_partial(gb if mask[2] else None, bias, ctx.comm), None, None, None)
 
 
+_local_rms_norm, _local_layer_norm = direct_apply(_LocalRMSNorm), direct_apply(_LocalLayerNorm)
+
+
 class LocalNormForward:
     """``forward`` of a ``SequenceParallel`` ``nn.RMSNorm`` / ``nn.LayerNorm``: the local path
     when it applies (see the module docstring), else the module's own forward on DTensors.
@@ -131,10 +135,10 @@ class LocalNormForward:
         if x is None or not self._applies(x):
             out = type(module).forward(module, *args, **kwargs)
         elif isinstance(module, nn.RMSNorm):
-            out = _LocalRMSNorm.apply(x, module.weight, tuple(module.normalized_shape), module.eps, self.comm)
+            out = _local_rms_norm(x, module.weight, tuple(module.normalized_shape), module.eps, self.comm)
         else:
-            out = _LocalLayerNorm.apply(x, module.weight, module.bias, tuple(module.normalized_shape), module.eps,
-                                        self.comm)
+            out = _local_layer_norm(x, module.weight, module.bias, tuple(module.normalized_shape), module.eps,
+                                    self.comm)
         return out if self.prepare_output is None else self.prepare_output(module, out, self.mesh)
 
     def _applies(self, x: Any) -> bool:

@@ -28,6 +28,7 @@ from ..dtensor import DTensor
 from ..mesh import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
+from .direct_apply import direct_apply
 from .local_linear import local_grad
 
 
@@ -162,6 +163,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return out, None, None, None, None, None, None, None, None, None
 
 
+_vocab_parallel_cross_entropy = direct_apply(_VocabParallelCrossEntropy)
+
+
 def _cross_entropy(
     input: torch.Tensor,
     target: torch.Tensor,
@@ -200,8 +204,8 @@ def _cross_entropy(
     if (reduction != "none" and plain_target and class_dim == input.ndim - 1 and _rows_whole(spec, mesh_dim)
             and not torch.compiler.is_compiling()):
         out_spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, (), (), spec.dtype)
-        return _VocabParallelCrossEntropy.apply(input, target, offset, n_classes, weight, ignore_index,
-                                                float(label_smoothing), group, reduction == "mean", out_spec)
+        return _vocab_parallel_cross_entropy(input, target, offset, n_classes, weight, ignore_index,
+                                             float(label_smoothing), group, reduction == "mean", out_spec)
     if plain_target:
         target_dt = DTensor.from_local(target, mesh, [Replicate()] * mesh.ndim, run_check=False,
                                        shape=target.shape)
@@ -210,8 +214,8 @@ def _cross_entropy(
     local_target = target_dt.redistribute(mesh, rows).to_local() if target_dt.placements != tuple(rows) \
         else target_dt.to_local()
     x = input.to_local().movedim(class_dim, -1)
-    local = _VocabParallelCrossEntropy.apply(x, local_target, offset, n_classes, weight, ignore_index,
-                                             float(label_smoothing), group)
+    local = _vocab_parallel_cross_entropy(x, local_target, offset, n_classes, weight, ignore_index,
+                                          float(label_smoothing), group)
     per_row = DTensor.from_local(local, mesh, rows, run_check=False, shape=row_shape)
     if reduction == "none":
         return per_row

@@ -1,0 +1,42 @@
+"""``Function.apply`` of the local paths' autograd Functions without its Python layer.
+
+``torch.autograd.Function.apply`` runs a Python frame per call before the C++ one: it
+checks for a ``setup_context``, asks whether functorch transforms are active and then
+unwraps dead functorch wrappers through a generator (``_functorch.utils.unwrap_dead_wrappers``);
+about a third of a small Function's call cost on CPU. A TP + SP step calls a Function
+per Linear, norm and gather (about 26 per step of the demo's Llama). The Functions
+here define ``forward`` / ``backward`` only (no ``setup_context``), so the same call is
+the C++ ``apply`` on the arguments with dead wrappers unwrapped, as ``Function.apply``
+does; under functorch transforms and ``torch.compile`` (whose tracer knows ``Function.apply``
+and not this) the public ``apply`` runs, and so it does everywhere if this torch's
+``Function`` lacks the C++ ``apply`` it relies on.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+_C_APPLY = torch._C._FunctionBase.__dict__.get("apply")  # the classmethod ``Function.apply`` ends in
+_transforms_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_is_compiling = torch.compiler.is_compiling
+
+
+def direct_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``cls.apply``, the same call without ``Function.apply``'s Python frame and generator.
+    ``cls`` must not define ``setup_context`` (its forward takes ``ctx``)."""
+    if torch.autograd.function._is_setup_context_defined(cls.setup_context):
+        raise TypeError(f"{cls.__name__} defines setup_context: use its apply")
+    if _C_APPLY is None:
+        return cls.apply
+    c_apply, public = _C_APPLY.__get__(None, cls), cls.apply
+    tensor = torch.Tensor
+
+    def apply(*args: Any) -> Any:
+        if _transforms_active() or _is_compiling():
+            return public(*args)
+        return c_apply(*[_unwrap_if_dead(a) if isinstance(a, tensor) else a for a in args])
+
+    apply.__doc__ = f"``{cls.__name__}.apply`` (see :func:`direct_apply`)."
+    return apply

@@ -1,0 +1,110 @@
+"""The TP local paths' per-call shortcuts: ``direct_apply`` (``Function.apply`` without its
+Python layer) and the prepared reduce-scatter / all-gather of a sequence-parallel row Linear
+and vocab-parallel embedding (``shard_route``): the same values, bit for bit, as
+``Function.apply`` and the general collectives, uneven blocks included (3 ranks)."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+from helpers import CollectiveLog, assert_all_ranks
+from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
+from mpidtensor._layout import chunk_sizes
+from mpidtensor.mesh import collectives
+from mpidtensor.parallel import RowwiseParallel, parallelize_module
+from mpidtensor.parallel.direct_apply import direct_apply
+from test_parallel import tp_mesh  # noqa: F401 (a fixture)
+
+WORLD = MPI.COMM_WORLD
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class _WithSetup(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_direct_apply_matches_apply():
+    scale = direct_apply(_Scale)
+    x = torch.randn(5, requires_grad=True)
+    y = scale(x, 3.0)
+    assert type(y.grad_fn) is _Scale._backward_cls
+    y.sum().backward()
+    assert torch.equal(y, _Scale.apply(x, 3.0)) and torch.equal(x.grad, torch.full((5,), 3.0))
+
+
+def test_direct_apply_under_functorch_takes_public_apply():
+    """Under a functorch transform the public ``apply`` runs: its error for a Function
+    without ``setup_context``, as before."""
+    scale = direct_apply(_Scale)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: scale(t, 2.0).sum())(torch.randn(4))
+
+
+def test_direct_apply_refuses_setup_context():
+    with pytest.raises(TypeError, match="setup_context"):
+        direct_apply(_WithSetup)
+
+
+def _row_linear(tp_mesh, wanted):
+    torch.manual_seed(2)
+    ref = nn.Linear(6, 5, bias=False)
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh,
+                               RowwiseParallel(input_layouts=Shard(-1), output_layouts=wanted, use_local_output=False))
+    return ref, model
+
+
+def test_sequence_parallel_row_linear_bit_identical_to_general_collectives(tp_mesh):
+    """7 tokens (uneven at 2 and 3 ranks): the output is the general reduce-scatter of the
+    partial product, its input gradient uses the general all-gather of the output gradient."""
+    ref, model = _row_linear(tp_mesh, Shard(1))
+    comm = tp_mesh.comm_for((0,))
+    x = torch.randn(2, 7, 6, generator=torch.Generator().manual_seed(3))
+    xs = distribute_tensor(x, tp_mesh, [Shard(2)]).requires_grad_()
+    with CollectiveLog() as comms:
+        out = model(xs)
+    if comm.size > 1:
+        assert_all_ranks(comms.calls == ["reduce_scatter"], str(comms.calls))
+    w = model.weight._local_tensor
+    partial = F.linear(xs._local_tensor, w)
+    sizes = chunk_sizes(7, comm.size)
+    want = collectives.reduce_scatter(partial, comm, "sum", dim=1, sizes=sizes) if comm.size > 1 else partial
+    assert_all_ranks(isinstance(out, DTensor) and out.placements == (Shard(1),), repr(out))
+    assert_all_ranks(torch.equal(out._local_tensor, want), "forward differs from the general reduce-scatter")
+    gy = torch.randn(out._local_tensor.shape, generator=torch.Generator().manual_seed(4 + comm.rank))
+    out.backward(DTensor(gy, out._spec))
+    whole = collectives.all_gather(gy, comm, dim=1, sizes=sizes) if comm.size > 1 else gy
+    assert_all_ranks(torch.equal(xs.grad._local_tensor, whole.matmul(w)), "input gradient differs")
+
+
+def test_row_linear_replicated_output_still_all_reduces(tp_mesh):
+    ref, model = _row_linear(tp_mesh, Replicate())
+    x = torch.randn(2, 7, 6, generator=torch.Generator().manual_seed(3))
+    xs = distribute_tensor(x, tp_mesh, [Shard(2)])
+    with CollectiveLog() as comms:
+        out = model(xs)
+    if tp_mesh.size() > 1:
+        assert_all_ranks(comms.calls == ["all_reduce"], str(comms.calls))
+    assert_all_ranks(torch.allclose(out.full_tensor(), ref(x), atol=1e-5), "replicated output differs")
