@@ -211,11 +211,12 @@ class LocalLinearForward:
         module = self.module
         given, wanted, desired, natural = self.layouts[x.ndim]
         x, gather = self._input(x, given, desired)
-        out_spec = None if self.local_out and wanted == natural else self._out_spec(x, natural)
+        spec = self._out_spec(x, natural)
+        out_spec = None if self.local_out and wanted == natural else spec
         if self.colwise:
             y = _colwise_linear(x, module.weight, module.bias, self.comm, out_spec, gather)
         else:
-            route = shard_route(self._out_spec(x, natural)) if isinstance(natural, Shard) else None
+            route = shard_route(spec) if isinstance(natural, Shard) else None
             y = _rowwise_linear(x, module.weight, module.bias, self.comm, route, out_spec)
         if out_spec is None:
             return y
