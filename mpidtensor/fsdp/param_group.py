@@ -53,7 +53,7 @@ from mpi4py import MPI
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..mesh import accounting
-from ..dtensor import DTensor, _wrap
+from ..dtensor import DTensor
 from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
 from . import comms
 from .mixed_precision import MixedPrecisionPolicy
@@ -514,7 +514,7 @@ class ParamGroup:
                 if local.dtype != p.orig_dtype or local.device != to_device:
                     local = local.to(device=to_device, dtype=p.orig_dtype)
                 if p.sharded.grad is None:
-                    p.sharded.grad = _wrap(local, p.spec)
+                    p.sharded.grad = DTensor(local, p.spec, requires_grad=False)
                 else:
                     p.sharded.grad._local_tensor.add_(local)
 
