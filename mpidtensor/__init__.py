@@ -15,9 +15,13 @@ _torch.Tensor.to_dtensor = _to_dtensor  # local_tensor.to_dtensor(device_mesh=..
 
 # Optimizers and gradient clipping take their multi-tensor (foreach) kernels for DTensor
 # parameters, on CPU too (one dispatch per op for all parameters, not one per parameter).
+# Elementwise torch.optim optimizers step DTensor parameters on their local tensors
+# (no dispatch per op) when gradients and state share the parameter's spec.
 from . import foreach as _foreach  # noqa: E402
+from . import local_step as _local_step  # noqa: E402
 
 _foreach.install()
+_local_step.install()
 
 __all__ = [
     "DTensor",
