@@ -34,8 +34,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .dtensor import DTensor
+from .flat_runs import Run, candidate_runs, rehome
 
 ENABLED = os.environ.get("MPIDTENSOR_LOCAL_OPTIM_STEP", "1") != "0"
+COALESCE = True  # step runs of back-to-back parameters as one tensor (mpidtensor.flat_runs)
 
 # torch's elementwise optimizers, by exact type: a subclass may add non-elementwise work
 ELEMENTWISE: frozenset[type] = frozenset({
@@ -45,36 +47,63 @@ ELEMENTWISE: frozenset[type] = frozenset({
 
 _SWAP = "_mpidtensor_local_step"  # optimizer attribute: the _Swap in place
 _HOOKED = "_mpidtensor_local_step_hooks"  # optimizer attribute: its state_dict hooks are registered
+_LAYOUTS = "_mpidtensor_local_step_layouts"  # optimizer attribute: id(group) -> _Layout or None
 _handles = None
 
 
-class _Swap:
-    """What a swapped step changed: ``(group, params)`` per group, the real state,
-    and ``(parameter, local tensor)`` of every DTensor parameter swapped."""
+class _Layout:
+    """How one parameter group steps on local tensors, built once and kept while its
+    parameters, their local tensors and their state objects stay the same (checked each
+    step): ``locals`` (None for a plain parameter), ``runs`` (start -> (end, Run)) and the
+    stretches whose states are to be put back to back after the step (``rehome``)."""
 
-    __slots__ = ("groups", "state", "pairs")
+    __slots__ = ("params", "locals", "values", "runs", "rehome")
 
-    def __init__(self, groups: list, state: defaultdict, pairs: list) -> None:
-        self.groups, self.state, self.pairs = groups, state, pairs
+    def __init__(self, params: list, state) -> None:
+        self.params = tuple(params)
+        self.locals = tuple(p._local_tensor if type(p) is DTensor else None for p in params)
+        entries = [state.get(p) if type(p) is DTensor else None for p in params]
+        self.values = tuple(tuple(e.values()) if e else () for e in entries)
+        self.runs, self.rehome = {}, []
+        for start, end in candidate_runs(params, self.locals) if COALESCE else ():
+            run = Run.make(params[start:end], entries[start:end])
+            if run is None:
+                self.rehome.append((start, end))
+            else:
+                self.runs[start] = (end, run)
+
+    def holds(self, params: list, state) -> bool:
+        """Whether the group still has these parameters, local tensors and state objects."""
+        if len(params) != len(self.params):
+            return False
+        for p, q, local, values in zip(params, self.params, self.locals, self.values):
+            if p is not q:
+                return False
+            if local is None:
+                continue
+            entry = state.get(p)
+            current = entry.values() if entry else ()
+            if p._local_tensor is not local or len(current) != len(values) or any(
+                    a is not b for a, b in zip(current, values)):
+                return False
+        return True
 
 
-def _qualifies(group: dict, state: defaultdict) -> bool:
-    """Whether ``group``'s step may run on local tensors (see the module doc)."""
+def _static_ok(group: dict, state) -> bool:
+    """What qualifies a group while its layout holds: ``differentiable`` and ``capturable``
+    off, plain local tensors, DTensor states of the parameter's spec, other tensor states
+    0-d, and some DTensor parameter."""
     if group.get("differentiable") or group.get("capturable"):
         return False
     found = False
     for p in group["params"]:
         if type(p) is not DTensor:
             continue
-        spec = p._spec
         if type(p._local_tensor) is not torch.Tensor:
-            return False
-        g = p.grad
-        if g is not None and (type(g) is not DTensor or g._spec is not spec):
             return False
         for v in state.get(p, {}).values():
             if type(v) is DTensor:
-                if v._spec is not spec:
+                if v._spec is not p._spec:
                     return False
             elif isinstance(v, torch.Tensor) and v.dim():
                 return False
@@ -82,39 +111,101 @@ def _qualifies(group: dict, state: defaultdict) -> bool:
     return found
 
 
+def _grads_ok(params: list) -> bool:
+    """Every DTensor parameter's gradient is None or a DTensor of its spec (checked each step)."""
+    for p in params:
+        if type(p) is DTensor:
+            g = p.grad
+            if g is not None and (type(g) is not DTensor or g._spec is not p._spec):
+                return False
+    return True
+
+
+class _Shadow(dict):
+    """``optimizer.state`` during a swapped step: the swapped tensors' entries, and any
+    other parameter's entry taken from (or made in) the real state when first asked for."""
+
+    __slots__ = ("real",)
+
+    def __init__(self, real: defaultdict) -> None:
+        super().__init__()
+        self.real = real
+
+    def __missing__(self, key):
+        entry = self[key] = self.real[key]
+        return entry
+
+
+class _Swap:
+    """What a swapped step changed: ``(group, params)`` per group, the real state,
+    ``(parameter, local tensor)`` of every DTensor parameter stepped alone, the runs
+    stepped flat, and the parameter stretches whose states are to be rehomed."""
+
+    __slots__ = ("groups", "state", "pairs", "flat", "rehome")
+
+    def __init__(self, state: defaultdict) -> None:
+        self.groups, self.state, self.pairs, self.flat, self.rehome = [], state, [], [], []
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     restore(optimizer)  # a step that raised left its swap in place
     if not ENABLED or type(optimizer) not in ELEMENTWISE or torch.compiler.is_compiling():
         return
     state = optimizer.state
-    groups = [g for g in optimizer.param_groups if _qualifies(g, state)]
-    if not groups:
+    layouts = optimizer.__dict__.setdefault(_LAYOUTS, {})
+    swap = _Swap(state)
+    shadow = None
+    for group in optimizer.param_groups:
+        params = group["params"]
+        layout = layouts.get(id(group))
+        if layout is None or not layout.holds(params, state):
+            layout = layouts[id(group)] = _Layout(params, state) if _static_ok(group, state) else None
+        if layout is None or not _grads_ok(params):
+            continue
+        if shadow is None:
+            shadow = _Shadow(state)
+        swap.groups.append((group, params))
+        group["params"] = _swap_group(layout, params, state, shadow, swap)
+    if shadow is None:
         return
     if not getattr(optimizer, _HOOKED, False):
         optimizer.register_state_dict_pre_hook(restore)
         optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: restore(opt))
         setattr(optimizer, _HOOKED, True)
-    shadow = defaultdict(dict, state)  # the other groups' entries as they are
-    saved, pairs = [], []
-    for group in groups:
-        params = group["params"]
-        saved.append((group, params))
-        locals_ = []
-        for p in params:
-            if type(p) is not DTensor:
-                locals_.append(p)
+    optimizer.state = shadow
+    setattr(optimizer, _SWAP, swap)
+
+
+def _swap_group(layout: _Layout, params: list, state, shadow: _Shadow, swap: _Swap) -> list:
+    """The tensors one group's step runs on (filling ``shadow`` and ``swap``)."""
+    out = []
+    i = 0
+    while i < len(params):
+        found = layout.runs.get(i)
+        if found is not None:
+            end, run = found
+            grad = run.grad()
+            entry = None if grad is None else run.entry()
+            if entry is not None:
+                run.flat.grad = grad
+                shadow[run.flat] = entry
+                swap.flat.append(run)
+                out.append(run.flat)
+                i = end
                 continue
-            local = p._local_tensor
+        p, local = params[i], layout.locals[i]
+        if local is None:
+            out.append(p)
+        else:
             g = p.grad
             local.grad = None if g is None else g._local_tensor
             entry = state.get(p)
-            if entry:
-                shadow[local] = {k: v._local_tensor if type(v) is DTensor else v for k, v in entry.items()}
-            pairs.append((p, local))
-            locals_.append(local)
-        group["params"] = locals_
-    optimizer.state = shadow
-    setattr(optimizer, _SWAP, _Swap(saved, state, pairs))
+            shadow[local] = {k: v._local_tensor if type(v) is DTensor else v for k, v in entry.items()} if entry else {}
+            swap.pairs.append((p, local))
+            out.append(local)
+        i += 1
+    swap.rehome.extend(params[start:end] for start, end in layout.rehome)
+    return out
 
 
 def restore(optimizer: torch.optim.Optimizer, *_) -> None:
@@ -126,9 +217,7 @@ def restore(optimizer: torch.optim.Optimizer, *_) -> None:
     shadow, state = optimizer.state, swap.state
     for group, params in swap.groups:
         group["params"] = params
-    swapped = set()
     for p, local in swap.pairs:
-        swapped.add(local)
         if local.grad is None and p.grad is not None:  # a zero_grad() ran on the swapped groups
             p.grad = None
         local.grad = None
@@ -143,9 +232,15 @@ def restore(optimizer: torch.optim.Optimizer, *_) -> None:
             if isinstance(v, torch.Tensor) and v.dim() and v.shape == local.shape and v.dtype == p.dtype:
                 v = DTensor(v, p._spec)
             entry[k] = v
-    for key, entry in shadow.items():  # entries the step made for other parameters
-        if key not in swapped:
-            state[key] = entry
+    for run in swap.flat:
+        flat = run.flat
+        if flat.grad is None:  # a zero_grad() ran on the swapped groups
+            for p in run.params:
+                p.grad = None
+        flat.grad = None
+        run.write_back(shadow[flat], state)
+    for params in swap.rehome:
+        rehome(params, [state.get(p) for p in params])
     optimizer.state = state
 
 

@@ -147,3 +147,94 @@ def test_a_step_that_raises_is_undone_by_state_dict_and_zero_grad_reaches_the_pa
     states = all(type(opt.state[p]["momentum_buffer"]) is DTensor for p in params)
     assert_all_ranks(whole and states and keys == list(range(len(params))),
                      f"optimizer after a raised step: params back {whole}, states {states}, keys {keys}")
+
+
+def _even_model(mesh) -> nn.Module:
+    """Two Linear(12, 12) layers, each fully_shard-ed: at 1-4 ranks each layer's weight and
+    bias shards lie back to back in its flat buffers (one run per layer)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        model = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train12(model, opt, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        model(global_tensor((5, 12), seed=40 + step)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_back_to_back_shards_step_as_one_tensor(mesh1d, monkeypatch, name):
+    """From the second step on, each layer's weight and bias step as one flat tensor; the
+    values equal the per-parameter step's bit for bit, before and after a state_dict
+    round trip (which separates the states again until the next step rehomes them)."""
+    cls, kwargs = OPTIMIZERS[name]
+    module = importlib.import_module("torch.optim.adam" if name == "adamw" else "torch.optim.sgd")
+    fn = "_multi_tensor_adam" if name == "adamw" else "_multi_tensor_sgd"
+    seen = []
+    original = getattr(module, fn)
+
+    def recorded(params, *args, **kw):
+        seen.append(len(params))
+        return original(params, *args, **kw)
+    monkeypatch.setattr(module, fn, recorded)
+    models = {}
+    for coalesce in (False, True):
+        monkeypatch.setattr(local_step, "COALESCE", coalesce)
+        model = _even_model(mesh1d)
+        opt = cls(model.parameters(), **kwargs)
+        seen.clear()
+        _train12(model, opt, 3)
+        counts = list(seen)
+        saved = opt.state_dict()  # its tensors are the live ones: load copies of them
+        saved["state"] = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                          for i, entry in saved["state"].items()}
+        opt.load_state_dict(saved)
+        _train12(model, opt, 2, start=3)
+        models[coalesce] = (model, opt, counts, list(seen[3:]))
+    (pmodel, popt, pcounts, _), (fmodel, fopt, fcounts, fafter) = models[False], models[True]
+    same = all(torch.equal(a._local_tensor, b._local_tensor) for a, b in zip(pmodel.parameters(), fmodel.parameters()))
+    same_state = all(torch.equal(x._local_tensor if type(x) is DTensor else x, y._local_tensor if type(y) is DTensor else y)
+                     for a, b in zip(pmodel.parameters(), fmodel.parameters())
+                     for x, y in zip(popt.state[a].values(), fopt.state[b].values()))
+    assert_all_ranks(same and same_state, f"flat steps differ from per-parameter ones: params {same}, state {same_state}")
+    expected = ([4, 4, 4], [4, 2, 2], [4, 2])  # per parameter; flat after the first; reloaded: rehomed after one
+    assert_all_ranks((pcounts, fcounts, fafter) == expected,
+                     f"tensors per step: per-parameter {pcounts}, flat {fcounts}, after the reload {fafter}")
+    params = list(fmodel.parameters())
+    views = all(fopt.state[params[i]][k]._local_tensor.untyped_storage().data_ptr()
+                == fopt.state[params[i + 1]][k]._local_tensor.untyped_storage().data_ptr()
+                for i in (0, 2) for k, v in fopt.state[params[i]].items() if type(v) is DTensor)
+    assert_all_ranks(views, "a layer's states are not views of one buffer")
+
+
+def test_groups_that_do_not_qualify_step_beside_swapped_ones(mesh1d):
+    """One group swapped (FSDP parameters), one not (a Shard parameter with a Replicate
+    gradient, and a plain tensor): both match one process, and the state holds the
+    parameters only."""
+    model, ref = _even_model(mesh1d), None
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        ref = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12))
+    full, plain_full = global_tensor((6, 4), seed=8), global_tensor((3,), seed=9)
+    odd = nn.Parameter(distribute_tensor(full, mesh1d, [Shard(0)]))
+    plain, ref_odd, ref_plain = nn.Parameter(plain_full.clone()), nn.Parameter(full.clone()), nn.Parameter(plain_full.clone())
+    opt = torch.optim.AdamW([{"params": list(model.parameters())}, {"params": [odd, plain], "lr": 0.05}], lr=0.01)
+    ref_opt = torch.optim.AdamW([{"params": list(ref.parameters())}, {"params": [ref_odd, ref_plain], "lr": 0.05}], lr=0.01)
+    for step in range(3):
+        for m, o, a, b in ((model, opt, odd, plain), (ref, ref_opt, ref_odd, ref_plain)):
+            m(global_tensor((5, 12), seed=40 + step)).square().sum().backward()
+            g = global_tensor((6, 4), seed=60 + step)
+            a.grad = distribute_tensor(g, mesh1d, [Replicate()]) if a is odd else g
+            b.grad = global_tensor((3,), seed=70 + step)
+            o.step()
+            o.zero_grad()
+    for p, q in zip([*model.parameters(), odd], [*ref.parameters(), ref_odd]):
+        assert_close(p.full_tensor(), q.detach(), atol=1e-6, rtol=1e-5)
+    assert_close(plain.detach(), ref_plain.detach(), atol=1e-6, rtol=1e-5)
+    keys = sorted(opt.state_dict()["state"])
+    assert_all_ranks(keys == list(range(6)) and len(opt.state) == 6, f"state keys {keys}, {len(opt.state)} entries")
