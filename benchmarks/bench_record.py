@@ -16,7 +16,8 @@ gets a gloo process group initialised from the MPI ranks (rank 0 picks the port)
 ``--check-only`` runs every check and no timing; ``--quick`` times 4K and 256K only.
 
 Under the redistribution table: the geometric mean of md/mpi4py over the communicating
-cells and the 4 KiB public path's µs above the bare collective (median, largest).
+cells, and over those of 256 KiB and more (the issue's target), each with its largest
+ratio, and the 4 KiB public path's µs above the bare collective (median, largest).
 Writes a table (stdout and ``<out>/record.md``), ``<out>/record.json`` (each row's times
 and the libraries it checked) and, when matplotlib is installed, ``<out>/record.png``
 (time against size, one panel per transition, three lines each) and
@@ -347,10 +348,17 @@ def table(results, dispatch, steps, header) -> str:
     for r in results:
         lines.append(f"| {r['transition']} | {r['size']} | {r['shards']} | "
                      + ratios(r["mpidtensor"], r["torch"], r["mpi4py"]))
-    logs = [np.log(r["mpidtensor"] / r["mpi4py"]) for r in results
-            if r["mpidtensor"] and r["mpi4py"] and communicates(r["transition"])]
-    if logs:
-        lines.append(f"\ngeometric mean md/mpi4py over {len(logs)} communicating cells: {np.exp(np.mean(logs)):.2f}")
+    cells = [r for r in results if r["mpidtensor"] and r["mpi4py"] and communicates(r["transition"])]
+    if cells:
+        lines.append("")
+    # the issue's target is stated for 256 KiB and more; the 4 KiB cells are above by latency
+    for scope, chosen in (("communicating cells", cells),
+                          ("cells of 256 KiB and more", [r for r in cells if SIZES[r["size"]] >= 256 << 10])):
+        if chosen:
+            mean = np.exp(np.mean([np.log(r["mpidtensor"] / r["mpi4py"]) for r in chosen]))
+            worst = max(chosen, key=lambda r: r["mpidtensor"] / r["mpi4py"])
+            lines.append(f"geometric mean md/mpi4py over {len(chosen)} {scope}: {mean:.2f} (largest "
+                         f"{worst['mpidtensor'] / worst['mpi4py']:.2f}, {worst['transition']} {worst['size']} {worst['shards']})")
     lines += small_overhead(results)
     for title, rows, key in [("dispatch per call on a cache hit, 64x64 per rank (mpi4py column: the plain torch op)",
                               [{"op": k, **r} for k, r in dispatch.items()], "op"),
@@ -390,13 +398,15 @@ def fsdp_extra_lines(extras: dict) -> list[str]:
 
 def small_overhead(results) -> list[str]:
     """The public path's cost above the bare collective at 4 KiB: µs of md minus mpi4py,
-    median and largest over the communicating 4K cells (the target: within 15 µs)."""
+    median and largest over the communicating 4K cells (ranks sharing cores add their
+    scheduling to it: the target, within 15 µs, is for one rank per core)."""
     extra = sorted((r["mpidtensor"] - r["mpi4py"]) * 1e6 for r in results if r["size"] == "4K"
                    and r["mpidtensor"] and r["mpi4py"] and communicates(r["transition"]))
     if not extra:
         return []
     return [f"4 KiB public path (redistribute().to_local()) above the bare collective, {len(extra)} communicating "
-            f"cells: median {statistics.median(extra):.1f} µs, largest {extra[-1]:.1f} µs"]
+            f"cells: median {statistics.median(extra):.1f} µs, largest {extra[-1]:.1f} µs ({N} ranks; the target's "
+            "figure, at one rank per core, is bench_redistribute.py --overhead at 2 ranks: make bench runs it)"]
 
 
 def plot(results, path: Path) -> bool:

@@ -7,7 +7,7 @@ Partial/Replicate tensor). A time is the median over ``--reps`` repetitions,
 after warm-up, of the slowest rank, with a barrier before each repetition.
 ratio = mpidtensor / mpi4py. A column that cannot run here prints "-".
 
-    mpiexec -n 2 python benchmarks/bench_redistribute.py --overhead [--calls 2000]
+    mpiexec -n 2 python benchmarks/bench_redistribute.py --overhead [--calls 2000] [--out FILE]
 
 instead times, per communicating 1-D transition of the benchmark of record at 4 KiB per
 rank (even and uneven shards, ``bench_record``'s cases, each checked first), the public
@@ -85,8 +85,9 @@ def python_calls(fn, calls: int = 200) -> float:
     return sum(stat[1] for stat in profile.getstats()) / calls - 1 / calls  # less ``disable``
 
 
-def overhead(calls: int, nbytes: int = 4 << 10, batch: int = 20) -> None:
-    """The public path's µs above the bare collective per transition (see the module doc)."""
+def overhead(calls: int, nbytes: int = 4 << 10, batch: int = 20, out: str | None = None) -> None:
+    """The public path's µs above the bare collective per transition (see the module doc);
+    the table also as markdown in ``out`` if given."""
     import bench_record as record  # it imports this module: import it here, not at the top
 
     import mpidtensor as md
@@ -112,12 +113,20 @@ def overhead(calls: int, nbytes: int = 4 << 10, batch: int = 20) -> None:
                 world.allreduce(stat(samples[k]), op=MPI.MAX) for stat in (statistics.median, min) for k in fns]
                 + [python_calls(fns["md"])])
     if rank == 0:
-        print(f"\n{n} ranks, {nbytes} B of float32 per rank, {calls} calls per figure in batches of {batch}, "
-              f"load average {load:.2f} -> {os.getloadavg()[0]:.2f}; µs per call, slowest rank")
+        title = (f"{n} ranks, {nbytes} B of float32 per rank, {calls} calls per figure in batches of {batch}, "
+                 f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load:.2f} -> "
+                 f"{os.getloadavg()[0]:.2f}; µs per call, slowest rank")
         header = ["transition", "shards", "md median", "bare median", "above", "md min", "bare min", "above (min)",
                   "md calls"]
-        text_table.print_table(header, [[name, shards, f"{a:.1f}", f"{b:.1f}", f"{a - b:.1f}", f"{c:.1f}", f"{d:.1f}",
-                                         f"{c - d:.1f}", f"{e:.0f}"] for name, shards, a, b, c, d, e in rows])
+        cells = [[name, shards, f"{a:.1f}", f"{b:.1f}", f"{a - b:.1f}", f"{c:.1f}", f"{d:.1f}", f"{c - d:.1f}", f"{e:.0f}"]
+                 for name, shards, a, b, c, d, e in rows]
+        print("\n" + title)
+        text_table.print_table(header, cells)
+        if out:
+            with open(out, "w") as f:
+                f.write("\n".join([f"public path at {nbytes} B per rank above the bare collective: {title}", "",
+                                    "| " + " | ".join(header) + " |", "| --- | --- |" + " ---: |" * (len(header) - 2)]
+                                   + ["| " + " | ".join(row) + " |" for row in cells]) + "\n")
 
 
 def main():
@@ -126,9 +135,10 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--overhead", action="store_true", help="4 KiB: the public path's µs above the bare call")
     parser.add_argument("--calls", type=int, default=2000, help="calls per figure with --overhead")
+    parser.add_argument("--out", help="with --overhead: also write the table (markdown) to this file")
     args = parser.parse_args()
     if args.overhead:
-        return overhead(args.calls)
+        return overhead(args.calls, out=args.out)
 
     # An L x L float32 block per rank, L a multiple of the world size so that
     # every split is even and the mpi4py calls need no counts.
