@@ -60,11 +60,13 @@ class Run:
     :meth:`make`): ``flat`` is them as one tensor, ``views`` each DTensor state as one,
     ``scalars`` each 0-d state's per-parameter tensors, ``others`` the other states."""
 
-    __slots__ = ("params", "numel", "flat", "views", "scalars", "others")
+    __slots__ = ("params", "numel", "flat", "views", "scalars", "others", "offsets")
 
     def __init__(self, params: tuple, flat: torch.Tensor, views: dict, scalars: dict, others: dict) -> None:
         self.params, self.numel, self.flat = params, flat.numel(), flat
         self.views, self.scalars, self.others = views, scalars, others
+        base = flat.data_ptr()
+        self.offsets = tuple(p._local_tensor.data_ptr() - base for p in params)  # bytes from the first
 
     @classmethod
     def make(cls, params: Sequence, entries: Sequence[dict]) -> "Run | None":
@@ -107,14 +109,22 @@ class Run:
         return entry
 
     def grad(self) -> torch.Tensor | None:
-        """The parameters' gradients as one tensor, if they are all there and back to back."""
+        """The parameters' gradients as one tensor, if they are all there and laid out as
+        the parameters are: contiguous, each at its parameter's byte offset from the first
+        (same dtype and shape: a gradient has its parameter's spec), the first and the last
+        in one storage, so the flat view stays inside it."""
         grads = []
         for p in self.params:
             g = p.grad
             if g is None:
                 return None
             grads.append(g._local_tensor)
-        return _flat(grads[0], self.numel) if _back_to_back(grads) else None
+        first, last = grads[0], grads[-1]
+        base = first.data_ptr()
+        if _storage_address(first) != _storage_address(last) or any(
+                not g.is_contiguous() or g.data_ptr() - base != at for g, at in zip(grads, self.offsets)):
+            return None
+        return _flat(first, self.numel)
 
     def write_back(self, new: dict, state) -> None:
         """After the step: ``new`` (the flat state) into every parameter's entry; the state

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from operator import is_
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -63,7 +64,7 @@ class _Layout:
         self.params = tuple(params)
         self.locals = tuple(p._local_tensor if type(p) is DTensor else None for p in params)
         entries = [state.get(p) if type(p) is DTensor else None for p in params]
-        self.values = tuple(tuple(e.values()) if e else () for e in entries)
+        self.values = _state_values(params, self.locals, state)
         self.runs, self.rehome = {}, []
         for start, end in candidate_runs(params, self.locals) if COALESCE else ():
             run = Run.make(params[start:end], entries[start:end])
@@ -74,19 +75,25 @@ class _Layout:
 
     def holds(self, params: list, state) -> bool:
         """Whether the group still has these parameters, local tensors and state objects."""
-        if len(params) != len(self.params):
+        if len(params) != len(self.params) or not all(map(is_, params, self.params)):
             return False
-        for p, q, local, values in zip(params, self.params, self.locals, self.values):
-            if p is not q:
-                return False
-            if local is None:
-                continue
+        if not all(local is None or p._local_tensor is local for p, local in zip(params, self.locals)):
+            return False
+        values = _state_values(params, self.locals, state)
+        return len(values) == len(self.values) and all(map(is_, values, self.values))
+
+
+def _state_values(params: list, locals_: tuple, state) -> list:
+    """Every DTensor parameter's state keys and values, in order (for identity checks)."""
+    values = []
+    for p, local in zip(params, locals_):
+        if local is not None:
             entry = state.get(p)
-            current = entry.values() if entry else ()
-            if p._local_tensor is not local or len(current) != len(values) or any(
-                    a is not b for a, b in zip(current, values)):
-                return False
-        return True
+            values.append(p)
+            if entry:
+                values += entry.keys()
+                values += entry.values()
+    return values
 
 
 def _static_ok(group: dict, state) -> bool:
