@@ -5,9 +5,9 @@ FSDP keeps a group's shards in one flat buffer (``fsdp.param_group``'s ``shard_f
 and reduce-scatters its gradients into another in the same order; where no padding or
 alignment lies between two shards, their local tensors are adjacent in both. On CPU an
 elementwise optimizer pays per tensor for every op of every step (AdamW's foreach kernels
-loop over the tensors): over the demo's 21 FSDP x TP parameters its step took 1.0-1.5 ms
-on their local tensors against 0.4-0.5 ms on 3 flat ones (docs/performance.md, "The
-optimizer"). A run steps as one tensor when, across it, the parameters, the gradients and
+loop over the tensors): over the demo's 21 FSDP x TP parameters its step took 0.8-1.5 ms
+on their local tensors against 0.3-0.5 ms on 3 flat ones (docs/performance.md, "the
+optimizer on local tensors and flat runs"). A run steps as one tensor when, across it, the parameters, the gradients and
 every DTensor state are each contiguous and back to back in one storage (so each flat
 tensor covers exactly the run's elements, no one else's) and the scalar states (step
 counts) agree; each element then gets the update it would get alone. :func:`rehome` puts

@@ -4,8 +4,9 @@ An elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAd
 updates each element of a parameter from the same element of its gradient and state,
 so on a DTensor whose gradient and state share its spec the update is the local update
 of every rank: dispatch would plan each op, unwrap every list and wrap every result for
-no communication. On CPU that cost 0.5-0.7 ms of a 2 ms AdamW step over the demo's 21
-FSDP parameters (docs/performance.md, "The optimizer"). A global step pre-hook therefore
+no communication. On CPU that cost 0.5-0.7 ms of a 2-2.5 ms AdamW step over the demo's
+21 FSDP parameters (docs/performance.md, "the optimizer on local tensors and flat runs").
+A global step pre-hook therefore
 runs such a step on the local tensors themselves: for the step, each qualifying
 parameter group holds the parameters' local tensors (their ``.grad`` the gradients'
 local tensors) and ``optimizer.state`` a shadow whose entries hold the states' local
@@ -13,7 +14,10 @@ tensors; the post-hook puts the groups and the state back and wraps any state th
 created (first step, SGD's momentum buffer) as DTensors of the parameter's spec. Same
 ops on the same values, so bit for bit the DTensor path's result. The choice of kernels
 (``foreach``) is left to ``mpidtensor.foreach``, whose pre-hook, registered first, sees
-the DTensor parameters.
+the DTensor parameters. Parameters whose local tensors, gradients and states lie back to
+back step as one tensor (:mod:`mpidtensor.flat_runs`; ``COALESCE``). How each group
+steps is cached (``_Layout``) while its parameters, local tensors and state objects stay
+the same, so a step checks identities and gradient offsets, not every layout.
 
 A group qualifies when ``differentiable`` and ``capturable`` are off, it holds a DTensor
 parameter, and every DTensor parameter's local tensor is a plain tensor and its gradient
