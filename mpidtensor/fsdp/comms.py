@@ -17,7 +17,7 @@ import torch
 from mpi4py import MPI
 
 from ..mesh import accounting, progress
-from ..mesh.collectives import reduce_scatter
+from ..mesh.collectives import Prepared, prepare_reduce_scatter
 from ..mesh.nonblocking import Handle, iall_gather, ireduce_scatter
 from ..mesh.pool import pool
 
@@ -62,18 +62,23 @@ def start_all_gather(custom: Any, send: torch.Tensor, comm: MPI.Intracomm, out: 
     return _Done(custom(output_tensor=out, input_tensor=send, group=comm, async_op=True), out)
 
 
-def start_reduce_scatter(custom: Any, send: torch.Tensor, comm: MPI.Intracomm) -> Handle | _Done:
+def start_reduce_scatter(custom: Any, send: torch.Tensor, comm: MPI.Intracomm,
+                         prepared: dict[tuple[int, torch.dtype], Prepared]) -> Handle | _Done:
     """Start summing the 1-D ``send`` over ``comm``; ``wait()`` returns this rank's piece.
 
     Without a custom collective and with MPI progress ``"off"`` (the default: nothing moves
     a started collective before its wait) this is the blocking ``Reduce_scatter``, done on
     return: MPICH's non-blocking one costs more CPU, and FSDP's wait for it would move all
-    of its data anyway (docs/performance.md, "FSDP step")."""
+    of its data anyway (docs/performance.md, "FSDP step"); prepared once per size and dtype
+    in the caller's ``prepared`` (its checks and layout made once, later calls go to MPI)."""
     piece = send.numel() // comm.size
     if custom is None:
         if progress.mode() == "off":
-            return _Done(None, reduce_scatter(send.view(comm.size, piece), comm, "sum", dim=0,
-                                              sizes=[1] * comm.size).view(piece))
+            run = prepared.get((piece, send.dtype))
+            if run is None:
+                run = prepared[piece, send.dtype] = prepare_reduce_scatter(
+                    (comm.size, piece), send.dtype, comm, "sum", dim=0, sizes=[1] * comm.size)
+            return _Done(None, run(send.view(comm.size, piece)).view(piece))
         return ireduce_scatter(send, comm, "sum", out=allocate(None, (piece,), send.dtype, send.device))
     out = allocate(custom, (piece,), send.dtype, send.device)
     return _Done(custom(output_tensor=out, input_tensor=send, group=comm, op="sum", async_op=True), out)

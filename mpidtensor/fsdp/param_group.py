@@ -53,6 +53,7 @@ from mpi4py import MPI
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..mesh import accounting
+from ..mesh.collectives import Prepared
 from ..dtensor import DTensor
 from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
 from . import comms
@@ -130,6 +131,7 @@ class ParamGroup:
         self._from_ranks_views: tuple[torch.Tensor | None, list[torch.Tensor], list[tuple]] = (None, [], [])
         self._meta: dict[int, object] = {}
         self._pending: tuple[Handle | None, list[FSDPParam], Handle | None, list[FSDPParam]] | None = None
+        self._scatters: dict[tuple[int, torch.dtype], Prepared] = {}  # see comms.start_reduce_scatter
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced (summed)
         self._kept: torch.Tensor | None = None  # reshard_after_forward=int: this rank's rows of a gather
         self._kept_meta: dict[int, object] = {}
@@ -427,7 +429,7 @@ class ParamGroup:
             params.append(p)
             unsharded.grad = None
             if isinstance(g, DTensor):
-                if g.placements != p.tp_spec.placements:
+                if g._spec.placements != p.tp_spec.placements:
                     g = g.redistribute(p.tp_spec.mesh, p.tp_spec.placements)
                 g = g._local_tensor
             if type(g) is not torch.Tensor:
@@ -466,7 +468,8 @@ class ParamGroup:
                                       reusable=True)
                 _pack_ranks(send.view(world, total), sharded)
                 comms.divide(send, pre)
-                scatter = comms.start_reduce_scatter(self.custom_reduce_scatter, send, self.info.shard_comm)
+                scatter = comms.start_reduce_scatter(self.custom_reduce_scatter, send, self.info.shard_comm,
+                                                     self._scatters)
             if replicated:
                 flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for _, g in replicated])
                 comms.divide(flat, pre)

@@ -63,7 +63,8 @@ class Route:
             return partial.contiguous()
         if not self.dim:
             return self.reduce_scatter(partial)
-        return self.reduce_scatter(partial.movedim(self.dim, 0)).movedim(0, self.dim).contiguous()
+        # (the copy with ``dim`` leading made here: the prepared call's ``stage`` takes more calls)
+        return self.reduce_scatter(partial.movedim(self.dim, 0).contiguous()).movedim(0, self.dim).contiguous()
 
     def block(self, grad: Any) -> torch.Tensor:
         """This rank's block of the gradient of the gathered output, in the input's layout."""
