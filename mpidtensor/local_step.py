@@ -23,7 +23,8 @@ A group qualifies when ``differentiable`` and ``capturable`` are off, it holds a
 parameter, and every DTensor parameter's local tensor is a plain tensor and its gradient
 and tensor states are DTensors of its own spec (or the states are 0-d step counts).
 Anything else (a Replicate gradient of a Shard parameter, a quantized local tensor, a
-subclass of these optimizers, ``torch.compile``) takes the DTensor path as before.
+subclass of these optimizers, ``torch.compile``, ``step(closure)``, whose closure makes
+the gradients inside the step) takes the DTensor path as before.
 
 A step that raises leaves the swap in place until the next step, ``state_dict()`` or
 ``load_state_dict()``, which restore it first (and a ``zero_grad()`` run in between
@@ -162,6 +163,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     restore(optimizer)  # a step that raised left its swap in place
     if not ENABLED or type(optimizer) not in ELEMENTWISE or torch.compiler.is_compiling():
         return
+    if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: the optimizer
+        return  # a closure makes the gradients inside the step, on the DTensor parameters
     state = optimizer.state
     layouts = optimizer.__dict__.setdefault(_LAYOUTS, {})
     swap = _Swap(state)

@@ -238,3 +238,22 @@ def test_groups_that_do_not_qualify_step_beside_swapped_ones(mesh1d):
     assert_close(plain.detach(), ref_plain.detach(), atol=1e-6, rtol=1e-5)
     keys = sorted(opt.state_dict()["state"])
     assert_all_ranks(keys == list(range(6)) and len(opt.state) == 6, f"state keys {keys}, {len(opt.state)} entries")
+
+
+def test_a_step_with_a_closure_takes_the_dtensor_path(mesh1d):
+    """``step(closure)``: the closure's backward sets the DTensor parameters' gradients
+    inside the step, so the step must read those, as one process does."""
+    ref, model = _model(), _fsdp_model(mesh1d)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = global_tensor((6, 7), seed=20 + step)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            def closure(m=m, o=o):
+                o.zero_grad()
+                loss = m(x).square().sum()
+                loss.backward()
+                return loss
+            o.step(closure)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p.full_tensor(), q.detach(), atol=1e-6, rtol=1e-5)
