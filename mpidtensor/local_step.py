@@ -24,7 +24,9 @@ parameter, and every DTensor parameter's local tensor is a plain tensor and its 
 and tensor states are DTensors of its own spec (or the states are 0-d step counts).
 Anything else (a Replicate gradient of a Shard parameter, a quantized local tensor, a
 subclass of these optimizers, ``torch.compile``, ``step(closure)``, whose closure makes
-the gradients inside the step) takes the DTensor path as before.
+the gradients inside the step, an optimizer with step hooks of its own or a global step
+pre-hook registered after this one, which would see the local tensors) takes the
+DTensor path as before.
 
 A step that raises leaves the swap in place until the next step, ``state_dict()`` or
 ``load_state_dict()``, which restore it first (and a ``zero_grad()`` run in between
@@ -37,7 +39,11 @@ from collections import defaultdict
 from operator import is_
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    _global_optimizer_pre_hooks as _global_pre_hooks,
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from .dtensor import DTensor
 from .flat_runs import Run, candidate_runs, rehome
@@ -165,6 +171,9 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return
     if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: the optimizer
         return  # a closure makes the gradients inside the step, on the DTensor parameters
+    if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+            or next(reversed(_global_pre_hooks.values())) is not _before_step):
+        return  # another step hook would run while the swap is in place and see local tensors
     state = optimizer.state
     layouts = optimizer.__dict__.setdefault(_LAYOUTS, {})
     swap = _Swap(state)

@@ -257,3 +257,25 @@ def test_a_step_with_a_closure_takes_the_dtensor_path(mesh1d):
             o.step(closure)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_close(p.full_tensor(), q.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_other_step_hooks_see_the_dtensor_parameters(mesh1d, monkeypatch):
+    """An optimizer's own step hooks, or a global pre-hook registered later, run while a
+    swap would be in place: the step keeps the DTensor path for them."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    model = _even_model(mesh1d)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    seen = []
+
+    def look(optimizer, args, kwargs):
+        seen.append(all(type(p) is DTensor for g in optimizer.param_groups for p in g["params"]))
+    own = opt.register_step_pre_hook(look)
+    _train12(model, opt, 2)
+    own.remove()
+    later = register_optimizer_step_pre_hook(look)
+    try:
+        _train12(model, opt, 2, start=2)
+    finally:
+        later.remove()
+    assert_all_ranks(seen == [True] * 4, f"hooks saw DTensor parameters: {seen}")
