@@ -28,7 +28,10 @@ scan, which every reading of the memory statistics starts with.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
 import threading
 from collections import OrderedDict
 
@@ -38,6 +41,7 @@ from . import accounting
 
 PER_SIZE = 4  # buffers of one dtype and shape
 MAX_SIZES = 1024  # distinct (dtype, shape) keys
+HUGE_PAGES_MIN = 4 << 20  # bytes: a new buffer this large asks for transparent huge pages (as numpy does)
 
 # torch's C++ reference count of a storage, and a storage's address: public API has neither.
 _use_count = torch._C._storage_Use_Count
@@ -90,7 +94,7 @@ class BufferPool:
                         else:
                             self._hand_out(buffer)
                         return buffer.tensor.detach()
-            tensor = torch.empty(shape, dtype=dtype)
+            tensor = host_empty(shape, dtype)
             if (buffers is None or len(buffers) < PER_SIZE) and self._make_room(tensor.nbytes):
                 buffer = _Buffer(tensor)
                 self._sizes.setdefault(key, []).append(buffer)
@@ -159,6 +163,35 @@ class BufferPool:
             else:
                 del self._sizes[key]
         return self._bytes + nbytes <= self.limit_bytes and len(self._sizes) < MAX_SIZES
+
+
+def _libc_madvise():
+    """libc's ``madvise`` (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+
+
+_MADVISE = _libc_madvise()
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor. One of ``HUGE_PAGES_MIN`` bytes or more asks the kernel for
+    transparent huge pages before its first touch, as numpy does for its arrays: MPI's
+    shared-memory copies into it then miss the TLB far less (an ``Allgather`` of 32 MiB per
+    rank at 4 ranks here: 45 ms into a ``torch.empty`` buffer, 32-36 ms into a numpy one or an
+    advised one). Where the kernel's THP mode is ``never``, or the call fails, pages stay small."""
+    tensor = torch.empty(shape, dtype=dtype)
+    if _MADVISE is not None and tensor.nbytes >= HUGE_PAGES_MIN:
+        start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE  # madvise wants a page boundary
+        _MADVISE(start, tensor.data_ptr() + tensor.nbytes - start, _MADV_HUGEPAGE)
+    return tensor
 
 
 pool = BufferPool(int(float(os.environ.get("MPIDTENSOR_BUFFER_POOL_MB", "512")) * 2**20))
