@@ -77,3 +77,23 @@ def test_pool_limits():
     pool.take((200,), torch.float64)  # 1600 bytes: too big even after dropping idle buffers
     e = pool.take((50,), torch.float64)  # 400 bytes: fits after dropping the idle float32 buffers
     assert_all_ranks(pool.pooled_bytes <= 1000 and e.numel() == 50, f"pooled {pool.pooled_bytes}")
+
+
+def test_large_new_buffers_ask_for_huge_pages(monkeypatch):
+    """``host_empty`` advises a buffer of HUGE_PAGES_MIN bytes or more, from the first page
+    boundary inside it to its end, and leaves smaller ones alone."""
+    import mmap
+
+    from mpidtensor.mesh import pool as pool_module
+
+    calls = []
+    monkeypatch.setattr(pool_module, "_MADVISE", lambda start, length, advice: calls.append((start, length, advice)))
+    small = pool_module.host_empty((1000,), torch.float32)
+    big = pool_module.host_empty((pool_module.HUGE_PAGES_MIN // 4 + 3,), torch.float32)
+    ok = len(calls) == 1 and small.shape == (1000,) and big.dtype == torch.float32
+    if ok:
+        start, length, advice = calls[0]
+        end = big.data_ptr() + big.nbytes
+        ok = (start % mmap.PAGESIZE == 0 and big.data_ptr() <= start < big.data_ptr() + mmap.PAGESIZE
+              and start + length == end and advice == 14)
+    assert_all_ranks(ok, f"madvise calls {calls} for buffers at {big.data_ptr()} ({big.nbytes} bytes)")
