@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from helpers import assert_all_ranks, assert_close, global_tensor
-from mpidtensor import DTensor, Replicate, Shard, dispatch, distribute_tensor, local_step
+from mpidtensor import DTensor, Replicate, Shard, distribute_tensor, local_step
 from mpidtensor.fsdp import fully_shard
+from test_tp_local_linear import DispatchLog
 
 SGD = importlib.import_module("torch.optim.sgd")  # torch.optim deletes its submodules' names
 OPTIMIZERS = {
@@ -42,19 +43,6 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int 
         opt.zero_grad()
 
 
-def _count_dispatches(monkeypatch) -> list:
-    calls = []
-    original = dispatch.dispatch
-
-    def counted(func, args, kwargs):
-        calls.append(func)
-        return original(func, args, kwargs)
-    monkeypatch.setattr(dispatch, "dispatch", counted)
-    monkeypatch.setattr(DTensor, "__torch_dispatch__",
-                        classmethod(lambda cls, func, types, args=(), kwargs=None: counted(func, args, kwargs or {})))
-    return calls
-
-
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_fsdp_step_on_local_tensors_matches_dispatch_bit_for_bit(mesh1d, monkeypatch, name):
     """An FSDP model's steps without a DTensor op, equal to the DTensor path's and close
@@ -72,10 +60,10 @@ def test_fsdp_step_on_local_tensors_matches_dispatch_bit_for_bit(mesh1d, monkeyp
         for p in model.parameters():  # the last step's gradients, for the counted step
             p.grad = distribute_tensor(global_tensor(p.shape, seed=7), mesh1d, p.placements)
         with monkeypatch.context() as patch:
-            calls = _count_dispatches(patch)
+            log = DispatchLog(patch)
             opt.step()
             opt.zero_grad()
-        results[path] = (model, opt, len(calls))
+        results[path] = (model, opt, len(log.ops))
     ref_opt.param_groups[0]["params"][0].grad = None
     (dmodel, dopt, dcalls), (lmodel, lopt, lcalls) = results["dispatch"], results["local"]
     same = all(torch.equal(a._local_tensor, b._local_tensor) for a, b in zip(dmodel.parameters(), lmodel.parameters()))
@@ -119,10 +107,10 @@ def test_a_gradient_of_another_spec_takes_the_dtensor_path(mesh1d, monkeypatch):
     ref.grad = grad.clone()
     opt, ref_opt = torch.optim.AdamW([p], lr=0.01), torch.optim.AdamW([ref], lr=0.01)
     with monkeypatch.context() as patch:
-        calls = _count_dispatches(patch)
+        log = DispatchLog(patch)
         opt.step()
     ref_opt.step()
-    assert_all_ranks(len(calls) > 0, "a group with a Replicate gradient was swapped")
+    assert_all_ranks(len(log.ops) > 0, "a group with a Replicate gradient was swapped")
     assert_close(p.full_tensor(), ref.detach(), atol=1e-6, rtol=1e-5)
 
 
