@@ -35,6 +35,15 @@ def _back_to_back(tensors: Sequence[torch.Tensor]) -> bool:
     return tensors[0].is_contiguous() and all(_follows(a, b) for a, b in zip(tensors, tensors[1:]))
 
 
+def _common_keys(entries: Sequence[dict | None]) -> tuple:
+    """The state keys every entry has, the same in each (empty if an entry is missing or
+    differs)."""
+    keys = entries[0].keys() if entries[0] else None
+    if not keys or any(not e or e.keys() != keys for e in entries):
+        return ()
+    return tuple(keys)
+
+
 def _flat(first: torch.Tensor, numel: int) -> torch.Tensor:
     """The 1-D tensor of ``numel`` elements from ``first``'s start."""
     return first.as_strided((numel,), (1,), first.storage_offset())
@@ -72,8 +81,8 @@ class Run:
     def make(cls, params: Sequence, entries: Sequence[dict]) -> "Run | None":
         """The run of ``params`` (their state entries ``entries``), or None if some state
         is missing, not back to back, or differs in kind across them."""
-        keys = entries[0].keys() if entries[0] else None
-        if not keys or any(not e or e.keys() != keys for e in entries):
+        keys = _common_keys(entries)
+        if not keys:
             return None
         views, scalars, others = {}, {}, {}
         locals_ = [p._local_tensor for p in params]
@@ -147,10 +156,7 @@ def rehome(params: Sequence, entries: Sequence[dict]) -> None:
     """Put each DTensor state of ``params`` (their entries ``entries``) back to back in one
     new buffer per key, the entries becoming DTensor views of it (same values), so that
     :meth:`Run.make` takes them."""
-    keys = entries[0].keys() if entries[0] else None
-    if not keys or any(not e or e.keys() != keys for e in entries):
-        return
-    for key in keys:
+    for key in _common_keys(entries):
         values = [e[key] for e in entries]
         if not all(type(v) is DTensor for v in values):
             continue
