@@ -23,6 +23,13 @@ from torch._prims_common import compute_elementwise_output_logical_to_physical_p
 
 from ._layout import chunk_sizes, chunk_span, local_span, nested_sizes
 from .mesh import collectives
+from .mesh.prepared import (
+    Prepared,
+    prepare_all_gather,
+    prepare_all_reduce,
+    prepare_all_to_all,
+    prepare_reduce_scatter,
+)
 from .placements import Partial, Placement, Replicate, Shard
 from .spec import DTensorSpec
 
@@ -30,7 +37,7 @@ from .spec import DTensorSpec
 class _Collective:
     """A step that is one collective. Its first run on a plain tensor prepares the collective
     for that tensor's shape and dtype on the mesh's communicator
-    (:class:`collectives.Prepared`: checks, algorithm, counts and datatypes decided once)
+    (:class:`mesh.prepared.Prepared`: checks, algorithm, counts and datatypes decided once)
     and keeps it on the step, which a plan holds: later runs go straight to MPI.
     ``inplace``: the caller owns ``t`` and no longer needs it (an all-reduce may reuse it)."""
 
@@ -39,7 +46,7 @@ class _Collective:
             return self.collective(t, mesh.comm_for(self.mesh_dims), inplace)
         return self.prepared(t, mesh, inplace)(t)
 
-    def prepared(self, t: torch.Tensor, mesh, inplace: bool = False) -> collectives.Prepared:
+    def prepared(self, t: torch.Tensor, mesh, inplace: bool = False) -> Prepared:
         """The collective prepared for ``t``'s shape and dtype on ``mesh``, kept on the step."""
         kept = self.__dict__.get("_kept")
         if kept is None:
@@ -60,7 +67,7 @@ class AllGather(_Collective):
     parts: tuple[int, ...]  # mesh sizes of `mesh_dims` (for merging)
 
     def prepare(self, shape, dtype, comm, inplace):
-        return collectives.prepare_all_gather(shape, dtype, comm, dim=self.dim, sizes=self.sizes)
+        return prepare_all_gather(shape, dtype, comm, dim=self.dim, sizes=self.sizes)
 
     def collective(self, t, comm, inplace):
         return collectives.all_gather(t, comm, dim=self.dim, sizes=self.sizes)
@@ -75,7 +82,7 @@ class AllToAll(_Collective):
     concat_sizes: tuple[int, ...]
 
     def prepare(self, shape, dtype, comm, inplace):
-        return collectives.prepare_all_to_all(shape, dtype, comm, **self._args())
+        return prepare_all_to_all(shape, dtype, comm, **self._args())
 
     def collective(self, t, comm, inplace):
         return collectives.all_to_all(t, comm, **self._args())
@@ -91,7 +98,7 @@ class AllReduce(_Collective):
     op: str
 
     def prepare(self, shape, dtype, comm, inplace):
-        return collectives.prepare_all_reduce(shape, dtype, comm, self.op, inplace=inplace)
+        return prepare_all_reduce(shape, dtype, comm, self.op, inplace=inplace)
 
     def collective(self, t, comm, inplace):
         return collectives.all_reduce(t, comm, self.op, inplace=inplace)
@@ -105,7 +112,7 @@ class ReduceScatter(_Collective):
     sizes: tuple[int, ...]
 
     def prepare(self, shape, dtype, comm, inplace):
-        return collectives.prepare_reduce_scatter(shape, dtype, comm, self.op, dim=self.dim, sizes=self.sizes)
+        return prepare_reduce_scatter(shape, dtype, comm, self.op, dim=self.dim, sizes=self.sizes)
 
     def collective(self, t, comm, inplace):
         return collectives.reduce_scatter(t, comm, self.op, dim=self.dim, sizes=self.sizes)
@@ -194,7 +201,7 @@ _MAKES_BUFFER = (AllGather, AllToAll, AllReduce, ReduceScatter)  # steps whose r
 
 # Plans of one collective, by (source spec, target spec): the collective as prepared on the
 # first plain tensor, so that a repeated redistribution is one dict lookup from MPI.
-_PREPARED: dict[tuple[DTensorSpec, DTensorSpec], collectives.Prepared] = {}
+_PREPARED: dict[tuple[DTensorSpec, DTensorSpec], Prepared] = {}
 
 
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Redistribution's prepared fast path (``collectives.Prepared``, kept on a plan's steps).
+"""Redistribution's prepared fast path (``mesh.prepared.Prepared``, kept on a plan's steps).
 
 The first run of a cached plan prepares each collective; later runs go straight to MPI.
 Checked here: every placement pair (1-D, uneven lengths at 3 ranks, a 2x2 mesh) gives the
@@ -14,6 +14,7 @@ from mpi4py import MPI
 from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from mpidtensor.mesh import buffers, collectives, guard
+from mpidtensor.redistribute import clear_plans
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank
@@ -125,6 +126,26 @@ def test_later_calls_skip_the_general_functions(mesh1d, monkeypatch, src, dst, k
     assert_close(second, first)
 
 
+@pytest.mark.parametrize("shape,src,dst", [
+    *[(shape, a, b) for shape in SHAPES for a, b in (("S0", "S1"), ("S1", "S0"))],
+    *[(shape, a, b) for shape in [(2 * N, 3 * N, 2), (2 * N + 1, 3, N + 2)]
+      for a, b in (("S0", "S1"), ("S1", "S0"), ("S1", "S2"), ("S2", "S0"))],
+])
+def test_prepared_packed_all_to_all(mesh1d, monkeypatch, shape, src, dst):
+    """The packed all-to-all (the default from 256 KiB per rank) prepared: the right block on
+    every call, later calls without the general function, even and uneven pieces, the split
+    and the concatenated dim leading or not."""
+    monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
+    clear_plans()  # plans prepared under the default thresholds
+    try:
+        x = source(global_tensor(shape), mesh1d, src)
+        check_repeated(x, mesh1d, dst, calls=1)  # prepares the collective
+        monkeypatch.setattr(collectives, "all_to_all", lambda *a, **k: pytest.fail("the general all_to_all ran"))
+        check_repeated(x, mesh1d, dst)
+    finally:
+        clear_plans()
+
+
 def test_non_contiguous_input_is_staged(mesh1d):
     full = global_tensor((6, 2 * N + 1))
     local = expected(full.t().contiguous(), mesh1d, "S0").t()  # a transposed block: not C-contiguous
@@ -150,8 +171,8 @@ def test_changed_thresholds_are_followed(mesh1d, monkeypatch):
     x = source(full, mesh1d, "S0")
     check_repeated(x, mesh1d, "S1", calls=1)  # prepared with the Alltoallw path
     packed = []
-    real = collectives._all_to_all_packed
-    monkeypatch.setattr(collectives, "_all_to_all_packed", lambda *a: (packed.append(1), real(*a))[1])
+    real = collectives._all_to_all_packed_fn
+    monkeypatch.setattr(collectives, "_all_to_all_packed_fn", lambda *a: (packed.append(1), real(*a))[1])
     monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
     check_repeated(x, mesh1d, "S1", calls=2)
     assert_all_ranks(len(packed) == (2 if N > 1 else 0), f"packed all-to-alls: {len(packed)}")

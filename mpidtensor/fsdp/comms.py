@@ -17,7 +17,7 @@ import torch
 from mpi4py import MPI
 
 from ..mesh import accounting, progress
-from ..mesh.collectives import Prepared, prepare_reduce_scatter
+from ..mesh.prepared import Prepared, prepare_reduce_scatter
 from ..mesh.nonblocking import Handle, iall_gather, ireduce_scatter
 from ..mesh.pool import pool
 

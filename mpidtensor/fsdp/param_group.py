@@ -53,7 +53,7 @@ from mpi4py import MPI
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..mesh import accounting
-from ..mesh.collectives import Prepared
+from ..mesh.prepared import Prepared
 from ..dtensor import DTensor
 from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
 from . import comms

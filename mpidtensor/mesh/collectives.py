@@ -11,9 +11,9 @@ dimension pack into, or unpack from, rank-ordered pieces with one local copy: a
 datatype for one index along such a dimension has to be traversed column-wise,
 which is far slower for small trailing dimensions.
 
-``prepare_*`` bind a collective to a communicator and an input signature (``Prepared``):
-redistribution plans keep them, so that a repeated small redistribution pays for its
-checks, choices and datatypes once.
+``mesh.prepared`` binds these collectives to a communicator and an input signature:
+redistribution plans keep them, so that a repeated redistribution pays for its checks,
+choices, counts and datatypes once.
 
 Every collective reports itself to ``tracing.record``. Argument errors are raised
 before any communication; under ``MPIDTENSOR_DEBUG=1`` the ranks first agree on the
@@ -28,7 +28,6 @@ the collectives that would exceed it run in rounds of at most ``MAX_COUNT`` elem
 """
 from __future__ import annotations
 
-import weakref
 from functools import lru_cache
 from math import prod
 from typing import Callable, Hashable, Literal, NamedTuple, Sequence
@@ -246,7 +245,8 @@ def all_to_all(
     _enter("all_to_all", comm, tensor.dtype, list(split_sizes))
     try:
         if packed:
-            out = _all_to_all_packed(send, comm, split_dim, concat_dim, split_sizes, concat_sizes, shape)
+            out = _all_to_all_packed_fn(comm, send.shape, send.dtype, split_dim, concat_dim, split_sizes,
+                                        concat_sizes, shape)(send)
         else:
             out = _all_to_all_typed_fn(comm, shape, _blocks(send.shape, send.dtype, split_dim, split_sizes, derived),
                                        _blocks(shape, send.dtype, concat_dim, concat_sizes, derived))(send)
@@ -293,24 +293,31 @@ def _all_to_all_typed_fn(comm: MPI.Intracomm, shape: tuple[int, ...], send_block
     return typed
 
 
-def _all_to_all_packed(send, comm, split_dim, concat_dim, split_sizes, concat_sizes, shape) -> torch.Tensor:
-    """Pack the pieces in rank order, one ``Alltoall`` (even pieces) or ``Alltoallv``, unpack:
-    a copy on each side unless the split/concat dim leads, but MPICH's regular all-to-all."""
-    flat_send = _pieces_in_rank_order(send, split_dim, split_sizes)
-    send_counts = _counts(send.shape, split_dim, split_sizes)
-    mine = _resized(send.shape, split_dim, split_sizes[comm.rank])
-    recv_counts = _counts(mine, concat_dim, concat_sizes)
-    flat = empty((sum(recv_counts),), send)
-    datatype = mpi_type(send.dtype)
+def _all_to_all_packed_fn(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype, split_dim: int,
+                          concat_dim: int, split_sizes: tuple[int, ...], concat_sizes: tuple[int, ...],
+                          out_shape: tuple[int, ...], host: bool = False) -> Run:
+    """Pack the pieces in rank order, one ``Alltoall`` (even pieces) or ``Alltoallv``, unpack,
+    as a function of the staged send tensor, its counts and copies worked out once (``host``
+    as for ``_gather_fn``): a copy on each side unless the split/concat dim leads, but
+    MPICH's regular all-to-all."""
+    buf, datatype = host_buffer if host else as_buffer, mpi_type(dtype)
+    send_counts = _counts(shape, split_dim, split_sizes)
+    recv_counts = _counts(_resized(shape, split_dim, split_sizes[comm.rank]), concat_dim, concat_sizes)
+    total = (sum(recv_counts),)
     if len(set(split_sizes)) == 1 and len(set(concat_sizes)) == 1:
-        comm.Alltoall([as_buffer(flat_send), send_counts[0], datatype], [as_buffer(flat), recv_counts[0], datatype])
+        exchange, sends, receives = comm.Alltoall, send_counts[0], recv_counts[0]
     else:
-        comm.Alltoallv([as_buffer(flat_send), (send_counts, offsets(send_counts)), datatype],
-                       [as_buffer(flat), (recv_counts, offsets(recv_counts)), datatype])
-    if prod(shape[:concat_dim]) == 1:  # received pieces are contiguous runs of the result
-        return flat.view(shape)
-    pieces = [chunk.view(_resized(mine, concat_dim, size)) for chunk, size in zip(flat.split(recv_counts), concat_sizes)]
-    return torch.cat(pieces, concat_dim)
+        exchange = comm.Alltoallv
+        sends, receives = (send_counts, offsets(send_counts)), (recv_counts, offsets(recv_counts))
+    pack = _to_rank_order(tuple(shape), split_dim, split_sizes)
+    unpack = _from_rank_order(out_shape, concat_dim, concat_sizes)
+
+    def packed(send: torch.Tensor) -> torch.Tensor:
+        flat_send = pack(send)
+        flat = empty(total, send)
+        exchange([buf(flat_send), sends, datatype], [buf(flat), receives, datatype])
+        return unpack(flat)
+    return packed
 
 
 def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum", *,
@@ -466,119 +473,6 @@ def scatter(tensor: torch.Tensor, comm: MPI.Intracomm, root: int, *, dim: int, s
     return unstage(out, tensor)
 
 
-# --- prepared collectives: a signature's checks and choices made once -----------------------
-
-class Prepared:
-    """One collective bound to a communicator and an input signature (shape and dtype),
-    its arguments checked and its algorithm, counts and datatypes chosen when made.
-
-    Calling it on a host tensor of that signature goes straight to MPI (after ``stage``: a
-    contiguous copy if it is not C-contiguous), with debug mode and the watchdog off and the
-    thresholds as they were; any other input, or those settings on, takes the general function (which
-    checks and stages as usual). ``fast`` is the collective as a function of a staged host
-    tensor, its constants bound (``_gather_fn`` and the like with ``host=True``). Redistribution
-    steps keep one per plan (docs/performance.md, "Where the time goes at 4 KiB")."""
-
-    __slots__ = ("kind", "shape", "dtype", "nbytes", "limits", "fast", "general", "__weakref__")
-
-    def __init__(self, kind: str, shape: Sequence[int], dtype: torch.dtype,
-                 fast: Callable[[torch.Tensor], torch.Tensor] | None,
-                 general: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.kind, self.shape, self.dtype = kind, torch.Size(shape), dtype
-        self.nbytes = prod(shape) * dtype.itemsize
-        self.limits = _limits()
-        self.fast = fast  # None: this signature always takes the general function
-        self.general = general
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        if (type(tensor) is torch.Tensor and tensor.shape == self.shape and tensor.dtype is self.dtype
-                and self.fast is not None and not tensor.is_cuda and not (guard.ENABLED or watchdog.ENABLED)
-                and (MAX_COUNT, ALLGATHER_PADDED_MIN, ALLTOALL_PACKED_MIN, GATHER_TYPED_MAX) == self.limits):
-            tracing.record(self.kind, self.nbytes)
-            if tensor.requires_grad or not tensor.is_contiguous() or tensor.is_neg() or tensor.is_conj():
-                tensor = stage(tensor)  # what ``stage`` would return as it is, checked inline
-            return self.fast(tensor)
-        return self.general(tensor)
-
-
-def prepare_all_gather(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intracomm, *, dim: int,
-                       sizes: Sequence[int]) -> Prepared:
-    """:func:`all_gather` of tensors of ``shape`` and ``dtype`` on ``comm``, prepared."""
-    sizes = tuple(sizes)
-    lay = _gather_layout(torch.Size(shape), dtype, dim, sizes, comm.size, comm.rank, _limits())
-    owned, own = _own_types()
-    prepared = Prepared("all_gather", shape, dtype, _gather_fn(lay, comm, dtype, own, host=True),
-                        lambda t: all_gather(t, comm, dim=dim, sizes=sizes))
-    weakref.finalize(prepared, _free_types, owned)
-    return prepared
-
-
-def prepare_all_to_all(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intracomm, *, split_dim: int,
-                       concat_dim: int, split_sizes: Sequence[int], concat_sizes: Sequence[int]) -> Prepared:
-    """:func:`all_to_all` of tensors of ``shape`` and ``dtype`` on ``comm``, prepared: on the
-    ``Alltoallw`` path with datatypes of its own, freed with it."""
-    split_sizes, concat_sizes = tuple(split_sizes), tuple(concat_sizes)
-    split_dim, concat_dim, out_shape, packed = _all_to_all_layout(
-        torch.Size(shape), dtype.itemsize, split_dim, concat_dim, split_sizes, concat_sizes, comm.size, comm.rank,
-        _limits())
-
-    def general(t):
-        return all_to_all(t, comm, split_dim=split_dim, concat_dim=concat_dim, split_sizes=split_sizes,
-                          concat_sizes=concat_sizes)
-    if packed:
-        return Prepared("all_to_all", shape, dtype, lambda send: _all_to_all_packed(
-            send, comm, split_dim, concat_dim, split_sizes, concat_sizes, out_shape), general)
-    owned, own = _own_types()
-    send_blocks = _blocks(shape, dtype, split_dim, split_sizes, own)
-    recv_blocks = _blocks(out_shape, dtype, concat_dim, concat_sizes, own)
-    prepared = Prepared("all_to_all", shape, dtype,
-                        _all_to_all_typed_fn(comm, out_shape, send_blocks, recv_blocks, host=True), general)
-    weakref.finalize(prepared, _free_types, owned)
-    return prepared
-
-
-def prepare_all_reduce(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intracomm, op: ReduceOp = "sum", *,
-                       inplace: bool = False) -> Prepared:
-    """:func:`all_reduce` of tensors of ``shape`` and ``dtype`` on ``comm``, prepared (``inplace``
-    as there: the caller owns every tensor it passes)."""
-    reduce_dtype, mpi_op = _reduction(dtype, op)
-    fast = None
-    if reduce_dtype == dtype:  # otherwise staging converts: the general function's work
-        fast = _all_reduce_fn(comm, mpi_type(dtype), mpi_op, op, inplace, host=True)
-    return Prepared("all_reduce", shape, dtype, fast, lambda t: all_reduce(t, comm, op, inplace=inplace))
-
-
-def prepare_reduce_scatter(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intracomm, op: ReduceOp, *,
-                           dim: int, sizes: Sequence[int]) -> Prepared:
-    """:func:`reduce_scatter` of tensors of ``shape`` and ``dtype`` on ``comm``, prepared."""
-    sizes = tuple(sizes)
-    dim, reduce_dtype, mpi_op, datatype, counts, out_shape = _reduce_scatter_layout(
-        torch.Size(shape), dtype, op, dim, sizes, comm.size, comm.rank)
-    fast = None
-    if dim == 0 and reduce_dtype == dtype:  # otherwise staging moves or converts
-        fast = _reduce_scatter_fn(comm, datatype, mpi_op, op, counts, out_shape, host=True)
-    return Prepared("reduce_scatter", shape, dtype, fast, lambda t: reduce_scatter(t, comm, op, dim=dim, sizes=sizes))
-
-
-def _own_types() -> tuple[list[MPI.Datatype], Callable[[Hashable, Callable[[], MPI.Datatype]], MPI.Datatype]]:
-    """``(owned, own)``: ``own(key, make)`` commits a datatype of a prepared collective's own
-    (``types`` of ``_blocks``, ``_gather_fn``), listed in ``owned`` to be freed with it: the
-    shared ``derived`` cache could free one it still uses."""
-    owned: list[MPI.Datatype] = []
-
-    def own(key, make):
-        owned.append(make().Commit())
-        return owned[-1]
-    return owned, own
-
-
-def _free_types(types: list[MPI.Datatype]) -> None:
-    """Free a prepared collective's datatypes (nothing to free once MPI is finalized)."""
-    if not MPI.Is_finalized():
-        for datatype in types:
-            datatype.Free()
-
-
 def _limits() -> tuple:
     """The module settings the cached layouts depend on (tests and tuning may change them;
     ``Prepared.__call__`` compares them inline)."""
@@ -623,16 +517,60 @@ def _pieces_in_rank_order(tensor: torch.Tensor, dim: int, sizes: Sequence[int]) 
     """``tensor``'s pieces along ``dim``, each C-contiguous, back to back (one copy at most), flat."""
     if prod(tensor.shape[:dim]) == 1:  # already so when C-contiguous
         return stage(tensor).view(-1)
+    if tensor.is_contiguous():
+        return _to_rank_order(tuple(tensor.shape), dim, tuple(sizes))(tensor.detach())
     flat = empty((tensor.numel(),), tensor)
-    if len(set(sizes)) == 1 and tensor.is_contiguous():  # one strided copy: 1.6-3.5x faster than per piece
-        n, outer, inner = len(sizes), prod(tensor.shape[:dim]), prod(tensor.shape[dim + 1:])
-        blocks = tensor.detach().view(outer, n, sizes[0], inner).transpose(0, 1)
-        flat.view(n, outer, sizes[0], inner).copy_(blocks)
-        return flat
     pieces = tensor.detach().split(list(sizes), dim)
     for chunk, piece in zip(flat.split([p.numel() for p in pieces]), pieces):
         chunk.view(piece.shape).copy_(piece)
     return flat
+
+
+@lru_cache(maxsize=1024)
+def _to_rank_order(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> Run:
+    """The pieces along ``dim`` of a C-contiguous, detached tensor of ``shape`` back to back,
+    flat: a view when ``dim`` leads, else one strided copy for even pieces (1.6-3.5x faster
+    than a copy per piece) or a copy per piece."""
+    outer, inner, n = prod(shape[:dim]), prod(shape[dim + 1:]), len(sizes)
+    if outer == 1:
+        return lambda t: t.view(-1)
+    if len(set(sizes)) == 1:
+        blocks, packed = (outer, n, sizes[0], inner), (n, outer, sizes[0], inner)
+
+        def strided(t: torch.Tensor) -> torch.Tensor:
+            flat = empty((t.numel(),), t)
+            flat.view(packed).copy_(t.view(blocks).transpose(0, 1))
+            return flat
+        return strided
+    pieces = [_resized(shape, dim, size) for size in sizes]
+    counts = [prod(piece) for piece in pieces]
+
+    def per_piece(t: torch.Tensor) -> torch.Tensor:
+        flat = empty((t.numel(),), t)
+        for chunk, piece, view in zip(flat.split(counts), t.split(sizes, dim), pieces):
+            chunk.view(view).copy_(piece)
+        return flat
+    return per_piece
+
+
+@lru_cache(maxsize=1024)
+def _from_rank_order(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> Run:
+    """The inverse of ``_to_rank_order``: pieces received back to back (flat) as the
+    C-contiguous tensor of ``shape`` they make along ``dim``."""
+    outer, inner, n = prod(shape[:dim]), prod(shape[dim + 1:]), len(sizes)
+    if outer == 1:  # received pieces are contiguous runs of the result
+        return lambda flat: flat.view(shape)
+    if len(set(sizes)) == 1:
+        packed, blocks = (n, outer, sizes[0], inner), (outer, n, sizes[0], inner)
+
+        def strided(flat: torch.Tensor) -> torch.Tensor:
+            out = empty(shape, flat)
+            out.view(blocks).copy_(flat.view(packed).transpose(0, 1))
+            return out
+        return strided
+    pieces = [_resized(shape, dim, size) for size in sizes]
+    counts = [prod(piece) for piece in pieces]
+    return lambda flat: torch.cat([chunk.view(piece) for chunk, piece in zip(flat.split(counts), pieces)], dim)
 
 
 @lru_cache(maxsize=None)

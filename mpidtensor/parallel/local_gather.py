@@ -22,7 +22,7 @@ import torch
 
 from .._layout import chunk_sizes, chunk_span, contiguous_strides
 from ..dtensor import DTensor
-from ..mesh import collectives
+from ..mesh.prepared import prepare_all_gather, prepare_reduce_scatter
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec
 from .direct_apply import direct_apply
@@ -33,7 +33,7 @@ _PARTIAL_SUM = (Partial("sum"),)
 class Route:
     """How one input spec is all-gathered: the output spec, the communicator, the dim, this
     rank's (offset, size) along it, and the two collectives prepared for this rank's block
-    (``collectives.prepare_*``: checks and choices made once, later calls go to MPI). Read
+    (``mesh.prepared``: checks and choices made once, later calls go to MPI). Read
     the other way, a partial whole reduce-scattered to the spec and its gradient gathered
     back (a sequence-parallel row Linear or embedding, :func:`shard_route`)."""
 
@@ -47,10 +47,10 @@ class Route:
         sizes = chunk_sizes(shape[dim], comm.size)
         self.span = chunk_span(shape[dim], comm.size, comm.rank)
         block = (*shape[:dim], self.span[1], *shape[dim + 1:])
-        self.all_gather = collectives.prepare_all_gather(block, spec.dtype, comm, dim=dim, sizes=sizes)
+        self.all_gather = prepare_all_gather(block, spec.dtype, comm, dim=dim, sizes=sizes)
         # MPI splits memory in order: the reduce-scatter takes the gradient with ``dim`` leading
         leading = (shape[dim], *shape[:dim], *shape[dim + 1:])
-        self.reduce_scatter = collectives.prepare_reduce_scatter(leading, spec.dtype, comm, "sum", dim=0, sizes=sizes)
+        self.reduce_scatter = prepare_reduce_scatter(leading, spec.dtype, comm, "sum", dim=0, sizes=sizes)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:  # the block is the whole
