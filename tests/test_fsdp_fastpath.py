@@ -107,3 +107,26 @@ def test_mixed_dims_group_matches_full_tensor(mesh1d):
     ok &= all(torch.allclose(dict(net.named_parameters())[n].grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-6)
               for n, p in ref.named_parameters())
     assert_all_ranks(ok, "a group of dim-1 and dim-0 shards")
+
+
+def test_large_unsharded_storage_asks_for_huge_pages(mesh1d, monkeypatch):
+    """A group's unsharded storage of ``HUGE_PAGES_MIN`` bytes or more is advised for huge
+    pages when it is made and again each time a reshard has freed it (the allocator hands
+    new memory), before the all-gather writes it."""
+    from mpidtensor.mesh import pool as pool_module
+
+    calls = []
+    monkeypatch.setattr(pool_module, "_MADVISE", lambda start, length, advice: calls.append((start, length)))
+    side = 1024  # a 4 MiB float32 weight: HUGE_PAGES_MIN
+    net = torch.nn.Linear(side, side, bias=False)
+    fully_shard(net, mesh=mesh1d)
+    group = net._fsdp_state.group
+    covered = []
+    for _ in range(2):
+        calls.clear()
+        net.unshard()
+        flat = group.unsharded_flat
+        covered.append(any(s <= flat.data_ptr() + flat.nbytes - 1 and s + n == flat.data_ptr() + flat.nbytes
+                           for s, n in calls))
+        net.reshard()
+    assert_all_ranks(all(covered), f"unsharded storage advised per gather: {covered}")

@@ -97,3 +97,18 @@ def test_large_new_buffers_ask_for_huge_pages(monkeypatch):
         ok = (start % mmap.PAGESIZE == 0 and big.data_ptr() <= start < big.data_ptr() + mmap.PAGESIZE
               and start + length == end and advice == 14)
     assert_all_ranks(ok, f"madvise calls {calls} for buffers at {big.data_ptr()} ({big.nbytes} bytes)")
+
+
+def test_pool_off_buffers_ask_for_huge_pages(monkeypatch):
+    """With pooling off, a collective's new host buffer is advised as a pooled one would be."""
+    from mpidtensor.mesh import buffers
+    from mpidtensor.mesh import pool as pool_module
+
+    calls = []
+    monkeypatch.setattr(pool_module, "_MADVISE", lambda start, length, advice: calls.append((start, length)))
+    monkeypatch.setattr(pool_module.pool, "limit_bytes", 0)
+    like = torch.empty(0)
+    big = buffers.empty((pool_module.HUGE_PAGES_MIN // 4,), like)
+    buffers.empty((16,), like)
+    end = big.data_ptr() + big.nbytes
+    assert_all_ranks(len(calls) == 1 and calls[0][0] + calls[0][1] == end, f"madvise calls {calls}")

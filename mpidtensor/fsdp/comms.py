@@ -17,9 +17,9 @@ import torch
 from mpi4py import MPI
 
 from ..mesh import accounting, progress
-from ..mesh.prepared import Prepared, prepare_reduce_scatter
 from ..mesh.nonblocking import Handle, iall_gather, ireduce_scatter
-from ..mesh.pool import pool
+from ..mesh.pool import advise_huge_pages, pool
+from ..mesh.prepared import Prepared, prepare_reduce_scatter
 
 
 class _Done:
@@ -51,7 +51,7 @@ def allocate(custom: Any, size: Sequence[int], dtype: torch.dtype, device: torch
     if custom is None:
         if reusable and device.type == "cpu" and pool.limit_bytes:
             return pool.take(tuple(size), dtype)
-        return accounting.track_buffer(torch.empty(tuple(size), dtype=dtype, device=device))
+        return accounting.track_buffer(advise_huge_pages(torch.empty(tuple(size), dtype=dtype, device=device)))
     return custom.allocate(tuple(size), dtype=dtype, device=device)
 
 

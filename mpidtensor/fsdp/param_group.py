@@ -52,10 +52,11 @@ import torch
 from mpi4py import MPI
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..mesh import accounting
-from ..mesh.prepared import Prepared
 from ..dtensor import DTensor
+from ..mesh import accounting
 from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
+from ..mesh.pool import advise_huge_pages
+from ..mesh.prepared import Prepared
 from . import comms
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import OffloadPolicy, compute_device, host_device, pinned
@@ -224,16 +225,16 @@ class ParamGroup:
     def _ensure_unsharded_storage(self) -> None:
         """Allocate ``unsharded_flat`` (first gather) or give back its freed storage."""
         if self.unsharded_flat is None:
-            self.unsharded_flat = accounting.track_buffer(
-                torch.empty(self.unsharded_nbytes, dtype=torch.uint8, device=self.device))
+            self.unsharded_flat = accounting.track_buffer(advise_huge_pages(
+                torch.empty(self.unsharded_nbytes, dtype=torch.uint8, device=self.device)))
         elif self.unsharded_flat.untyped_storage().nbytes() == 0:
-            self.unsharded_flat.untyped_storage().resize_(self.unsharded_nbytes)
-            accounting.track_resize(self.unsharded_flat)
+            self.unsharded_flat.untyped_storage().resize_(self.unsharded_nbytes)  # new memory: advise it again
+            accounting.track_resize(advise_huge_pages(self.unsharded_flat))
 
     def _free_unsharded_storage(self) -> None:
         if self.unsharded_flat is not None and self.unsharded_flat.untyped_storage().nbytes():
             self.unsharded_flat.untyped_storage().resize_(0)
-            accounting.track_resize(self.unsharded_flat)
+            accounting.track_resize(advise_huge_pages(self.unsharded_flat))
 
     def _start_gather(self, send: torch.Tensor, comm: MPI.Comm) -> None:
         """Start gathering ``send`` over ``comm`` into a buffer of every shard rank's rows."""
@@ -384,8 +385,8 @@ class ParamGroup:
             return
         k, world = self.post_forward_comm.size, self.info.shard_size
         first = self.post_forward_comm.rank * (world // k)
-        kept = accounting.track_buffer(
-            torch.empty((world // k, self._gather_nbytes), dtype=torch.uint8, device=self.device))
+        kept = accounting.track_buffer(advise_huge_pages(
+            torch.empty((world // k, self._gather_nbytes), dtype=torch.uint8, device=self.device)))
         with torch.no_grad():
             for i, p in enumerate(self.gathered):
                 if p.extension:

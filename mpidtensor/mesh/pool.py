@@ -182,13 +182,18 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor. One of ``HUGE_PAGES_MIN`` bytes or more asks the kernel for
-    transparent huge pages before its first touch, as numpy does for its arrays: MPI's
-    shared-memory copies into it then miss the TLB far less (an ``Allgather`` of 32 MiB per
-    rank at 4 ranks here: 45 ms into a ``torch.empty`` buffer, 32-36 ms into a numpy one or an
-    advised one). Where the kernel's THP mode is ``never``, or the call fails, pages stay small."""
-    tensor = torch.empty(shape, dtype=dtype)
-    if _MADVISE is not None and tensor.nbytes >= HUGE_PAGES_MIN:
+    """An uninitialised CPU tensor, advised by :func:`advise_huge_pages`."""
+    return advise_huge_pages(torch.empty(shape, dtype=dtype))
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``; if it is a host tensor of ``HUGE_PAGES_MIN`` bytes or more, its memory
+    asks the kernel for transparent huge pages, as numpy does for its arrays. Call it before
+    the first touch: MPI's shared-memory copies into such memory then miss the TLB far less
+    (an ``Allgather`` of 32 MiB per rank at 4 ranks here: 45 ms into a ``torch.empty`` buffer,
+    32-36 ms into a numpy one or an advised one). Where the kernel's THP mode is ``never``,
+    or the call fails, pages stay small."""
+    if _MADVISE is not None and tensor.nbytes >= HUGE_PAGES_MIN and tensor.device.type == "cpu":
         start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE  # madvise wants a page boundary
         _MADVISE(start, tensor.data_ptr() + tensor.nbytes - start, _MADV_HUGEPAGE)
     return tensor
