@@ -424,3 +424,20 @@ def test_thresholds_follow_the_loaded_library():
     big = 32 << 20
     assert_all_ranks(not any(collectives._beyond(t, 4, 4 * big) for t in collective_thresholds("Open MPI").values()))
     assert_all_ranks(all(collectives._beyond(t, 4, 4 * big) for t in collective_thresholds("MPICH").values()))
+
+
+@pytest.mark.parametrize("shape,split_dim,concat_dim,split_sizes,concat_sizes,packed", [
+    ((8, 3), 0, 1, (4, 4), (3, 3), True),  # even pieces along a later dim: packed
+    ((7, 3), 0, 1, (4, 3), (3, 2), False),  # uneven along a later dim: Alltoallw
+    ((7, 4), 0, 1, (4, 3), (2, 2), False),
+    ((3, 7), 1, 0, (4, 3), (3, 2), True),  # uneven landing on the leading dim: packed
+    ((1, 3, 7), 2, 1, (4, 3), (3, 2), True),  # the dims before the concat dim are of length 1
+])
+def test_packed_all_to_all_choice(monkeypatch, shape, split_dim, concat_dim, split_sizes, concat_sizes, packed):
+    """Past the size threshold the all-to-all packs, but not uneven pieces that land along
+    a later dim (Alltoallw's receive datatypes place them without an unpacking copy)."""
+    monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
+    shape = collectives._resized(shape, concat_dim, concat_sizes[0])
+    chosen = collectives._all_to_all_layout(torch.Size(shape), 4, split_dim, concat_dim, split_sizes, concat_sizes,
+                                            2, 0, collectives._limits())[3]
+    assert_all_ranks(chosen == packed, f"packed {chosen} for {shape} {split_sizes} {concat_sizes}")

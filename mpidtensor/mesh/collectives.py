@@ -276,7 +276,12 @@ def _all_to_all_layout(shape: torch.Size, itemsize: int, split_dim: int, concat_
     fits = MAX_COUNT is None or max(
         other * (sum(split_sizes) * c + n * sum(concat_sizes)) for n, c in zip(split_sizes, concat_sizes)
     ) <= MAX_COUNT
-    return split_dim, concat_dim, result, fits and _beyond(ALLTOALL_PACKED_MIN, size, total)
+    # Uneven pieces landing along a later dim: Alltoallw's receive datatypes beat Alltoallv
+    # and an unpacking copy at every size measured (docs/mpi-settings.md, "Collective
+    # algorithm thresholds"). ``shape`` before ``concat_dim`` holds lengths every rank of
+    # ``comm`` shares, so all decide alike.
+    scattered = (len(set(split_sizes)) > 1 or len(set(concat_sizes)) > 1) and prod(shape[:concat_dim]) != 1
+    return split_dim, concat_dim, result, fits and not scattered and _beyond(ALLTOALL_PACKED_MIN, size, total)
 
 
 def _all_to_all_typed_fn(comm: MPI.Intracomm, shape: tuple[int, ...], send_blocks: tuple, recv_blocks: tuple,
@@ -556,21 +561,18 @@ def _to_rank_order(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> 
 @lru_cache(maxsize=1024)
 def _from_rank_order(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> Run:
     """The inverse of ``_to_rank_order``: pieces received back to back (flat) as the
-    C-contiguous tensor of ``shape`` they make along ``dim``."""
+    C-contiguous tensor of ``shape`` they make along ``dim``. Along a later dim the pieces
+    are even: uneven ones go by ``Alltoallw`` there (``_all_to_all_layout``)."""
     outer, inner, n = prod(shape[:dim]), prod(shape[dim + 1:]), len(sizes)
     if outer == 1:  # received pieces are contiguous runs of the result
         return lambda flat: flat.view(shape)
-    if len(set(sizes)) == 1:
-        packed, blocks = (n, outer, sizes[0], inner), (outer, n, sizes[0], inner)
+    packed, blocks = (n, outer, sizes[0], inner), (outer, n, sizes[0], inner)
 
-        def strided(flat: torch.Tensor) -> torch.Tensor:
-            out = empty(shape, flat)
-            out.view(blocks).copy_(flat.view(packed).transpose(0, 1))
-            return out
-        return strided
-    pieces = [_resized(shape, dim, size) for size in sizes]
-    counts = [prod(piece) for piece in pieces]
-    return lambda flat: torch.cat([chunk.view(piece) for chunk, piece in zip(flat.split(counts), pieces)], dim)
+    def strided(flat: torch.Tensor) -> torch.Tensor:
+        out = empty(shape, flat)
+        out.view(blocks).copy_(flat.view(packed).transpose(0, 1))
+        return out
+    return strided
 
 
 @lru_cache(maxsize=None)
