@@ -7,7 +7,9 @@ For each size per rank (float32, a tensor sharded on dim 0), times the public
 the uneven ``all_gather`` with ``Allgatherv`` and with padded ``Allgather``, by
 switching the module's thresholds. A figure is the min of two interleaved medians of
 the slowest rank, in µs; ratio > 1 means the regular (packed/padded) form wins. The
-thresholds ``ALLTOALL_PACKED_MIN`` / ``ALLGATHER_PADDED_MIN`` are set from this table.
+thresholds ``ALLTOALL_PACK_SEND_MIN`` (this all-to-all's pieces are strided in the input
+only) and ``ALLGATHER_PADDED_MIN`` are set from this table; ``ALLTOALL_PACKED_MIN`` (received
+pieces landing along a later dim) from redistributions the other way (docs/mpi-settings.md).
 """
 import statistics
 import time
@@ -57,7 +59,7 @@ def chunks(total: int) -> list[int]:
 
 
 def main() -> None:
-    saved = c.ALLTOALL_PACKED_MIN, c.ALLGATHER_PADDED_MIN
+    saved = c.ALLTOALL_PACKED_MIN, c.ALLTOALL_PACK_SEND_MIN, c.ALLGATHER_PADDED_MIN
     if RANK == 0:
         print(f"{N} ranks, load average {open('/proc/loadavg').read().split()[:3]}, µs")
     for name, nbytes in SIZES.items():
@@ -67,14 +69,14 @@ def main() -> None:
             split, concat = chunks(side + uneven), chunks(side * N + uneven)
             x = torch.randn(concat[RANK], side + uneven)
             w, p = versus(lambda: c.all_to_all(x, COMM, split_dim=1, concat_dim=0, split_sizes=split,
-                                               concat_sizes=concat), "ALLTOALL_PACKED_MIN")
+                                               concat_sizes=concat), "ALLTOALL_PACK_SEND_MIN")
             line = f"{name:5s} {'uneven' if uneven else 'even  '} Alltoallw {w:9.1f} packed {p:9.1f} ratio {w / p:5.2f}"
             if uneven:
                 v, pd = versus(lambda: c.all_gather(x, COMM, dim=0, sizes=concat), "ALLGATHER_PADDED_MIN")
                 line += f" | Allgatherv {v:9.1f} padded {pd:9.1f} ratio {v / pd:5.2f}"
             if RANK == 0:
                 print(line, flush=True)
-    c.ALLTOALL_PACKED_MIN, c.ALLGATHER_PADDED_MIN = saved
+    c.ALLTOALL_PACKED_MIN, c.ALLTOALL_PACK_SEND_MIN, c.ALLGATHER_PADDED_MIN = saved
 
 
 if __name__ == "__main__":

@@ -124,7 +124,9 @@ def test_all_gather_dtypes(dtype, gather_method):
 @pytest.fixture(params=["packed", "alltoallw"])
 def a2a_method(request, monkeypatch):
     """Both all-to-all implementations, whatever size threshold chooses between them."""
-    monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),) if request.param == "packed" else ((1, 1 << 62),))
+    threshold = ((1, 0),) if request.param == "packed" else ((1, 1 << 62),)
+    monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", threshold)
+    monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", threshold)
     return request.param
 
 
@@ -418,8 +420,9 @@ def test_thresholds_follow_the_loaded_library():
     from mpidtensor.mesh.mpi_library import collective_thresholds
 
     loaded = collective_thresholds()
-    assert_all_ranks((collectives.ALLTOALL_PACKED_MIN, collectives.ALLGATHER_PADDED_MIN)
-                     == (loaded["alltoall_packed"], loaded["allgather_padded"]))
+    assert_all_ranks((collectives.ALLTOALL_PACKED_MIN, collectives.ALLTOALL_PACK_SEND_MIN,
+                      collectives.ALLGATHER_PADDED_MIN)
+                     == (loaded["alltoall_packed"], loaded["alltoall_pack_send"], loaded["allgather_padded"]))
     assert_all_ranks(collective_thresholds("Intel MPI") == collective_thresholds("MPICH"))
     big = 32 << 20
     assert_all_ranks(not any(collectives._beyond(t, 4, 4 * big) for t in collective_thresholds("Open MPI").values()))
@@ -427,17 +430,24 @@ def test_thresholds_follow_the_loaded_library():
 
 
 @pytest.mark.parametrize("shape,split_dim,concat_dim,split_sizes,concat_sizes,packed", [
-    ((8, 3), 0, 1, (4, 4), (3, 3), True),  # even pieces along a later dim: packed
-    ((7, 3), 0, 1, (4, 3), (3, 2), False),  # uneven along a later dim: Alltoallw
-    ((7, 4), 0, 1, (4, 3), (2, 2), False),
-    ((3, 7), 1, 0, (4, 3), (3, 2), True),  # uneven landing on the leading dim: packed
-    ((1, 3, 7), 2, 1, (4, 3), (3, 2), True),  # the dims before the concat dim are of length 1
+    ((8, 3), 0, 1, (4, 4), (3, 3), "both"),  # even pieces along a later dim
+    ((7, 3), 0, 1, (4, 3), (3, 2), "never"),  # uneven along a later dim: Alltoallw
+    ((7, 4), 0, 1, (4, 3), (2, 2), "never"),
+    ((3, 8), 1, 0, (4, 4), (3, 3), "send"),  # strided in the input only: S(0) -> S(1)
+    ((3, 7), 1, 0, (4, 3), (3, 2), "send"),
+    ((1, 3, 7), 2, 1, (4, 3), (3, 2), "send"),  # the dims before the concat dim are of length 1
+    ((2, 8, 3), 0, 1, (1, 1), (4, 4), "both"),  # strided on both sides
 ])
 def test_packed_all_to_all_choice(monkeypatch, shape, split_dim, concat_dim, split_sizes, concat_sizes, packed):
-    """Past the size threshold the all-to-all packs, but not uneven pieces that land along
-    a later dim (Alltoallw's receive datatypes place them without an unpacking copy)."""
-    monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
+    """Which threshold applies: the send-side one where only the input's pieces are strided,
+    the general one where the received pieces land along a later dim too, none for uneven
+    pieces landing along a later dim (Alltoallw's receive datatypes place them in place)."""
     shape = collectives._resized(shape, concat_dim, concat_sizes[0])
-    chosen = collectives._all_to_all_layout(torch.Size(shape), 4, split_dim, concat_dim, split_sizes, concat_sizes,
-                                            2, 0, collectives._limits())[3]
-    assert_all_ranks(chosen == packed, f"packed {chosen} for {shape} {split_sizes} {concat_sizes}")
+    chosen = []
+    for general, send in (((1, 0),), ((1, 1 << 62),)), (((1, 1 << 62),), ((1, 0),)):
+        monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", general)
+        monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", send)
+        chosen.append(collectives._all_to_all_layout(torch.Size(shape), 4, split_dim, concat_dim, split_sizes,
+                                                     concat_sizes, 2, 0, collectives._limits())[3])
+    want = {"both": [True, False], "send": [False, True], "never": [False, False]}[packed]
+    assert_all_ranks(chosen == want, f"packed {chosen} for {shape} {split_sizes} {concat_sizes}")

@@ -136,6 +136,7 @@ def test_prepared_packed_all_to_all(mesh1d, monkeypatch, shape, src, dst):
     every call, later calls without the general function, even and uneven pieces, the split
     and the concatenated dim leading or not."""
     monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
+    monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", ((1, 0),))
     clear_plans()  # plans prepared under the default thresholds
     try:
         x = source(global_tensor(shape), mesh1d, src)
@@ -174,6 +175,7 @@ def test_changed_thresholds_are_followed(mesh1d, monkeypatch):
     real = collectives._all_to_all_packed_fn
     monkeypatch.setattr(collectives, "_all_to_all_packed_fn", lambda *a: (packed.append(1), real(*a))[1])
     monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
+    monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", ((1, 0),))
     check_repeated(x, mesh1d, "S1", calls=2)
     assert_all_ranks(len(packed) == (2 if N > 1 else 0), f"packed all-to-alls: {len(packed)}")
 

@@ -5,7 +5,8 @@ All-to-all either describes its pieces with subarray datatypes (``Alltoallw``, o
 peer, count 1, displacement 0: no packing) or packs them in rank order for a regular
 ``Alltoall``/``Alltoallv``; uneven all-gathers either pad the pieces for a regular
 ``Allgather`` or use ``Allgatherv``. Each choice is by the global bytes per rank against a
-measured threshold (``ALLTOALL_PACKED_MIN``, ``ALLGATHER_PADDED_MIN``), so every rank
+measured threshold (``ALLTOALL_PACKED_MIN`` and, where only the send side is strided,
+``ALLTOALL_PACK_SEND_MIN``; ``ALLGATHER_PADDED_MIN``), so every rank
 makes the same one. Gather and scatter along a non-leading
 dimension pack into, or unpack from, rank-ordered pieces with one local copy: a
 datatype for one index along such a dimension has to be traversed column-wise,
@@ -53,6 +54,9 @@ _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAN
 # subarray types. ALLGATHER_PADDED_MIN: an uneven all-gather padding the pieces to the
 # largest for a regular Allgather (a copy on each side) instead of Allgatherv.
 ALLTOALL_PACKED_MIN: tuple[tuple[int, int], ...] = collective_thresholds()["alltoall_packed"]
+# ALLTOALL_PACK_SEND_MIN: the same where only the send side needs the copy (pieces strided in
+# the input, landing on the result's leading dim: S(0) -> S(1)), which pays from smaller sizes.
+ALLTOALL_PACK_SEND_MIN: tuple[tuple[int, int], ...] = collective_thresholds()["alltoall_pack_send"]
 ALLGATHER_PADDED_MIN: tuple[tuple[int, int], ...] = collective_thresholds()["allgather_padded"]
 
 # GATHER_TYPED_MAX: an even all-gather along a later dim of at most this many bytes per rank
@@ -269,19 +273,25 @@ def _all_to_all_layout(shape: torch.Size, itemsize: int, split_dim: int, concat_
         raise ValueError(f"tensor has {shape[concat_dim]} along dim {concat_dim}, "
                          f"concat_sizes[{rank}] is {concat_sizes[rank]}")
     result = _resized(_resized(shape, split_dim, split_sizes[rank]), concat_dim, sum(concat_sizes))
-    # Same on every rank: the global tensor's size, not this rank's shard.
-    total = prod(_resized(shape, concat_dim, sum(concat_sizes))) * itemsize
+    # Every choice below reads lengths all ranks of ``comm`` share (the concat dim's whole,
+    # not this rank's piece), so all choose alike.
+    whole = _resized(shape, concat_dim, sum(concat_sizes))
+    total = prod(whole) * itemsize
     # Packing puts every piece in one count: it must fit on every rank, so take the largest.
     other = prod(n for d, n in enumerate(shape) if d not in (split_dim, concat_dim))
     fits = MAX_COUNT is None or max(
         other * (sum(split_sizes) * c + n * sum(concat_sizes)) for n, c in zip(split_sizes, concat_sizes)
     ) <= MAX_COUNT
-    # Uneven pieces landing along a later dim: Alltoallw's receive datatypes beat Alltoallv
-    # and an unpacking copy at every size measured (docs/mpi-settings.md, "Collective
-    # algorithm thresholds"). ``shape`` before ``concat_dim`` holds lengths every rank of
-    # ``comm`` shares, so all decide alike.
-    scattered = (len(set(split_sizes)) > 1 or len(set(concat_sizes)) > 1) and prod(shape[:concat_dim]) != 1
-    return split_dim, concat_dim, result, fits and not scattered and _beyond(ALLTOALL_PACKED_MIN, size, total)
+    # Measured (docs/mpi-settings.md, "Collective algorithm thresholds"): uneven pieces
+    # landing along a later dim go faster by Alltoallw's receive datatypes than by Alltoallv
+    # and an unpacking copy at every size; pieces strided in the input only, landing on the
+    # leading dim (S(0) -> S(1)), gain from packing at smaller sizes than the rest.
+    landing_later = prod(whole[:concat_dim]) != 1
+    if landing_later and (len(set(split_sizes)) > 1 or len(set(concat_sizes)) > 1):
+        return split_dim, concat_dim, result, False
+    send_only = not landing_later and prod(whole[:split_dim]) != 1
+    thresholds = ALLTOALL_PACK_SEND_MIN if send_only else ALLTOALL_PACKED_MIN
+    return split_dim, concat_dim, result, fits and _beyond(thresholds, size, total)
 
 
 def _all_to_all_typed_fn(comm: MPI.Intracomm, shape: tuple[int, ...], send_blocks: tuple, recv_blocks: tuple,
@@ -481,7 +491,7 @@ def scatter(tensor: torch.Tensor, comm: MPI.Intracomm, root: int, *, dim: int, s
 def _limits() -> tuple:
     """The module settings the cached layouts depend on (tests and tuning may change them;
     ``Prepared.__call__`` compares them inline)."""
-    return MAX_COUNT, ALLGATHER_PADDED_MIN, ALLTOALL_PACKED_MIN, GATHER_TYPED_MAX
+    return MAX_COUNT, ALLGATHER_PADDED_MIN, ALLTOALL_PACKED_MIN, ALLTOALL_PACK_SEND_MIN, GATHER_TYPED_MAX
 
 
 def _beyond(thresholds: tuple[tuple[int, int], ...], size: int, total_bytes: int) -> bool:
