@@ -110,7 +110,7 @@ _COLLECTIVE_THRESHOLDS: dict[str, dict[str, tuple[tuple[int, int], ...]]] = {
     # 4.3-7.2 / 1.3-7.0 at 1M at 2 ranks, 1.0-1.9 below 256K.
     # alltoall_pack_send: pieces strided in the send buffer only (S(0) -> S(1)), packed from
     # 64 KiB (2026-12-02, three runs through redistribute: Alltoallw / packed 1.18-1.39 at 64K
-    # and 1.23-1.92 at 128K even, 0.95-1.23 uneven; 0.61-1.13 at 32K).
+    # and 1.23-1.92 at 128K even, 0.84-1.23 uneven; 0.61-1.13 at 32K).
     "MPICH": {"alltoall_packed": ((2, 256 << 10),), "alltoall_pack_send": ((2, 64 << 10),),
               "allgather_padded": ((2, 1 << 20), (4, 256 << 10))},
     "Open MPI": {"alltoall_packed": _NEVER, "alltoall_pack_send": _NEVER, "allgather_padded": _NEVER},
