@@ -234,7 +234,7 @@ class ParamGroup:
     def _free_unsharded_storage(self) -> None:
         if self.unsharded_flat is not None and self.unsharded_flat.untyped_storage().nbytes():
             self.unsharded_flat.untyped_storage().resize_(0)
-            accounting.track_resize(advise_huge_pages(self.unsharded_flat))
+            accounting.track_resize(self.unsharded_flat)
 
     def _start_gather(self, send: torch.Tensor, comm: MPI.Comm) -> None:
         """Start gathering ``send`` over ``comm`` into a buffer of every shard rank's rows."""
