@@ -163,8 +163,7 @@ def rehome(params: Sequence, entries: Sequence[dict]) -> None:
         tensors = [v._local_tensor for v in values]
         if _back_to_back(tensors):
             continue
-        flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
-        torch.cat([t.reshape(-1) for t in tensors], out=flat)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
         at = 0
         for p, entry, t in zip(params, entries, tensors):
             entry[key] = DTensor(flat[at:at + t.numel()].view(t.shape), p._spec)

@@ -130,11 +130,13 @@ def test_later_calls_skip_the_general_functions(mesh1d, monkeypatch, src, dst, k
     *[(shape, a, b) for shape in SHAPES for a, b in (("S0", "S1"), ("S1", "S0"))],
     *[(shape, a, b) for shape in [(2 * N, 3 * N, 2), (2 * N + 1, 3, N + 2)]
       for a, b in (("S0", "S1"), ("S1", "S0"), ("S1", "S2"), ("S2", "S0"))],
+    # a size-1 leading dim: the pieces land on the leading dim of length > 1, split strided
+    *[((1, 3 * N, 2 * N + 1), a, b) for a, b in (("S1", "S2"), ("S2", "S1"))],
 ])
 def test_prepared_packed_all_to_all(mesh1d, monkeypatch, shape, src, dst):
-    """The packed all-to-all (the default from 256 KiB per rank) prepared: the right block on
-    every call, later calls without the general function, even and uneven pieces, the split
-    and the concatenated dim leading or not."""
+    """The packed all-to-all (the default from 64 or 256 KiB per rank) prepared: the right
+    block on every call, later calls without the general function, even and uneven pieces
+    (empty ones at 4 ranks), the split and the concatenated dim leading or not, size-1 dims."""
     monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
     monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", ((1, 0),))
     clear_plans()  # plans prepared under the default thresholds

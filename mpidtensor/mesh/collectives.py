@@ -532,13 +532,9 @@ def _pieces_in_rank_order(tensor: torch.Tensor, dim: int, sizes: Sequence[int]) 
     """``tensor``'s pieces along ``dim``, each C-contiguous, back to back (one copy at most), flat."""
     if prod(tensor.shape[:dim]) == 1:  # already so when C-contiguous
         return stage(tensor).view(-1)
-    if tensor.is_contiguous():
-        return _to_rank_order(tuple(tensor.shape), dim, tuple(sizes))(tensor.detach())
-    flat = empty((tensor.numel(),), tensor)
-    pieces = tensor.detach().split(list(sizes), dim)
-    for chunk, piece in zip(flat.split([p.numel() for p in pieces]), pieces):
-        chunk.view(piece.shape).copy_(piece)
-    return flat
+    shape, sizes = tuple(tensor.shape), tuple(sizes)
+    pack = _to_rank_order(shape, dim, sizes) if tensor.is_contiguous() else _per_piece(shape, dim, sizes)
+    return pack(tensor.detach())
 
 
 @lru_cache(maxsize=1024)
@@ -557,6 +553,13 @@ def _to_rank_order(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> 
             flat.view(packed).copy_(t.view(blocks).transpose(0, 1))
             return flat
         return strided
+    return _per_piece(shape, dim, sizes)
+
+
+@lru_cache(maxsize=1024)
+def _per_piece(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> Run:
+    """The pieces along ``dim`` of a detached tensor of ``shape`` (any strides) back to back,
+    flat: a copy per piece."""
     pieces = [_resized(shape, dim, size) for size in sizes]
     counts = [prod(piece) for piece in pieces]
 
