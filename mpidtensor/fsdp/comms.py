@@ -16,9 +16,9 @@ from typing import Any, Sequence
 import torch
 from mpi4py import MPI
 
-from ..mesh import accounting, progress
+from ..mesh import progress
 from ..mesh.nonblocking import Handle, iall_gather, ireduce_scatter
-from ..mesh.pool import advise_huge_pages, pool
+from ..mesh.pool import pool, tracked_empty
 from ..mesh.prepared import Prepared, prepare_reduce_scatter
 
 
@@ -51,7 +51,7 @@ def allocate(custom: Any, size: Sequence[int], dtype: torch.dtype, device: torch
     if custom is None:
         if reusable and device.type == "cpu" and pool.limit_bytes:
             return pool.take(tuple(size), dtype)
-        return accounting.track_buffer(advise_huge_pages(torch.empty(tuple(size), dtype=dtype, device=device)))
+        return tracked_empty(tuple(size), dtype, device)
     return custom.allocate(tuple(size), dtype=dtype, device=device)
 
 

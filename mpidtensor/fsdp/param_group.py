@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..dtensor import DTensor
 from ..mesh import accounting
 from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
-from ..mesh.pool import advise_huge_pages
+from ..mesh.pool import advise_huge_pages, tracked_empty
 from ..mesh.prepared import Prepared
 from . import comms
 from .mixed_precision import MixedPrecisionPolicy
@@ -225,8 +225,7 @@ class ParamGroup:
     def _ensure_unsharded_storage(self) -> None:
         """Allocate ``unsharded_flat`` (first gather) or give back its freed storage."""
         if self.unsharded_flat is None:
-            self.unsharded_flat = accounting.track_buffer(advise_huge_pages(
-                torch.empty(self.unsharded_nbytes, dtype=torch.uint8, device=self.device)))
+            self.unsharded_flat = tracked_empty(self.unsharded_nbytes, torch.uint8, self.device)
         elif self.unsharded_flat.untyped_storage().nbytes() == 0:
             self.unsharded_flat.untyped_storage().resize_(self.unsharded_nbytes)  # new memory: advise it again
             accounting.track_resize(advise_huge_pages(self.unsharded_flat))
@@ -385,8 +384,7 @@ class ParamGroup:
             return
         k, world = self.post_forward_comm.size, self.info.shard_size
         first = self.post_forward_comm.rank * (world // k)
-        kept = accounting.track_buffer(advise_huge_pages(
-            torch.empty((world // k, self._gather_nbytes), dtype=torch.uint8, device=self.device)))
+        kept = tracked_empty((world // k, self._gather_nbytes), torch.uint8, self.device)
         with torch.no_grad():
             for i, p in enumerate(self.gathered):
                 if p.extension:

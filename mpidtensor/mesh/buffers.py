@@ -21,9 +21,8 @@ from typing import Any, Callable, Hashable
 import torch
 from mpi4py import MPI
 
-from .accounting import track_buffer
 from .mpi_library import query_cuda_support
-from .pool import advise_huge_pages, pool
+from .pool import pool, tracked_empty
 
 _MPI_TYPES: dict[torch.dtype, MPI.Datatype] = {
     torch.float64: MPI.DOUBLE,
@@ -117,7 +116,7 @@ def empty(shape: torch.Size | tuple[int, ...], like: torch.Tensor, dtype: torch.
     host from the buffer pool (``mesh.pool``), elsewhere from torch's allocator."""
     if not like.is_cuda and pool.limit_bytes:
         return pool.take(shape, dtype or like.dtype)  # a torch.Size keys the pool as its tuple does
-    return track_buffer(advise_huge_pages(torch.empty(shape, dtype=dtype or like.dtype, device=comm_device(like))))
+    return tracked_empty(shape, dtype or like.dtype, comm_device(like))
 
 
 def unstage(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ import os
 import sys
 import threading
 from collections import OrderedDict
+from math import prod
 
 import torch
 
@@ -94,15 +95,14 @@ class BufferPool:
                         else:
                             self._hand_out(buffer)
                         return buffer.tensor.detach()
-            tensor = host_empty(shape, dtype)
-            if (buffers is None or len(buffers) < PER_SIZE) and self._make_room(tensor.nbytes):
-                buffer = _Buffer(tensor)
+            if (buffers is None or len(buffers) < PER_SIZE) and self._make_room(prod(shape) * dtype.itemsize):
+                buffer = _Buffer(host_empty(shape, dtype))
                 self._sizes.setdefault(key, []).append(buffer)
                 self._addresses.add(buffer.cdata)
                 self._bytes += buffer.nbytes
                 self._hand_out(buffer)
-                return tensor.detach()
-            return accounting.track_buffer(tensor)
+                return buffer.tensor.detach()
+            return tracked_empty(shape, dtype)
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` views a pooled buffer."""
@@ -184,6 +184,13 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor, advised by :func:`advise_huge_pages`."""
     return advise_huge_pages(torch.empty(shape, dtype=dtype))
+
+
+def tracked_empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An uninitialised tensor the library allocates outside the pool: advised by
+    :func:`advise_huge_pages` before its first touch and registered with
+    :mod:`mesh.accounting`, so the memory API counts it."""
+    return accounting.track_buffer(advise_huge_pages(torch.empty(shape, dtype=dtype, device=device)))
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
