@@ -3,7 +3,8 @@
 dispatch but AccumulateGrad's ``detach``; one reduction forward, one all-gather backward
 for a sharded output), equals one process (13 rows and 7 tokens: uneven shards at 2-4
 ranks), takes any gradient layout, and hands over to the general path where it does not
-apply (``padding_idx``, tokens read as sharded)."""
+apply (``max_norm``, tokens read as sharded); ``padding_idx`` stays local (its row gets no
+gradient, on whichever rank holds it)."""
 import copy
 
 import pytest
@@ -93,10 +94,29 @@ def test_vocabulary_and_sequence_smaller_than_the_mesh(tp_mesh, output):
     compare(ref, model, model(ids), None, ids=ids)
 
 
-@pytest.mark.parametrize("case", ["padding_idx", "sharded tokens"])
+@pytest.mark.parametrize("padding", [0, 3, 6, 12, -1])
+@pytest.mark.parametrize("output", [Shard(1), Replicate()])
+def test_padding_idx_stays_local(tp_mesh, monkeypatch, padding, output):
+    """13 rows over 2-4 ranks (uneven shards): the padding row first in a shard (0; 12 at 4
+    ranks, a one-row shard), inside one (3, 6) or last (12, and -1, which ``nn.Embedding``
+    makes 12). The tokens hit it several times; its gradient row is zero on the rank that
+    holds it."""
+    ref = embedding(padding_idx=padding)
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=output, use_local_output=False))
+    ids = tokens()
+    ids[:, ::3] = ref.padding_idx
+    log = DispatchLog(monkeypatch)
+    out = model(ids)
+    assert_all_ranks(log.ops == [], str(log.ops))
+    compare(ref, model, out, None, ids=ids)
+    assert_all_ranks(not ref.weight.grad[ref.padding_idx].any(), "the reference's padding row has a gradient")
+
+
+@pytest.mark.parametrize("case", ["max_norm", "sharded tokens"])
 def test_general_path_where_local_does_not_apply(tp_mesh, monkeypatch, case):
-    ref = embedding(padding_idx=3) if case == "padding_idx" else embedding()
-    given = Replicate() if case == "padding_idx" else Shard(-1)
+    ref = embedding(max_norm=1.0) if case == "max_norm" else embedding()
+    given = Replicate() if case == "max_norm" else Shard(-1)
     model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
         input_layouts=given, output_layouts=Replicate(), use_local_output=False))
     log = DispatchLog(monkeypatch)

@@ -437,11 +437,11 @@ def _resnet_tp(model: nn.Module, mesh: DeviceMesh) -> None:
     parallelize_module(model, mesh, {"classifier.1": ColwiseParallel(output_layouts=Replicate())})
 
 
-def _decoder_config(config_class: str) -> Callable[[], transformers.PretrainedConfig]:
+def _decoder_config(config_class: str, **extra) -> Callable[[], transformers.PretrainedConfig]:
     """Grouped-query attention (24 query heads over 12 KV heads of 4 dims) and RoPE."""
     return lambda: getattr(transformers, config_class)(
         vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2 * HEADS,
-        num_key_value_heads=HEADS, head_dim=4, max_position_embeddings=4 * SEQ, tie_word_embeddings=False)
+        num_key_value_heads=HEADS, head_dim=4, max_position_embeddings=4 * SEQ, tie_word_embeddings=False, **extra)
 
 
 ZOO: dict[str, Zoo] = {
@@ -449,7 +449,8 @@ ZOO: dict[str, Zoo] = {
     for zoo in (
         Zoo("llama", _decoder_config("LlamaConfig"), lambda: transformers.LlamaForCausalLM, _tokens,
             lambda m: list(m.model.layers), _decoder_tp, _decoder_sp),
-        Zoo("qwen2", _decoder_config("Qwen2Config"), lambda: transformers.Qwen2ForCausalLM, _tokens,
+        # a pad token: the vocabulary-parallel embedding has a padding_idx (row 0, on rank 0)
+        Zoo("qwen2", _decoder_config("Qwen2Config", pad_token_id=0), lambda: transformers.Qwen2ForCausalLM, _tokens,
             lambda m: list(m.model.layers), _decoder_tp, _decoder_sp),
         Zoo("gpt2", lambda: transformers.GPT2Config(
                 vocab_size=VOCAB, n_positions=4 * SEQ, n_embd=48, n_layer=2, n_head=HEADS, resid_pdrop=0.0,

@@ -9,8 +9,13 @@ all-reduce (output ``Replicate``) or reduce-scatter (output ``Shard(d)``, sequen
 parallelism); backward, the output gradient is all-gathered first for a sharded output
 and the gradient of this rank's rows alone is computed: a DTensor with the weight's spec.
 
+A ``padding_idx`` is honoured by the rank holding that row: its gradient row stays zero,
+as in one process. (torch 2.13's DTensor gives a vocabulary-parallel embedding a
+``Replicate`` gradient of the whole vocabulary on every rank, with or without
+``padding_idx``; so does the general path here.)
+
 Taken per call when nothing needs the general path: a plain ``nn.Embedding`` without
-``padding_idx``, ``max_norm``, ``scale_grad_by_freq`` or ``sparse``, its weight still
+``max_norm``, ``scale_grad_by_freq`` or ``sparse``, its weight still
 ``Shard(0)`` on the style's mesh, the tokens a plain integer tensor read as replicated (or
 a replicated DTensor on that mesh), the output wanted replicated or sharded on a token
 dim, not under ``torch.compile``. These facts are shared by all ranks.
@@ -39,11 +44,12 @@ _VOCAB = (Shard(0),)
 
 class _VocabParallelEmbedding(torch.autograd.Function):
     """y = reduce(lookup of the tokens in rows [start, start + n), zeros elsewhere) over the
-    mesh: all-reduce, or the reduce-scatter of ``route``; a DTensor of ``out_spec`` or local."""
+    mesh: all-reduce, or the reduce-scatter of ``route``; a DTensor of ``out_spec`` or local.
+    ``padding``: the local row of the module's ``padding_idx`` (no gradient), or -1."""
 
     @staticmethod
     def forward(ctx, tokens: torch.Tensor, weight: DTensor, start: int, comm, route: Route | None,
-                out_spec: DTensorSpec | None):
+                out_spec: DTensorSpec | None, padding: int = -1):
         w = weight._local_tensor
         rows = w.shape[0]
         outside = (tokens < start) | (tokens >= start + rows)
@@ -52,7 +58,7 @@ class _VocabParallelEmbedding(torch.autograd.Function):
             y = F.embedding(rel, w).masked_fill_(outside.unsqueeze(-1), 0)
         else:
             y = w.new_zeros((*tokens.shape, w.shape[1]))
-        ctx.out_spec, ctx.weight = out_spec, weight
+        ctx.out_spec, ctx.weight, ctx.padding = out_spec, weight, padding
         ctx.save_for_backward(rel, outside)
         y = reduce_partial(ctx, y, comm, route)
         return wrap_output(y, out_spec)
@@ -66,9 +72,10 @@ class _VocabParallelEmbedding(torch.autograd.Function):
             gy = gather_reduced_grad(ctx, gy)
             weight = ctx.weight
             gy = gy.masked_fill(outside.unsqueeze(-1), 0)
-            local = torch.ops.aten.embedding_dense_backward(gy, rel, weight._local_tensor.shape[0], -1, False)
+            local = torch.ops.aten.embedding_dense_backward(gy, rel, weight._local_tensor.shape[0], ctx.padding,
+                                                            False)
             gw = DTensor(local.to(weight.dtype), weight._spec)
-        return None, gw, None, None, None, None
+        return None, gw, None, None, None, None, None
 
 
 _vocab_parallel_embedding = direct_apply(_VocabParallelEmbedding)
@@ -101,9 +108,13 @@ class LocalEmbeddingForward:
             return self.prepare_output(self.module, nn.Embedding.forward(self.module, *inputs, **kwargs), self.mesh)
         start, reduce_route, out_spec = route
         tokens = x._local_tensor if isinstance(x, DTensor) else x
-        y = _vocab_parallel_embedding(tokens, self.module.weight, start, self.comm, reduce_route,
-                                      None if self.local_out else out_spec)
-        return y
+        weight, padding = self.module.weight, self.module.padding_idx
+        if padding is not None:  # nn.Embedding keeps it non-negative
+            padding -= start
+            if not 0 <= padding < weight._local_tensor.shape[0]:
+                padding = -1  # another rank's row
+        return _vocab_parallel_embedding(tokens, weight, start, self.comm, reduce_route,
+                                         None if self.local_out else out_spec, -1 if padding is None else padding)
 
     def _route(self, x: Any) -> tuple | None:
         """(first row, reduce-scatter route or None for an all-reduce, out spec) when this call
@@ -116,8 +127,8 @@ class LocalEmbeddingForward:
         if x.dtype not in (torch.int64, torch.int32) or torch.compiler.is_compiling():
             return None
         module, weight = self.module, self.module.weight
-        if not isinstance(weight, DTensor) or module.padding_idx is not None or module.max_norm is not None \
-                or module.scale_grad_by_freq or module.sparse:
+        if not isinstance(weight, DTensor) or module.max_norm is not None or module.scale_grad_by_freq \
+                or module.sparse:
             return None
         start = self.starts.get(weight._spec, False)
         if start is False:
