@@ -37,9 +37,13 @@ from mpidtensor.parallel import (
 
 VOCAB, SEQ, BATCH, HEADS = 128, 8, 12, 12  # BATCH divides by 1-4: each data-parallel rank gets an equal shard
 STEPS, LR = 3, 1e-2
-# AdamW moves a weight by about LR * m / sqrt(v): for a gradient entry near zero the
-# rounding of sharded sums shifts that ratio, so parameters agree to a fraction of LR;
-# the first gradients, compared directly, pin the scale AdamW's update would hide.
+# AdamW moves a weight by about LR * m / (sqrt(v) + eps): for a gradient entry near zero the
+# rounding of sharded sums shifts that ratio, so parameters agree to a fraction of LR. With
+# torch's eps of 1e-8, an entry of -1.7e-8 in one process (Qwen3's embedding has one) that
+# rounds to -5e-10 in a parallel run moves the weight by 0.62 LR there and by 0.05 LR here;
+# an eps of 1e-6 keeps such differences below PARAM_ATOL. The first gradients, compared directly, pin the
+# scale AdamW's update would hide.
+ADAM_EPS = 1e-6
 PARAM_ATOL, GRAD_ATOL = 1e-3, 1e-6
 
 # --- Hugging Face plan strings -> mpidtensor styles ------------------------------------------------
@@ -62,6 +66,11 @@ _HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
     # norms on a sequence-sharded input, local output
     "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
+    # a norm on this rank's heads (Qwen3's q_norm / k_norm): its input is a local block whose
+    # rows it normalizes each on its own; SequenceParallel on a dim it does not normalize (the
+    # batch dim) keeps its weight Replicate and sums the weight's gradient over the mesh, as
+    # transformers' hook all-reduces it
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=0, use_local_output=True),
     # a module whose output is partial: all-reduced
     "all_reduce": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
     "gather": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
@@ -136,7 +145,7 @@ def train(model: nn.Module, batches: list, dp_rank: int = 0, dp_size: int = 1,
     """AdamW steps, one per batch, on this rank's data-parallel shard of each: the losses
     (averaged over ``dp_comm``; data-parallel ranks see equal shards) and the first
     step's gradients (whole: AdamW's update hides a gradient's scale)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
     losses, grads = [], None
     for batch in batches:
         loss = loss_of(model, *shard(batch, dp_rank, dp_size))
@@ -154,7 +163,7 @@ def train_reference(model: nn.Module, batches: list,
     """One process doing what ``dp_size`` data-parallel ranks do together: each step's loss is
     the mean of the losses of the ``dp_size`` shards, each computed alone (so BatchNorm sees
     the statistics of one shard, as it does on each rank)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
     losses, grads = [], None
     for batch in batches:
         loss = sum(loss_of(model, *shard(batch, r, dp_size)) for r in range(dp_size)) / dp_size
@@ -245,10 +254,10 @@ def _decoder_tp(model: nn.Module, mesh: DeviceMesh) -> None:
     parallelize_module(model, mesh, hf_plan(model.tp_plan))
 
 
-def _decoder_sp(model: nn.Module, mesh: DeviceMesh) -> None:
+def _decoder_sp(model: nn.Module, mesh: DeviceMesh, extra: dict[str, ParallelStyle] | None = None) -> None:
     """Llama / Qwen2 with sequence parallelism (torchtitan's plan): the residual stream is a
     DTensor sharded on the sequence; norms run on sequence shards; each attention / MLP
-    gathers its input once and reduce-scatters its output."""
+    gathers its input once and reduce-scatters its output. ``extra``: more of the plan."""
     seq = Shard(1)
     plan = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False),
@@ -265,7 +274,14 @@ def _decoder_sp(model: nn.Module, mesh: DeviceMesh) -> None:
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
     }
-    parallelize_module(model, mesh, plan)
+    parallelize_module(model, mesh, plan | (extra or {}))
+
+
+def _qwen3_sp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Qwen3: the decoder plan, with the per-head q_norm / k_norm on this rank's heads (their
+    weight gradients summed over the mesh, as its own plan's ``replicated_with_grad_allreduce``)."""
+    _decoder_sp(model, mesh, {"model.layers.*.self_attn.[qk]_norm": SequenceParallel(sequence_dim=0,
+                                                                                   use_local_output=True)})
 
 
 def _conv1d_parallel(module: nn.Module, mesh: DeviceMesh, colwise: list[str], rowwise: list[str],
@@ -452,6 +468,10 @@ ZOO: dict[str, Zoo] = {
         # a pad token: the vocabulary-parallel embedding has a padding_idx (row 0, on rank 0)
         Zoo("qwen2", _decoder_config("Qwen2Config", pad_token_id=0), lambda: transformers.Qwen2ForCausalLM, _tokens,
             lambda m: list(m.model.layers), _decoder_tp, _decoder_sp),
+        # per-head q_norm / k_norm between the column and row Linears (its plan's
+        # replicated_with_grad_allreduce)
+        Zoo("qwen3", _decoder_config("Qwen3Config"), lambda: transformers.Qwen3ForCausalLM, _tokens,
+            lambda m: list(m.model.layers), _decoder_tp, _qwen3_sp),
         Zoo("gpt2", lambda: transformers.GPT2Config(
                 vocab_size=VOCAB, n_positions=4 * SEQ, n_embd=48, n_layer=2, n_head=HEADS, resid_pdrop=0.0,
                 embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1),
