@@ -41,8 +41,8 @@ STEPS, LR = 3, 1e-2
 # rounding of sharded sums shifts that ratio, so parameters agree to a fraction of LR. With
 # torch's eps of 1e-8, an entry of -1.7e-8 in one process (Qwen3's embedding has one) that
 # rounds to -5e-10 in a parallel run moves the weight by 0.62 LR there and by 0.05 LR here;
-# an eps of 1e-6 keeps such differences below PARAM_ATOL. The first gradients, compared directly, pin the
-# scale AdamW's update would hide.
+# an eps of 1e-6 keeps such differences below PARAM_ATOL. The first gradients, compared
+# directly, pin the scale AdamW's update would hide.
 ADAM_EPS = 1e-6
 PARAM_ATOL, GRAD_ATOL = 1e-3, 1e-6
 
@@ -280,8 +280,7 @@ def _decoder_sp(model: nn.Module, mesh: DeviceMesh, extra: dict[str, ParallelSty
 def _qwen3_sp(model: nn.Module, mesh: DeviceMesh) -> None:
     """Qwen3: the decoder plan, with the per-head q_norm / k_norm on this rank's heads (their
     weight gradients summed over the mesh, as its own plan's ``replicated_with_grad_allreduce``)."""
-    _decoder_sp(model, mesh, {"model.layers.*.self_attn.[qk]_norm": SequenceParallel(sequence_dim=0,
-                                                                                   use_local_output=True)})
+    _decoder_sp(model, mesh, {"model.layers.*.self_attn.[qk]_norm": _HF_STYLES["replicated_with_grad_allreduce"]()})
 
 
 def _conv1d_parallel(module: nn.Module, mesh: DeviceMesh, colwise: list[str], rowwise: list[str],
