@@ -579,6 +579,8 @@ def _from_rank_order(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -
     outer, inner, n = prod(shape[:dim]), prod(shape[dim + 1:]), len(sizes)
     if outer == 1:  # received pieces are contiguous runs of the result
         return lambda flat: flat.view(shape)
+    if len(set(sizes)) > 1:  # the strided copy below would misplace them
+        raise ValueError(f"packed all-to-all: uneven pieces {sizes} along dim {dim} of {shape} take Alltoallw")
     packed, blocks = (n, outer, sizes[0], inner), (outer, n, sizes[0], inner)
 
     def strided(flat: torch.Tensor) -> torch.Tensor:
