@@ -82,15 +82,19 @@ def test_gradient_in_another_layout(tp_mesh):
     compare(ref, model, model(tokens()), None, downstream="sum")
 
 
+@pytest.mark.parametrize("padding", [None, 2])
 @pytest.mark.parametrize("output", [Shard(1), Replicate()])
-def test_vocabulary_and_sequence_smaller_than_the_mesh(tp_mesh, output):
+def test_vocabulary_and_sequence_smaller_than_the_mesh(tp_mesh, output, padding):
     """3 rows and 1 position over up to 4 ranks: a rank may hold no row (its lookup is all
-    zeros, its gradient block empty) and no position of a sequence-sharded output."""
-    ref = embedding(vocab=3)
+    zeros, its gradient block empty) and no position of a sequence-sharded output; with the
+    last row as padding, the ranks without it (one of them empty) pass none."""
+    ref = embedding(vocab=3, padding_idx=padding)
     model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
         input_layouts=Replicate(), output_layouts=output, use_local_output=False))
     assert_all_ranks(isinstance(model.forward, LocalEmbeddingForward))
     ids = tokens(vocab=3, length=1)
+    if padding is not None:
+        ids[0] = padding  # one sequence on the padding row, the other as drawn
     compare(ref, model, model(ids), None, ids=ids)
 
 
