@@ -49,6 +49,24 @@ BAD_PLANS = {
 }
 
 
+class Linear(nn.Module):
+    """A wrapper named like the module it wraps (as peft's LoRA ``Linear`` is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base_layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.base_layer(x)
+
+
+def test_look_alike_module_named_with_its_origin(mesh1d):
+    """The refusal names where the class comes from: "got Linear" alone reads as nonsense."""
+    model = nn.Sequential(Linear())
+    raises_everywhere(TypeError, lambda: parallelize_module(model, mesh1d, {"0": ColwiseParallel()}),
+                      f"got Linear (from {__name__})")
+
+
 @pytest.mark.parametrize("case", sorted(BAD_PLANS))
 def test_bad_plan_changes_nothing(mesh1d, case):
     plan, exc, match = BAD_PLANS[case]

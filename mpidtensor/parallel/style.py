@@ -146,7 +146,8 @@ class _MatmulStyle(ParallelStyle):
     def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         if not isinstance(module, self._supported):
             raise TypeError(
-                f"{type(self).__name__} supports nn.Linear and nn.Embedding, got {type(module).__name__}"
+                f"{type(self).__name__} supports nn.Linear and nn.Embedding, got {type(module).__name__} "
+                f"(from {type(module).__module__})"  # a wrapper may share the name (peft's LoRA Linear)
             )
         require_1d_mesh(self, device_mesh)
         require_plain_parameters(self, module)
