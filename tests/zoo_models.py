@@ -132,9 +132,12 @@ def shard(batch: tuple[dict, torch.Tensor], index: int, count: int) -> tuple[dic
 
 
 def _gradients(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, whole (``full_tensor``: a collective over its mesh)."""
+    """Every trained parameter's gradient, whole (``full_tensor``: a collective over its mesh);
+    frozen ones (a LoRA model's base weights) have none."""
     grads = {}
     for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
         grad = param.grad
         grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
     return grads
