@@ -17,6 +17,18 @@ def test_1d_mesh(mesh1d):
     assert mesh1d.get_group().size == WORLD.size
 
 
+def test_group_answers_mpi4py_and_torch(mesh1d):
+    """``get_group()`` is the mesh's communicator for mpi4py code and a ProcessGroup for torch
+    code: ``size`` / ``rank`` read as attributes and called (torchao's NF4 FSDP hook calls
+    ``mesh.get_group().size()``), and every MPI call works on it."""
+    group = mesh1d.get_group()
+    assert isinstance(group, MPI.Cartcomm) and group is mesh1d.get_group()
+    assert group.size == group.size() == WORLD.size and group.rank == group.rank() == WORLD.rank
+    assert isinstance(group.size(), int) and type(group.size()) is int
+    assert group.allreduce(1) == WORLD.size
+    assert mesh1d.get_all_groups() == [group]
+
+
 def test_2d_mesh_coordinates_and_slices(mesh2d):
     rank = WORLD.rank
     row, col = divmod(rank, 2)

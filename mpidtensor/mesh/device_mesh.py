@@ -21,6 +21,30 @@ from .launch import check_launch_once
 DEVICE_TYPES = ("cpu", "cuda")
 
 
+class _Count(int):
+    """An int that may also be called, so that ``comm.size`` (mpi4py) and ``group.size()``
+    (torch's ``ProcessGroup``) both read it."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
+class ProcessGroup(MPI.Cartcomm):
+    """A mesh communicator as ``DeviceMesh.get_group`` hands it out: the same MPI handle as a
+    ``Cartcomm`` (every mpi4py call works on it), whose ``size`` and ``rank`` may also be
+    called as torch code calls a ``ProcessGroup``'s (torchao's NF4 weight asks
+    ``mesh.get_group().size()`` in its FSDP all-gather hook). It does not own the handle:
+    the mesh frees it."""
+
+    @property
+    def size(self) -> _Count:
+        return _Count(self.Get_size())
+
+    @property
+    def rank(self) -> _Count:
+        return _Count(self.Get_rank())
+
+
 class DeviceMesh:
     """An n-D arrangement of MPI ranks; mirrors ``torch.distributed.device_mesh.DeviceMesh``.
 
@@ -75,6 +99,7 @@ class DeviceMesh:
         self._flattened_from: DeviceMesh | None = None  # the mesh _flatten() made this one of
         self._merged_groups: tuple[tuple[int, ...], ...] | None = None  # _merged(): source dims per dim
         self._subcomms: dict[tuple[int, ...], MPI.Cartcomm] = {}
+        self._groups: dict[tuple[int, ...], ProcessGroup] = {}  # get_group's views of _subcomms
         self._submeshes: dict[tuple[int, ...], DeviceMesh] = {}
         self._key = (device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names)
         self._hash = hash(self._key)
@@ -109,16 +134,24 @@ class DeviceMesh:
         self._require_member()
         return self._coord[self._dim_index(mesh_dim)]
 
-    def get_group(self, mesh_dim: int | str | None = None) -> MPI.Cartcomm:
-        """The MPI communicator of one mesh dimension (of the whole mesh if 1-D and no dim given)."""
+    def get_group(self, mesh_dim: int | str | None = None) -> "ProcessGroup":
+        """The MPI communicator of one mesh dimension (of the whole mesh if 1-D and no dim
+        given), as a :class:`ProcessGroup`: mpi4py's ``Cartcomm`` that also answers torch's
+        ``group.size()`` / ``group.rank()``."""
         if mesh_dim is None:
             if self.ndim != 1:
                 raise ValueError("get_group() needs a mesh_dim on a mesh of more than one dimension")
             mesh_dim = 0
-        return self.comm_for((self._dim_index(mesh_dim),))
+        return self._group((self._dim_index(mesh_dim),))
 
-    def get_all_groups(self) -> list[MPI.Cartcomm]:
-        return [self.comm_for((d,)) for d in range(self.ndim)]
+    def get_all_groups(self) -> list["ProcessGroup"]:
+        return [self._group((d,)) for d in range(self.ndim)]
+
+    def _group(self, dims: tuple[int, ...]) -> "ProcessGroup":
+        group = self._groups.get(dims)
+        if group is None:
+            group = self._groups[dims] = ProcessGroup(self.comm_for(dims))
+        return group
 
     def __getitem__(self, names: str | Sequence[str]) -> "DeviceMesh":
         """The sub-mesh over the named dimensions that contains this rank."""
@@ -188,6 +221,7 @@ class DeviceMesh:
         for comm in self._subcomms.values():
             comm.Free()
         self._subcomms.clear()
+        self._groups.clear()
         self._submeshes.clear()
         if self._cart is not None and self._cart != MPI.COMM_NULL:
             self._cart.Free()
