@@ -6,7 +6,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor
+from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor, raises_everywhere
 from mpidtensor.debug import CommDebugMode
 from mpidtensor.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -38,20 +38,33 @@ class Int8Weight(torch.Tensor):
     def __tensor_flatten__(self):
         return ["qdata", "scale"], None
 
-    @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Int8Weight(inner["qdata"], inner["scale"])
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        return cls(inner["qdata"], inner["scale"])
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (aten.detach.default, aten.alias.default, aten.clone.default):
-            return Int8Weight(func(args[0].qdata), func(args[0].scale))
-        if func is aten.slice.Tensor:  # rows only: what sharding needs
+            return cls(func(args[0].qdata), func(args[0].scale))
+        if func is aten.slice.Tensor:  # rows only
             self, dim, *rest = args
             if dim != 0:
                 raise NotImplementedError("Int8Weight slices rows only")
-            return Int8Weight(func(self.qdata, 0, *rest), func(self.scale, 0, *rest))
+            return cls(func(self.qdata, 0, *rest), func(self.scale, 0, *rest))
+        # what FSDP2 shards with (torch.chunk, then new_zeros and copy_ into a tensor of its own)
+        if func is aten.split.Tensor:
+            self, size, *dim = args
+            if dim and dim[0] != 0:
+                raise NotImplementedError("Int8Weight splits rows only")
+            return [cls(q, s) for q, s in zip(func(self.qdata, size), func(self.scale, size))]
+        if func is aten.new_zeros.default:
+            rows = args[1][0]
+            return cls(args[0].qdata.new_zeros(args[1]), args[0].scale.new_zeros((rows, 1)))
+        if func is aten.copy_.default and isinstance(args[1], Int8Weight):
+            args[0].qdata.copy_(args[1].qdata)
+            args[0].scale.copy_(args[1].scale)
+            return args[0]
         args, kwargs = tree_map_only(Int8Weight, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
 
@@ -69,13 +82,24 @@ class Int8Weight(torch.Tensor):
         return weight, (weight,)
 
 
+class FlatInt8Weight(Int8Weight):
+    """Int8Weight gathered as flat data with no row dim (as torchao's NF4 weight is), which
+    FSDP2 takes for evenly sharded parameters only."""
+
+    def fsdp_pre_all_gather(self, mesh):
+        return (self.qdata.flatten(), self.scale.flatten()), self.qdata.shape[1]
+
+    def fsdp_post_all_gather(self, outputs, cols, param_dtype, *, out=None):
+        qdata, scale = outputs
+        return super().fsdp_post_all_gather((qdata.view(-1, cols), scale.view(-1, 1)), None, param_dtype, out=out)
+
+
 class QuantNet(nn.Module):
-    def __init__(self, quantized: bool) -> None:
+    def __init__(self, quantized: bool, dims=((48, 32), (40, 48), (3, 40)), weight=Int8Weight) -> None:
         super().__init__()
-        dims = [(48, 32), (40, 48), (3, 40)]
         self.layers = nn.ModuleList(nn.Linear(i, o) for o, i in dims)
         for k, layer in enumerate(self.layers):
-            w = Int8Weight.quantize(global_tensor(layer.weight.shape, seed=20 + k) * 0.3)
+            w = weight.quantize(global_tensor(layer.weight.shape, seed=20 + k) * 0.3)
             layer.weight = nn.Parameter(w if quantized else w.dequantize(), requires_grad=False)
             layer.bias = nn.Parameter(global_tensor(layer.bias.shape, seed=30 + k) * 0.1)
 
@@ -103,12 +127,20 @@ def _shard(net, mesh):
     return fully_shard(net, mesh=mesh)
 
 
-def test_int8_all_gather_matches_dequantized(mesh1d):
+# rows that split evenly over 1-4 ranks, for inputs with no row dim
+EVEN_DIMS = ((48, 32), (24, 48), (12, 24))
+
+
+@pytest.mark.parametrize("weight, dims", [(Int8Weight, ((48, 32), (40, 48), (3, 40))), (FlatInt8Weight, EVEN_DIMS)],
+                         ids=["rows", "flat"])
+def test_int8_all_gather_matches_dequantized(mesh1d, weight, dims):
+    """Inputs with the shard's rows on dim 0 (uneven shards padded), or flat ones of even shards."""
     per = 2
     x = global_tensor((per * WORLD.size, 32), seed=1)
-    target = torch.randint(0, 3, (per * WORLD.size,), generator=torch.Generator().manual_seed(2))
+    classes = dims[-1][0]
+    target = torch.randint(0, classes, (per * WORLD.size,), generator=torch.Generator().manual_seed(2))
     rows = slice(WORLD.rank * per, (WORLD.rank + 1) * per)
-    ref = QuantNet(quantized=False)
+    ref = QuantNet(quantized=False, dims=dims, weight=weight)
     ref_out = ref(x[rows]).detach()
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.02)
     ref_losses = []
@@ -119,8 +151,8 @@ def test_int8_all_gather_matches_dequantized(mesh1d):
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
 
-    quant = _shard(QuantNet(quantized=True), mesh1d)
-    plain = _shard(QuantNet(quantized=False), mesh1d)
+    quant = _shard(QuantNet(quantized=True, dims=dims, weight=weight), mesh1d)
+    plain = _shard(QuantNet(quantized=False, dims=dims, weight=weight), mesh1d)
     with CommDebugMode() as q_comm:
         q_out = quant(x[rows])
     with CommDebugMode() as p_comm:
@@ -137,7 +169,45 @@ def test_int8_all_gather_matches_dequantized(mesh1d):
             assert_close(full, r.detach(), atol=1e-5, rtol=1e-5)
         else:
             local = p._local_tensor  # to_local() would make a (dequantizing) view
-            assert_all_ranks(isinstance(local, Int8Weight) and local.qdata.dtype == torch.int8, name)
+            assert_all_ranks(type(local) is weight and local.qdata.dtype == torch.int8, name)
+
+
+def test_flat_inputs_of_uneven_shards_refused_on_every_rank(mesh1d):
+    """5 rows over 2-4 ranks: flat inputs cannot say where a shard's padding goes (torch's
+    FSDP2 refuses them too); the first forward raises on every rank, no rank waits."""
+    if WORLD.size == 1:
+        pytest.skip("one rank shards evenly")
+    net = _shard(QuantNet(quantized=True, dims=((5, 8),), weight=FlatInt8Weight), mesh1d)
+    raises_everywhere(ValueError, lambda: net(global_tensor((2, 8), seed=1)), "differ across ranks")
+
+
+class FailsOnLastRank(FlatInt8Weight):
+    """A subclass whose own code fails on the last rank only: at ``copy_`` (while
+    ``fully_shard`` shards it) or in ``fsdp_pre_all_gather`` (the first forward)."""
+
+    fail_in = ""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if cls.fail_in == "copy_" and func is aten.copy_.default and WORLD.rank == WORLD.size - 1:
+            raise RuntimeError("copy_ failed on the last rank")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def fsdp_pre_all_gather(self, mesh):
+        if type(self).fail_in == "pre_all_gather" and WORLD.rank == WORLD.size - 1:
+            raise RuntimeError("pre_all_gather failed on the last rank")
+        return super().fsdp_pre_all_gather(mesh)
+
+
+@pytest.mark.parametrize("fail_in", ["copy_", "pre_all_gather"])
+def test_subclass_failing_on_one_rank_raises_on_every_rank(mesh1d, fail_in, monkeypatch):
+    monkeypatch.setattr(FailsOnLastRank, "fail_in", fail_in)
+    net = QuantNet(quantized=True, dims=EVEN_DIMS, weight=FailsOnLastRank)
+    if fail_in == "copy_":
+        raises_everywhere(RuntimeError, lambda: _shard(net, mesh1d), "failed on the last rank")
+        return
+    net = _shard(net, mesh1d)
+    raises_everywhere(RuntimeError, lambda: net(global_tensor((2, 32), seed=1)), "failed on the last rank")
 
 
 # --- a trainable subclass gathered as two tensors of other dtypes ---------------------------------
@@ -199,6 +269,17 @@ class QWeight(torch.Tensor):
             if args[1] != 0:
                 raise NotImplementedError("QWeight slices rows only")
             return self._rewrap(func(self.qdata, *args[1:]), func(self.scale, *args[1:]))
+        # what FSDP2 shards with (torch.chunk, then new_zeros and copy_ into a tensor of its own)
+        if func is aten.split.Tensor:
+            if args[2:] and args[2] != 0:
+                raise NotImplementedError("QWeight splits rows only")
+            return [self._rewrap(q, s) for q, s in zip(func(self.qdata, args[1]), func(self.scale, args[1]))]
+        if func is aten.new_zeros.default:
+            return self._rewrap(self.qdata.new_zeros(args[1]), self.scale.new_zeros((args[1][0], 1)))
+        if func is aten.copy_.default and isinstance(args[1], QWeight):
+            self.qdata.copy_(args[1].qdata)
+            self.scale.copy_(args[1].scale)
+            return self
         plain_args, plain_kwargs = tree_map_only(QWeight, lambda t: t.dequantize(), (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
         if func._schema.is_mutable and isinstance(self, QWeight):  # an optimizer update

@@ -29,6 +29,8 @@ from mpidtensor.fsdp import MixedPrecisionPolicy, fully_shard
 
 torchao_quant = pytest.importorskip("torchao.quantization")
 qt = pytest.importorskip("torchao.prototype.quantized_training")
+from torchao.quantization import to_nf4  # noqa: E402
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 STEPS = 3
@@ -150,3 +152,82 @@ def test_bitnet_training_matches_one_process():
 
 def test_int8_mixed_precision_training_matches_one_process():
     _compare(qt.int8_mixed_precision_training)
+
+
+# --- QLoRA: frozen NF4 base weights, trained LoRA adapters (torchtune's recipe) ------------------
+NF4_DIM = 768  # rows split into whole NF4 scaler blocks (64 x 256 values) over 1-4 ranks
+LORA_RANK = 8
+
+
+class QLoRALinear(nn.Module):
+    """A frozen NF4 weight plus a trained low-rank adapter, as torchtune's ``LoRALinear``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(to_nf4(weight), requires_grad=False)
+        self.lora_a = nn.Parameter(torch.randn(LORA_RANK, weight.shape[1]) / weight.shape[1] ** 0.5)
+        self.lora_b = nn.Parameter(torch.randn(weight.shape[0], LORA_RANK) * 0.01)
+
+    def forward(self, x):
+        return linear_nf4(x, self.weight) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class QLoRABlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(NF4_DIM)
+        self.up = QLoRALinear(torch.randn(NF4_DIM, NF4_DIM) / NF4_DIM ** 0.5)
+        self.down = QLoRALinear(torch.randn(NF4_DIM, NF4_DIM) / NF4_DIM ** 0.5)
+        self.norm.weight.requires_grad_(False)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.up(self.norm(x))))
+
+
+def _qlora_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(QLoRABlock(), QLoRABlock())
+
+
+def _qlora_train(net, x, *, over_world: bool):
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR)
+    losses, grads0 = [], None
+    for step in range(STEPS):
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        if step == 0:
+            grads0 = {n: p.grad.full_tensor() if over_world else p.grad.clone()
+                      for n, p in net.named_parameters() if p.requires_grad}
+        opt.step()
+        opt.zero_grad()
+        losses.append(WORLD.allreduce(loss.item()) / WORLD.size if over_world else loss.item())
+    return torch.tensor(losses), grads0
+
+
+def test_qlora_nf4_training_matches_one_process():
+    """torchao's NF4 weights gather as flat quantized data through their FSDP hooks (which
+    ask ``mesh.get_group().size()``), are sharded with ``split`` / ``new_zeros`` / ``copy_``
+    as torch's FSDP2 shards them (NF4's ``clone`` re-quantizes), and stay frozen; the
+    adapters train like one process's."""
+    x = global_tensor((PER_RANK * WORLD.size, 3, NF4_DIM), seed=7)
+    ref = _qlora_model()
+    ref_losses, ref_grads = _qlora_train(ref, x, over_world=False)
+    net = _qlora_model()
+    for block in net:
+        fully_shard(block)
+    fully_shard(net)
+    rows = slice(WORLD.rank * PER_RANK, (WORLD.rank + 1) * PER_RANK)
+    losses, grads = _qlora_train(net, x[rows], over_world=True)
+    assert_close(losses, ref_losses, atol=1e-5, rtol=1e-5)
+    for name, g in grads.items():
+        assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-4)
+    for (name, p), r in zip(net.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            assert_close(p.full_tensor(), r.detach(), atol=1e-5, rtol=1e-5)
+        else:
+            local = p._local_tensor
+            assert_all_ranks(type(local) is type(r.detach()), f"{name}: {type(local).__name__}")
+    base = net[0].up.weight._local_tensor
+    nf4 = ref[0].up.weight
+    part = slice(WORLD.rank * base.quantized_data.numel(), (WORLD.rank + 1) * base.quantized_data.numel())
+    assert_all_ranks(torch.equal(base.quantized_data, nf4.quantized_data[part]), "the NF4 shard is not the weight's")

@@ -13,18 +13,10 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
+from ..mesh.agreement import attempt, raise_agreed, raise_first
 from . import format as fmt
 
 __all__ = ["attempt", "raise_if", "raise_found", "raise_first", "raise_agreed", "on_rank0", "commit_on_rank0", "remove_stale"]
-
-
-def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
-    """``(fn(*args), None)``, or ``(None, error)`` when it raises: the error kept for the
-    ranks to agree on before they raise it."""
-    try:
-        return fn(*args), None
-    except Exception as err:  # noqa: BLE001  (raised on every rank by the caller's agreement)
-        return None, err
 
 
 def raise_if(errors: list[str], cls: type = fmt.CheckpointError) -> None:
@@ -37,18 +29,6 @@ def raise_found(comm: MPI.Intracomm, errors: list[str]) -> None:
     """Raise on every rank one ``CheckpointError`` naming every distinct problem that any
     rank found (one ``allgather`` of each rank's ``errors``)."""
     raise_if([msg for rank_errors in comm.allgather(errors) for msg in rank_errors])
-
-
-def raise_first(errors: list[BaseException | None]) -> None:
-    """Raise the first error of ``errors`` (a list every rank holds alike), if any."""
-    error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise error
-
-
-def raise_agreed(comm: MPI.Intracomm, error: BaseException | None) -> None:
-    """Raise on every rank the first error any rank met (one ``allgather``)."""
-    raise_first(comm.allgather(error))
 
 
 def on_rank0(comm: MPI.Intracomm, fn: Callable[..., Any], *args: Any) -> Any:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
+from ..mesh.agreement import attempt, raise_agreed
 from ..mesh.device_mesh import joint_mesh
 from ..placements import Shard
 from .comms import check_comm
@@ -235,7 +236,12 @@ def fully_shard(
     _check_not_tied_across_groups(managed)
     dims = [_shard_dim(param, shard_placement_fn) for _, param in managed]
     info = MeshInfo(mesh)
-    params = [FSDPParam(users, param, info, mp_policy, dim) for (users, param), dim in zip(managed, dims)]
+    params, error = attempt(lambda: [FSDPParam(users, param, info, mp_policy, dim)
+                                     for (users, param), dim in zip(managed, dims)])
+    if any(hasattr(_data(param), "fsdp_pre_all_gather") for _, param in managed):
+        raise_agreed(mesh.comm, error)  # a subclass's own split / copy may fail on some ranks only
+    elif error is not None:
+        raise error
     group = ParamGroup(params, info, mp_policy, reshard_after_forward, offload_policy) if params else None
     for _, param in managed:
         _REPLACED[id(param)] = weakref.ref(param, lambda _, key=id(param): _REPLACED.pop(key, None))
@@ -346,7 +352,7 @@ def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] |
                 f"dim {dim} ({list(param.placements)}): that would need a strided-shard placement mpidtensor "
                 f"does not have; pick a dim TP leaves whole (or None for the default)"
             )
-    data = param._local_tensor if isinstance(param, DTensor) else param
+    data = _data(param)
     extension = hasattr(data, "fsdp_pre_all_gather")
     if extension != hasattr(data, "fsdp_post_all_gather"):
         raise TypeError(f"a {type(data).__name__} parameter defines only one of fsdp_pre_all_gather and "
@@ -357,6 +363,11 @@ def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] |
     if extension and dim != 0:
         raise ValueError(f"a parameter with fsdp_pre_all_gather can only be sharded on dim 0, not {dim}")
     return dim
+
+
+def _data(param: nn.Parameter) -> torch.Tensor:
+    """What FSDP shards: the parameter, or its TP block."""
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def _check_tp(params: list, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:

@@ -81,7 +81,6 @@ class FSDPParam:
         self.shape = data.shape  # what FSDP shards: the whole tensor, or the local TP block
         self.dim = dim
         self.replicated = dim is None
-        self.rest = tuple(self.shape[1:])  # trailing shape of an extension's dim-0 pieces
         self.orig_dtype = data.dtype
         self.param_dtype = mp.param_dtype or self.orig_dtype
         d = 0 if dim is None else dim
@@ -100,9 +99,10 @@ class FSDPParam:
         self.extension = hasattr(data, "fsdp_pre_all_gather")
         mesh, placements = info.spec_for(self.tp_spec, dim)
         self.spec = DTensorSpec(mesh, placements, param.shape, contiguous_strides(param.shape), param.dtype)
-        self.initial_local = data.detach().narrow(d, self.offset_rows, self.local_rows)
         if self.extension:  # the shard must own its rows, or every rank keeps the whole tensor alive
-            self.initial_local = _own_rows(self.initial_local)
+            self.initial_local = _own_rows(_chunk(data.detach(), info.shard_size, info.shard_rank))
+        else:
+            self.initial_local = data.detach().narrow(d, self.offset_rows, self.local_rows)
         self.replica_src: torch.Tensor | None = None  # the local block a replicated unsharded form aliases
         self.sharded: nn.Parameter | None = None  # set by the group (it owns the storage)
         self.unsharded: nn.Parameter | None = None
@@ -143,29 +143,50 @@ class FSDPParam:
 
     # --- all-gather extension (tensor subclasses with fsdp_pre/post_all_gather) -----------------
     def pre_all_gather(self, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> tuple[tuple[torch.Tensor, ...], object]:
-        """The subclass's all-gather inputs (each with this shard's rows on dim 0, or the
-        padded shard's rows as torch's FSDP2 asks of uneven shards) and its metadata."""
+        """The subclass's all-gather inputs and its metadata (``input_rows`` says which inputs fit)."""
         local = self.sharded._local_tensor
         if len(inspect.signature(local.fsdp_pre_all_gather).parameters) == 1:
             inputs, meta = local.fsdp_pre_all_gather(mesh)
         else:
             module = self.users[0][0]
             inputs, meta = local.fsdp_pre_all_gather(mesh, self.spec.shape, self.spec.stride, module, mp)
-        for t in inputs:
-            if t.ndim == 0 or t.size(0) not in (self.local_rows, self.pad_rows):
-                raise ValueError(f"fsdp_pre_all_gather inputs must have the shard's {self.local_rows} rows "
-                                 f"(or the padded {self.pad_rows}) on dim 0, got {tuple(t.shape)}")
         return tuple(inputs), meta
 
-    def gather_outputs(self, kinds: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[torch.Tensor, ...]:
-        """The persistent all-gather outputs (``rows`` x trailing shape, one per input kind),
+    def input_rows(self, shapes_of_ranks: list[list[tuple[int, ...]]]) -> list[tuple[int, int]]:
+        """Per all-gather input, (rows gathered on dim 0, rows per rank in the send buffer),
+        from every shard rank's input shapes (the same list on all ranks, so all raise alike).
+        As torch's FSDP2 takes them: an evenly sharded parameter's inputs may have any dim-0
+        size equal on all ranks (torchao's NF4 weight sends flat quantized data), gathered rank
+        after rank; an unevenly sharded one's must hold the shard's rows (or the padded count)
+        on dim 0, the padding dropped."""
+        name, world = self.users[0][1], len(shapes_of_ranks)
+        even = self.rows == self.pad_rows * world
+        out = []
+        for shapes in zip(*shapes_of_ranks):
+            if any(len(s) == 0 or s[1:] != shapes[0][1:] for s in shapes):
+                raise ValueError(f"fsdp_pre_all_gather inputs of {name!r} must have a dim 0 and the same trailing "
+                                 f"shape on every rank, got {list(shapes)}")
+            if even and len({s[0] for s in shapes}) == 1:
+                out.append((world * shapes[0][0], shapes[0][0]))
+                continue
+            fits = [s[0] in (chunk_span(self.rows, world, r)[1], self.pad_rows) for r, s in enumerate(shapes)]
+            if even or not all(fits):
+                raise ValueError(
+                    f"fsdp_pre_all_gather inputs of {name!r} differ across ranks ({list(shapes)}): an evenly "
+                    "sharded parameter's must have the same shape on every rank, an unevenly sharded one's "
+                    f"its shard's rows (or the padded {self.pad_rows}) on dim 0")
+            out.append((self.rows, self.pad_rows))
+        return out
+
+    def gather_outputs(self, kinds: list[tuple[torch.dtype, tuple[int, ...], torch.device]]) -> tuple[torch.Tensor, ...]:
+        """The persistent all-gather outputs (one per input kind: dtype, gathered shape, device),
         their storage (re)allocated after a reshard freed it, and the storage of the tensors
         the subclass built on them. They persist as torch's all-gather outputs do: a
         subclass may keep them as its unsharded data and ignore ``out=`` later (torchao's
         INT8 weight does), so every all-gather must refill these same tensors."""
         if not self.outputs:
-            self.outputs = tuple(accounting.track_buffer(torch.empty((self.rows, *rest), dtype=dtype, device=device))
-                                 for dtype, rest, device in kinds)
+            self.outputs = tuple(accounting.track_buffer(torch.empty(shape, dtype=dtype, device=device))
+                                 for dtype, shape, device in kinds)
         for t in (*self.outputs, *self.inner):
             if t.untyped_storage().nbytes() == 0:
                 t.untyped_storage().resize_(self._nbytes[id(t)])
@@ -196,11 +217,21 @@ class FSDPParam:
         self.unsharded, self.outputs, self.inner, self._nbytes = None, (), (), {}
 
 
+def _chunk(data: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's ``torch.chunk`` piece of dim 0 of a subclass parameter, cut as torch's
+    FSDP2 cuts it (``split``: torchao's NF4 weight slices from row 0 only); no rows past
+    the last chunk."""
+    pieces = torch.chunk(data, world, 0)
+    return pieces[rank] if rank < len(pieces) else data.new_zeros((0, *data.shape[1:]))
+
+
 def _own_rows(rows: torch.Tensor) -> torch.Tensor:
-    """A subclass parameter's shard as a clone (a view would keep the whole unsharded
-    tensor alive); the subclass's ``clone`` must return its own type."""
-    copy = rows.clone()
-    if type(copy) is not type(rows):
-        raise TypeError(f"{type(rows).__name__}.clone() returned a {type(copy).__name__}: FSDP keeps each rank's "
-                        "shard of a parameter with fsdp_pre_all_gather as a clone of its rows")
-    return copy
+    """A subclass parameter's shard in storage of its own (a view would keep the whole
+    unsharded tensor alive), made as torch's FSDP2 makes it: ``new_zeros`` then ``copy_``.
+    Not ``clone``: torchao's NF4 weight clones by quantizing its dequantized value again,
+    which changes it."""
+    own = rows.new_zeros(rows.shape)
+    if type(own) is not type(rows):
+        raise TypeError(f"{type(rows).__name__}.new_zeros() returned a {type(own).__name__}: FSDP keeps each rank's "
+                        "shard of a parameter with fsdp_pre_all_gather in a new tensor of its type")
+    return own.copy_(rows)

@@ -28,8 +28,10 @@ Buffers (all sizes from global shapes, so every rank agrees):
   Replicated parameters (TP-sharded on every dim) are left out of both buffers: their
   gradients are packed into one buffer and all-reduced over the data-parallel mesh.
 
-* all-gather extensions (``fsdp_pre_all_gather``): each input is padded to the shard's
-  padded rows in the send buffer; the gathered rows (padding dropped) are copied into
+* all-gather extensions (``fsdp_pre_all_gather``): each input is gathered along dim 0,
+  padded in the send buffer to the shard's padded rows when the parameter is unevenly
+  sharded (an evenly sharded one's inputs may have any dim-0 size, the same on all ranks,
+  as torchao's NF4 weight's flat data); the gathered rows (padding dropped) are copied into
   the parameter's *persistent* outputs, freed on reshard and refilled by every
   all-gather, because a subclass may build its unsharded tensor on them and ignore
   ``out=`` afterwards (torchao's INT8 weight does, as torch's FSDP2 allows).
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import functools
 from math import prod
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from mpi4py import MPI
@@ -54,6 +56,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..dtensor import DTensor
 from ..mesh import accounting
+from ..mesh.agreement import attempt, raise_first
 from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
 from ..mesh.pool import advise_huge_pages, tracked_empty
 from ..mesh.prepared import Prepared
@@ -67,6 +70,18 @@ ALIGN = 16  # bytes: every segment may be viewed as any dtype
 
 def _align(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+class Piece(NamedTuple):
+    """One tensor of a rank's all-gather input: a plain parameter's padded shard, or one of
+    an extension's ``fsdp_pre_all_gather`` inputs (gathered along dim 0)."""
+
+    dtype: torch.dtype
+    rest: tuple[int, ...] | None  # trailing shape (None: a plain parameter's shard)
+    offset: int  # byte offset in the input
+    nbytes: int  # padded and aligned
+    rows: int  # dim-0 size gathered (padding dropped)
+    pad: int  # dim-0 rows per rank in the input
 
 
 class ParamGroup:
@@ -123,7 +138,8 @@ class ParamGroup:
                 p.initial_local = None
         self.unsharded_flat: torch.Tensor | None = None
         self.is_unsharded = False
-        self._pieces: list[list[tuple[torch.dtype, tuple[int, ...], int, int]]] | None = None
+        self._pieces: list[list[Piece]] | None = None
+        self._input_kinds: dict[int, list[tuple[torch.dtype, tuple[int, ...]]]] = {}  # first extension inputs
         self._gather_nbytes = 0
         self._gather: Handle | None = None
         self._gather_placed = False  # the running all-gather writes into unsharded_flat itself
@@ -183,12 +199,11 @@ class ParamGroup:
             self._start_gather(kept, self.post_forward_comm)
             return
         self.sync()
-        inputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        for i, p in enumerate(self.gathered):
-            if p.extension:
-                inputs[i], self._meta[i] = p.pre_all_gather(self.info.mesh, self.mp)
-        if self._pieces is None:
-            self._make_layout(inputs)
+        inputs, error = attempt(self._pre_all_gather)
+        if self._pieces is None:  # the first gather: the subclasses' hooks ran alike on all ranks, or all raise
+            self._make_layout(inputs, error)
+        elif error is not None:
+            raise error
         if not self.gathered:
             self._gather = _NO_GATHER
             return
@@ -206,12 +221,12 @@ class ParamGroup:
             with torch.no_grad():
                 for i, p in enumerate(self.gathered):
                     if p.extension:
-                        self._check_inputs(p, inputs[i], self._pieces[i])
-                        for t, (dtype, rest, offset, _) in zip(inputs[i], self._pieces[i]):
-                            nbytes = t.numel() * dtype.itemsize
-                            send[offset:offset + nbytes].view(dtype).view(t.shape).copy_(t)
+                        self._check_inputs(i, p, inputs[i])
+                        for t, piece in zip(inputs[i], self._pieces[i]):
+                            nbytes = t.numel() * piece.dtype.itemsize
+                            send[piece.offset:piece.offset + nbytes].view(piece.dtype).view(t.shape).copy_(t)
                     else:
-                        offset, nbytes = self._pieces[i][0][2], p.local_numel * p.param_dtype.itemsize
+                        offset, nbytes = self._pieces[i][0].offset, p.local_numel * p.param_dtype.itemsize
                         send[offset:offset + nbytes].view(p.param_dtype).view(p.local_shape).copy_(p.sharded._local_tensor)
         self._start_gather(send, self.info.shard_comm)
 
@@ -241,18 +256,31 @@ class ParamGroup:
         out = comms.allocate(self.custom_all_gather, (nbytes,), torch.uint8, self.device, reusable=True)
         self._gather = comms.start_all_gather(self.custom_all_gather, send, comm, out)
 
-    def _make_layout(self, inputs: dict[int, tuple[torch.Tensor, ...]]) -> None:
-        """Per gathered parameter, its pieces of one rank's all-gather input: (dtype, trailing
-        shape, byte offset, padded bytes); a plain parameter's one piece is its padded shard.
-        Extension inputs' trailing shapes come from global shapes."""
+    def _pre_all_gather(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        """The extension parameters' all-gather inputs (their metadata kept for the post hook)."""
+        inputs = {}
+        for i, p in self._extensions:
+            inputs[i], self._meta[i] = p.pre_all_gather(self.info.mesh, self.mp)
+        return inputs
+
+    def _make_layout(self, inputs: dict[int, tuple[torch.Tensor, ...]] | None, error: Exception | None) -> None:
+        """Per gathered parameter, its pieces of one rank's all-gather input (``Piece``); a
+        plain parameter's one piece is its padded shard. Extension inputs are laid out from
+        every rank's input shapes (``_input_rows``: one small collective, first all-gather only),
+        which also carries ``error``, a rank's failure to make its inputs."""
+        rows = self._input_rows(inputs, error) if self._extensions else {}
+        self._input_kinds = {i: [(t.dtype, tuple(t.shape)) for t in inputs[i]] for i, _ in self._extensions}
         pieces, offset = [], 0
         for i, p in enumerate(self.gathered):
-            kinds = [(t.dtype, tuple(t.shape[1:])) for t in inputs[i]] if p.extension else [(p.param_dtype, None)]
+            if p.extension:
+                kinds = [(t.dtype, tuple(t.shape[1:]), *r) for t, r in zip(inputs[i], rows[i])]
+            else:
+                kinds = [(p.param_dtype, None, p.rows, p.pad_rows)]
             own = []
-            for dtype, rest in kinds:
-                numel = p.shard_numel if rest is None else p.pad_rows * prod(rest)
+            for dtype, rest, gathered, pad in kinds:
+                numel = p.shard_numel if rest is None else pad * prod(rest)
                 nbytes = _align(numel * dtype.itemsize)
-                own.append((dtype, rest, offset, nbytes))
+                own.append(Piece(dtype, rest, offset, nbytes, gathered, pad))
                 offset += nbytes
             pieces.append(own)
         self._pieces, self._gather_nbytes = pieces, offset
@@ -260,8 +288,8 @@ class ParamGroup:
         # column block i of the gathered (world, bytes) rows is parameter i, seen as (world, piece)
         world = self.info.shard_size
         if all(not p.extension and p.pre == 1 and p.rows == p.pad_rows * world
-               and own[0][3] == p.shard_numel * p.param_dtype.itemsize for p, own in zip(self.gathered, pieces)):
-            self._split_sizes = [own[0][3] for own in pieces]
+               and own[0].nbytes == p.shard_numel * p.param_dtype.itemsize for p, own in zip(self.gathered, pieces)):
+            self._split_sizes = [own[0].nbytes for own in pieces]
 
     def _split_outputs(self) -> list[torch.Tensor]:
         """The unsharded parameters as (world, piece) byte views of ``unsharded_flat``, made
@@ -274,13 +302,23 @@ class ParamGroup:
             self._split_views = (self.unsharded_flat, views)
         return views
 
-    @staticmethod
-    def _check_inputs(p: FSDPParam, inputs: tuple[torch.Tensor, ...], pieces: list) -> None:
-        """Each all-gather keeps the count, dtypes and trailing shapes of the first."""
-        kinds = [(t.dtype, tuple(t.shape[1:])) for t in inputs]
-        if kinds != [(dtype, rest) for dtype, rest, _, _ in pieces]:
+    def _input_rows(self, inputs: dict[int, tuple[torch.Tensor, ...]] | None,
+                    error: Exception | None) -> dict[int, list[tuple[int, int]]]:
+        """Per extension parameter and all-gather input, (gathered rows on dim 0, rows per
+        rank in the send buffer), from every shard rank's input shapes (one ``allgather``),
+        so that all ranks lay out, or refuse (``FSDPParam.input_rows``, a rank's ``error``), alike."""
+        mine = error if error is not None else {i: [tuple(t.shape) for t in inputs[i]] for i, _ in self._extensions}
+        every = self.info.shard_comm.allgather(mine)
+        raise_first([e for e in every if isinstance(e, BaseException)])
+        return {i: p.input_rows([shapes[i] for shapes in every]) for i, p in self._extensions}
+
+    def _check_inputs(self, i: int, p: FSDPParam, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Each all-gather keeps the count, dtypes and shapes of the first."""
+        kinds = [(t.dtype, tuple(t.shape)) for t in inputs]
+        first = self._input_kinds[i]
+        if kinds != first:
             raise ValueError(f"fsdp_pre_all_gather of {p.users[0][1]!r} returned inputs {kinds}, "
-                             f"unlike the first all-gather's {[(d, r) for d, r, _, _ in pieces]}")
+                             f"unlike the first all-gather's {first}")
 
     def finish_unshard(self) -> None:
         """Wait for the all-gather and put the unsharded parameters on the modules."""
@@ -330,7 +368,7 @@ class ParamGroup:
                     continue
                 dtype, n = p.param_dtype, p.param_dtype.itemsize
                 whole = self.unsharded_flat.view(dtype)
-                at, col = whole.storage_offset() + p.unsharded_offset // n, self._pieces[i][0][2] // n
+                at, col = whole.storage_offset() + p.unsharded_offset // n, self._pieces[i][0].offset // n
                 for size, stride, offset, rank_stride, rank_offset in _chunk_layout(
                         (p.pre, p.rows, p.post), p.pad_rows, self._gather_nbytes // n):
                     dsts.append(whole.as_strided(size, stride, at + offset))
@@ -349,10 +387,10 @@ class ParamGroup:
     def _post_all_gather(self, i: int, p: FSDPParam, rows_of_ranks: torch.Tensor) -> None:
         """Copy an extension parameter's gathered pieces (padding dropped) into its
         persistent outputs and let the subclass build (or refresh) its unsharded tensor."""
-        kinds = [(dtype, rest, self.device) for dtype, rest, _, _ in self._pieces[i]]
-        for out, (dtype, rest, off, _) in zip(p.gather_outputs(kinds), self._pieces[i]):
-            parts, places = _chunk_views((1, p.rows, prod(rest)), p.pad_rows, out, rows_of_ranks.view(dtype),
-                                         off // dtype.itemsize)
+        kinds = [(piece.dtype, (piece.rows, *piece.rest), self.device) for piece in self._pieces[i]]
+        for out, piece in zip(p.gather_outputs(kinds), self._pieces[i]):
+            parts, places = _chunk_views((1, piece.rows, prod(piece.rest)), piece.pad, out,
+                                         rows_of_ranks.view(piece.dtype), piece.offset // piece.dtype.itemsize)
             if parts:
                 torch._foreach_copy_(parts, places)
         self._kept_meta[i] = self._meta.pop(i)
@@ -388,13 +426,13 @@ class ParamGroup:
         with torch.no_grad():
             for i, p in enumerate(self.gathered):
                 if p.extension:
-                    sources = [(out.view(1, p.rows, prod(rest)), dtype, off, n)
-                               for out, (dtype, rest, off, n) in zip(p.outputs, self._pieces[i])]
+                    sources = [(out.view(1, piece.rows, prod(piece.rest)), piece)
+                               for out, piece in zip(p.outputs, self._pieces[i])]
                 else:
-                    dtype, _, off, n = self._pieces[i][0]
-                    sources = [(self._unsharded_view(p), dtype, off, n)]
-                for src, dtype, off, n in sources:
-                    _rank_rows(kept[:, off:off + n].view(dtype), src, p.pad_rows, first)
+                    sources = [(self._unsharded_view(p), self._pieces[i][0])]
+                for src, piece in sources:
+                    _rank_rows(kept[:, piece.offset:piece.offset + piece.nbytes].view(piece.dtype), src, piece.pad,
+                               first)
         self.reshard()
         self._kept = kept.view(-1)
 
