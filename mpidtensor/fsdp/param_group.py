@@ -61,6 +61,7 @@ from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
 from ..mesh.pool import advise_huge_pages, tracked_empty
 from ..mesh.prepared import Prepared
 from . import comms
+from .float8 import whole_weight_scales
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import OffloadPolicy, compute_device, host_device, pinned
 from .param import FSDPParam, MeshInfo
@@ -259,8 +260,11 @@ class ParamGroup:
     def _pre_all_gather(self) -> dict[int, tuple[torch.Tensor, ...]]:
         """The extension parameters' all-gather inputs (their metadata kept for the post hook)."""
         inputs = {}
-        for i, p in self._extensions:
-            inputs[i], self._meta[i] = p.pre_all_gather(self.info.mesh, self.mp)
+        if not self._extensions:
+            return inputs
+        with whole_weight_scales([p.sharded._local_tensor for _, p in self._extensions], self.info.shard_comm):
+            for i, p in self._extensions:
+                inputs[i], self._meta[i] = p.pre_all_gather(self.info.mesh, self.mp)
         return inputs
 
     def _make_layout(self, inputs: dict[int, tuple[torch.Tensor, ...]] | None, error: Exception | None) -> None:

@@ -101,14 +101,29 @@ def comm_device(tensor: torch.Tensor) -> torch.device:
 def stage(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool = False) -> torch.Tensor:
     """``tensor``'s data, detached and C-contiguous on the communication device, as ``dtype``.
 
-    A view of ``tensor`` when nothing needs to change, unless ``copy``.
+    A view of ``tensor`` when nothing needs to change, unless ``copy``. A tensor subclass
+    that dispatches its own ops (torchao's float8 or NF4 weights, DTensor local tensors of
+    FSDP-sharded quantized parameters) has no memory MPI could read: its values are copied
+    out through its own ``copy_``.
     """
+    if type(tensor) is not torch.Tensor and type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        tensor = _values(tensor)
     if (not copy and not tensor.is_cuda and (dtype is None or dtype == tensor.dtype)
             and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()):
         return tensor.detach() if tensor.requires_grad else tensor  # the common case: cheap checks only
     data = tensor.detach().resolve_conj().resolve_neg()
     data = data.to(comm_device(tensor), dtype, memory_format=torch.contiguous_format, copy=copy)
     return data.contiguous()  # ``to`` honours memory_format only when it copies
+
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def _values(tensor: torch.Tensor) -> torch.Tensor:
+    """A dispatching subclass's values as a plain tensor."""
+    plain = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    with torch.no_grad():
+        return plain.copy_(tensor)
 
 
 def empty(shape: torch.Size | tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
