@@ -40,3 +40,29 @@ def test_generate_matches_unsharded_model(registered, mesh1d):
         expected = ref.generate(prompt, max_new_tokens=6, do_sample=False)
         tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)
     assert_all_ranks(torch.equal(tokens, expected), f"{tokens.tolist()} != {expected.tolist()}")
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_save_pretrained_from_a_full_state_dict(layout, mesh1d, ckpt_dir):
+    """transformers' ``save_pretrained`` reads storage pointers, which a DTensor has not: an
+    FSDP or TP model is saved from its gathered state dict (as with torch's FSDP2), rank 0
+    writing, and ``from_pretrained`` reads back the unsharded model's values."""
+    import transformers
+
+    from mpidtensor.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    zoo = ZOO["llama"]
+    ref = zoo.build()
+    model = copy.deepcopy(ref)
+    if layout == "fsdp":
+        fully_shard_zoo(model, zoo, mesh1d)
+    else:
+        zoo.tensor_parallel(model, mesh1d)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    path = f"{ckpt_dir}/{layout}"
+    if mesh1d.get_rank() == 0:
+        model.save_pretrained(path, state_dict=state)
+    mesh1d.get_group().Barrier()
+    back = transformers.LlamaForCausalLM.from_pretrained(path).state_dict()
+    differ = [k for k, v in ref.state_dict().items() if not torch.equal(back[k], v)]
+    assert_all_ranks(not differ, f"differ after the round trip: {differ}")
