@@ -108,6 +108,10 @@ class FSDPState:
         self._forward_index, self._callback_queued = 0, False
 
     # --- forward ----------------------------------------------------------------------------------
+    # The hooks run eagerly when the module is compiled (``module.compile()`` per block, as
+    # torchtitan does): Dynamo breaks the graph around them, as around torch's FSDP2 hooks;
+    # traced, they would hand fake tensors to MPI.
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.method_depth:  # forward called by a registered forward method: already gathered
             return args, kwargs
@@ -146,6 +150,7 @@ class FSDPState:
         order = self.root.forward_order
         return not self.root._recording and index < len(order) and order[index] is self
 
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.method_depth:
             return output
