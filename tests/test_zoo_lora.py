@@ -20,8 +20,8 @@ from torch import nn
 
 from helpers import assert_all_ranks
 from mpidtensor import DTensor
-from mpidtensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
-from zoo_models import ZOO, check_trains_like_one_process, fully_shard_zoo, hf_plan
+from mpidtensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, from_hf_plan, parallelize_module
+from zoo_models import ZOO, check_trains_like_one_process, fully_shard_zoo
 
 peft = pytest.importorskip("peft")
 
@@ -41,7 +41,7 @@ def lora_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """The Hugging Face model's own TP plan, redirected into peft's wrappers (module docstring)."""
     hf = model.base_model.model.tp_plan
     plan = {}
-    for key, style in hf_plan(hf).items():
+    for key, style in from_hf_plan(hf).items():
         key = f"base_model.model.{key}"
         if key.rsplit(".", 1)[-1] not in TARGETS:
             plan[key] = style

@@ -12,7 +12,8 @@ from torch import nn
 from helpers import assert_all_ranks, assert_close, global_tensor, raises_everywhere
 from mpidtensor import DTensor, Replicate, distribute_tensor
 from mpidtensor.debug import CommDebugMode
-from zoo_models import ZOO, check_trains_like_one_process, hf_plan, loss_of
+from mpidtensor.parallel import from_hf_plan
+from zoo_models import ZOO, check_trains_like_one_process, loss_of
 
 
 def check_tp(zoo, parallelize, mesh, attention: str = "eager") -> nn.Module:
@@ -63,4 +64,5 @@ def test_to_local_takes_a_gradient_of_any_layout(mesh1d):
 
 
 def test_hf_plan_translation_rejects_unknown_styles():
-    raises_everywhere(ValueError, lambda: hf_plan({"layers.*.experts": "moe_tp_experts"}), match="moe_tp_experts")
+    raises_everywhere(ValueError, lambda: from_hf_plan({"layers.*.experts": "moe_tp_experts"}), match="moe_tp_experts")
+    raises_everywhere(TypeError, lambda: from_hf_plan(["colwise"]), match="mapping")

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from torch import nn
 
 from helpers import assert_all_ranks, assert_close
-from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from mpidtensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from mpidtensor.fsdp import fully_shard
 from mpidtensor.mesh import DeviceMesh
 from mpidtensor.parallel import (
@@ -32,6 +32,7 @@ from mpidtensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    from_hf_plan,
     parallelize_module,
 )
 
@@ -45,45 +46,6 @@ STEPS, LR = 3, 1e-2
 # directly, pin the scale AdamW's update would hide.
 ADAM_EPS = 1e-6
 PARAM_ATOL, GRAD_ATOL = 1e-3, 1e-6
-
-# --- Hugging Face plan strings -> mpidtensor styles ------------------------------------------------
-
-_HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
-    # transformers.distributed.tensor_parallel: Linear column-wise, output sharded on its last dim
-    "colwise": ColwiseParallel,
-    "local_colwise": ColwiseParallel,
-    # column-wise with the output gathered
-    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    # Linear row-wise on a last-dim-sharded input, output all-reduced
-    "rowwise": RowwiseParallel,
-    "local_rowwise": RowwiseParallel,
-    # row-wise on a replicated input (each rank takes its slice)
-    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-    # Embedding on replicated ids: vocabulary-sharded (partial sums all-reduced) or hidden-sharded (gathered)
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
-    # norms on a sequence-sharded input, local output
-    "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
-    # a norm on this rank's heads (Qwen3's q_norm / k_norm): its input is a local block whose
-    # rows it normalizes each on its own; SequenceParallel on a dim it does not normalize (the
-    # batch dim) keeps its weight Replicate and sums the weight's gradient over the mesh, as
-    # transformers' hook all-reduces it
-    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=0, use_local_output=True),
-    # a module whose output is partial: all-reduced
-    "all_reduce": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
-    "gather": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
-}
-
-
-def hf_plan(tp_plan: dict[str, str]) -> dict[str, ParallelStyle]:
-    """A transformers TP plan (module pattern -> style string) as mpidtensor styles."""
-    unknown = sorted({s for s in tp_plan.values() if s not in _HF_STYLES})
-    if unknown:
-        raise ValueError(f"no mpidtensor style for the transformers plan styles {unknown}")
-    return {key: _HF_STYLES[style]() for key, style in tp_plan.items()}
-
 
 # --- the zoo ------------------------------------------------------------------------------------
 
@@ -254,7 +216,7 @@ def _image_batch(gen: torch.Generator) -> tuple[dict, torch.Tensor]:
 def _decoder_tp(model: nn.Module, mesh: DeviceMesh) -> None:
     """Llama / Qwen2: the model's own plan (``model.tp_plan``: base_model_tp_plan, the
     vocabulary-sharded embedding and the gathered lm_head)."""
-    parallelize_module(model, mesh, hf_plan(model.tp_plan))
+    parallelize_module(model, mesh, from_hf_plan(model.tp_plan))
 
 
 def _decoder_sp(model: nn.Module, mesh: DeviceMesh, extra: dict[str, ParallelStyle] | None = None) -> None:
@@ -283,7 +245,8 @@ def _decoder_sp(model: nn.Module, mesh: DeviceMesh, extra: dict[str, ParallelSty
 def _qwen3_sp(model: nn.Module, mesh: DeviceMesh) -> None:
     """Qwen3: the decoder plan, with the per-head q_norm / k_norm on this rank's heads (their
     weight gradients summed over the mesh, as its own plan's ``replicated_with_grad_allreduce``)."""
-    _decoder_sp(model, mesh, {"model.layers.*.self_attn.[qk]_norm": _HF_STYLES["replicated_with_grad_allreduce"]()})
+    norms = "model.layers.*.self_attn.[qk]_norm"
+    _decoder_sp(model, mesh, from_hf_plan({norms: "replicated_with_grad_allreduce"}))
 
 
 def _conv1d_parallel(module: nn.Module, mesh: DeviceMesh, colwise: list[str], rowwise: list[str],

@@ -1,5 +1,6 @@
 """Tensor parallelism on modules (the API of ``torch.distributed.tensor.parallel``)."""
 from .api import parallelize_module
+from .hf_plan import from_hf_plan
 from .loss import loss_parallel
 from .prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from .sequence import SequenceParallel
@@ -13,6 +14,7 @@ __all__ = [
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "from_hf_plan",
     "loss_parallel",
     "parallelize_module",
 ]
