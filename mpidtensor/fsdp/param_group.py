@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..dtensor import DTensor
 from ..mesh import accounting
-from ..mesh.agreement import attempt, raise_first
+from ..mesh.agreement import attempt, portable, raise_first
 from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
 from ..mesh.pool import advise_huge_pages, tracked_empty
 from ..mesh.prepared import Prepared
@@ -311,7 +311,8 @@ class ParamGroup:
         """Per extension parameter and all-gather input, (gathered rows on dim 0, rows per
         rank in the send buffer), from every shard rank's input shapes (one ``allgather``),
         so that all ranks lay out, or refuse (``FSDPParam.input_rows``, a rank's ``error``), alike."""
-        mine = error if error is not None else {i: [tuple(t.shape) for t in inputs[i]] for i, _ in self._extensions}
+        mine = portable(error) if error is not None else {i: [tuple(t.shape) for t in inputs[i]]
+                                                          for i, _ in self._extensions}
         every = self.info.shard_comm.allgather(mine)
         raise_first([e for e in every if isinstance(e, BaseException)])
         return {i: p.input_rows([shapes[i] for shapes in every]) for i, p in self._extensions}

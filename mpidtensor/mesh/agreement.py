@@ -5,11 +5,12 @@ subclass's own code, a file) is run with :func:`attempt`, and the ranks exchange
 """
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable
 
 from mpi4py import MPI
 
-__all__ = ["attempt", "raise_first", "raise_agreed"]
+__all__ = ["attempt", "portable", "raise_first", "raise_agreed"]
 
 
 def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
@@ -21,6 +22,19 @@ def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | No
         return None, err
 
 
+def portable(error: BaseException | None) -> BaseException | None:
+    """``error`` as the other ranks can receive it: itself if it pickles, else a
+    ``RuntimeError`` naming its type and message (a rank that failed to pickle its error
+    would raise alone and leave the others in the exchange)."""
+    if error is None:
+        return None
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:  # noqa: BLE001  (any pickling failure: send the text instead)
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
 def raise_first(errors: list[BaseException | None]) -> None:
     """Raise the first error of ``errors`` (a list every rank holds alike), if any."""
     error = next((e for e in errors if e is not None), None)
@@ -30,4 +44,4 @@ def raise_first(errors: list[BaseException | None]) -> None:
 
 def raise_agreed(comm: MPI.Intracomm, error: BaseException | None) -> None:
     """Raise on every rank the first error any rank met (one ``allgather``)."""
-    raise_first(comm.allgather(error))
+    raise_first(comm.allgather(portable(error)))
