@@ -233,6 +233,44 @@ def test_qlora_nf4_training_matches_one_process():
     assert_all_ranks(torch.equal(base.quantized_data, nf4.quantized_data[part]), "the NF4 shard is not the weight's")
 
 
+def test_qlora_full_state_dict_as_torchtune_gathers_it():
+    """torchtune's final QLoRA checkpoint: ``full_tensor()`` of each sharded parameter, an
+    NF4 one dequantized with ``.to(dtype)`` (its ``gather_cpu_state_dict``). NF4 gathers
+    itself (its functional all-gather over its inner tensors, carried by MPI): the result is
+    the one-process NF4 weight, and so is ``get_model_state_dict(full_state_dict=True)``'s."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+    from mpidtensor.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    ref = _qlora_model()
+    net = _qlora_model()
+    for block in net:
+        fully_shard(block)
+    fully_shard(net)
+    expected = ref.state_dict()
+    inner = ("quantized_data", "quantized_scalers", "quantization_factor", "nf4")
+    bad = []
+    for key, param in net.state_dict().items():
+        full = param.full_tensor()
+        if isinstance(expected[key], NF4Tensor):
+            if not isinstance(full, NF4Tensor) or any(
+                    not torch.equal(getattr(full, name), getattr(expected[key], name)) for name in inner):
+                bad.append(f"{key}: gathered {type(full).__name__} is not the NF4 weight")
+                continue
+            full, want = full.to(torch.float32), expected[key].to(torch.float32)
+        else:
+            want = expected[key]
+        if full.shape != want.shape or not torch.equal(full, want):
+            bad.append(f"{key}: values differ")
+    gathered = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if WORLD.rank == 0:
+        bad += [f"full state dict {key}: {type(v).__name__}" for key, v in gathered.items()
+                if type(v) is not type(expected[key])]
+        bad += [f"full state dict {key}: values differ" for key, v in gathered.items()
+                if not torch.equal(v.to(torch.float32), expected[key].to(torch.float32))]
+    assert_all_ranks(not bad, "; ".join(bad))
+
+
 # --- float8 training with float8 all-gathers ----------------------------------------------------
 def _float8_model(all_gather: bool) -> nn.Sequential:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training

@@ -38,7 +38,7 @@ from mpi4py import MPI
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from . import guard, tracing, watchdog
+from . import guard, self_gathering, tracing, watchdog
 from .buffers import as_buffer, derived, empty, has_mpi_type, host_buffer, mpi_type, stage, unstage
 from .mpi_library import collective_thresholds
 from .rounds import all_gather_rounds, offsets, reduce_scatter_rounds, scatter_rounds, span, spans
@@ -117,7 +117,8 @@ def _gather_layout(shape: torch.Size, dtype: torch.dtype, dim: int, sizes: tuple
 
 
 def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, *, dim: int, sizes: Sequence[int]) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along ``dim`` in rank order; rank r's has ``sizes[r]`` there."""
+    """Concatenate every rank's ``tensor`` along ``dim`` in rank order; rank r's has ``sizes[r]`` there.
+    A subclass with its own functional all-gather (NF4) gathers itself (``self_gathering``)."""
     if type(tensor) is not torch.Tensor and isinstance(tensor, _TRACED):
         return traced.all_gather(tensor, comm, dim, sizes)
     sizes = tuple(sizes)
@@ -126,6 +127,8 @@ def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, *, dim: int, sizes: Se
         facts.update(dim=guard.norm_dim(dim, tensor.ndim), sizes=sizes)
         guard.check("all_gather", comm, facts,
                     lambda: _gather_layout(tensor.shape, tensor.dtype, dim, sizes, comm.size, comm.rank, _limits()))
+    if type(tensor) is not torch.Tensor and self_gathering.gathers_itself(tensor, sizes):
+        return self_gathering.all_gather(tensor, comm, dim)
     lay = _gather_layout(tensor.shape, tensor.dtype, dim, sizes, comm.size, comm.rank, _limits())
     send = stage(tensor)
     tracing.record("all_gather", send.nbytes)
