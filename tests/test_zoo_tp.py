@@ -12,7 +12,7 @@ from torch import nn
 from helpers import assert_all_ranks, assert_close, global_tensor, raises_everywhere
 from mpidtensor import DTensor, Replicate, distribute_tensor
 from mpidtensor.debug import CommDebugMode
-from mpidtensor.parallel import from_hf_plan
+from mpidtensor.parallel import from_hf_plan, parallelize_module
 from zoo_models import ZOO, check_trains_like_one_process, loss_of
 
 
@@ -66,3 +66,23 @@ def test_to_local_takes_a_gradient_of_any_layout(mesh1d):
 def test_hf_plan_translation_rejects_unknown_styles():
     raises_everywhere(ValueError, lambda: from_hf_plan({"layers.*.experts": "moe_tp_experts"}), match="moe_tp_experts")
     raises_everywhere(TypeError, lambda: from_hf_plan(["colwise"]), match="mapping")
+
+
+def test_replicated_with_grad_allreduce_takes_any_row_wise_module(mesh1d):
+    """Apertus' MLP activation (transformers' xIELU) has learnt scalars and runs on the
+    column-parallel projection's local columns: each rank's gradient of them is a partial
+    sum. Planned ``replicated_with_grad_allreduce`` (Apertus' own plan leaves it out),
+    the scalars stay replicated and their gradients are summed over the mesh."""
+    from transformers.activations import XIELUActivation
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(24, 48), XIELUActivation(dtype=torch.float32), nn.Linear(48, 24))
+    model = copy.deepcopy(ref)
+    plan = from_hf_plan({"0": "colwise", "1": "replicated_with_grad_allreduce", "2": "rowwise"})
+    parallelize_module(model, mesh1d, plan)
+    x = global_tensor((5, 24), seed=3)
+    ref(x).pow(2).sum().backward()
+    model(x).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        assert_close(grad, q.grad, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")

@@ -16,12 +16,37 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
+from torch import nn
+
 from ..placements import Partial, Replicate
 from .prepare import PrepareModuleOutput
 from .sequence import SequenceParallel
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-__all__ = ["from_hf_plan"]
+__all__ = ["ReplicatedWithGradAllReduce", "from_hf_plan"]
+
+
+class ReplicatedWithGradAllReduce(SequenceParallel):
+    """transformers' ``replicated_with_grad_allreduce``: the module's parameters replicated,
+    its input this rank's local block, its output local, each parameter's gradient summed
+    over the mesh (transformers all-reduces it in a hook). For modules that treat each row
+    of the block on its own: Qwen3's per-head ``q_norm`` / ``k_norm``, or Apertus' xIELU
+    activation with learnt scalars on the MLP's local columns, whose gradients are partial
+    sums on each rank otherwise (plan it so: ``{"model.layers.*.mlp.act_fn":
+    "replicated_with_grad_allreduce"}``; Apertus' own plan leaves it out).
+
+    It is ``SequenceParallel`` along dim 0 (the local block taken as a row shard, so the
+    parameters' gradients come out ``Partial`` and are all-reduced once), for any module.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sequence_dim=0, use_local_output=True)
+
+    def _check_module(self, module: nn.Module) -> None:
+        """Any module: the plan's author vouches that it treats rows on their own."""
+
+    def __repr__(self) -> str:
+        return "ReplicatedWithGradAllReduce()"
 
 _STYLES: dict[str, Callable[[], ParallelStyle]] = {
     # Linear column-wise, output sharded on its last dim
@@ -41,11 +66,8 @@ _STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
     # norms on a sequence-sharded input, local output
     "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
-    # a norm on this rank's heads (Qwen3's q_norm / k_norm): its input is a local block whose
-    # rows it normalizes each on its own; SequenceParallel on a dim it does not normalize (the
-    # batch dim) keeps its weight Replicate and sums the weight's gradient over the mesh, as
-    # transformers' hook all-reduces it
-    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=0, use_local_output=True),
+    # a module on this rank's local block with replicated parameters (below)
+    "replicated_with_grad_allreduce": lambda: ReplicatedWithGradAllReduce(),
     # a module whose output is partial: all-reduced
     "all_reduce": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
     "gather": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),

@@ -58,12 +58,15 @@ class SequenceParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self._check_module(module)
+        require_1d_mesh(self, device_mesh)
+        require_plain_parameters(self, module)
+
+    def _check_module(self, module: nn.Module) -> None:
         if not _supported(module):
             raise TypeError(
                 f"SequenceParallel supports nn.LayerNorm, RMSNorm and dropout modules, got {type(module).__name__}"
             )
-        require_1d_mesh(self, device_mesh)
-        require_plain_parameters(self, module)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._check(module, device_mesh)
