@@ -121,7 +121,8 @@ class _LocalPlan:
         finish = self.finish
         if finish == "self":
             dst = args[0]
-            if out is dst._local_tensor and getattr(dst, "_not_a_view_of", None) is None:
+            # None: a subclass that returns nothing from its in-place op (torchao NF4's copy_)
+            if (out is dst._local_tensor or out is None) and getattr(dst, "_not_a_view_of", None) is None:
                 return dst
             return self.fallback(out, args, kwargs)
         if finish == "tensor":
@@ -614,6 +615,9 @@ def _make_inplace_wrap(func, written, specs_of: Callable) -> Callable:
         results = []
         for (kind, where), spec, local in zip(written, specs_of(out), outs):
             dst = a[where] if kind == "pos" else k[where]
+            if local is None:  # a subclass's in-place op that returned nothing, run on a moved copy
+                raise RuntimeError(f"{func} returned None for the tensor it wrote into, which mpidtensor "
+                                   f"had redistributed: the write cannot be placed back")
             if getattr(dst, "_not_a_view_of", None) is not None:
                 raise RuntimeError(
                     f"{func} writes into the result of {dst._not_a_view_of}, which mpidtensor computed on a "

@@ -309,3 +309,25 @@ def test_float8_all_gather_casts_with_the_whole_weights_scale():
     assert_close(losses, ref_losses, atol=0, rtol=0)
     for p, r in zip(params, ref_params):
         assert_close(p, r, atol=0, rtol=0)
+
+
+def test_qlora_load_state_dict_copies_into_the_nf4_shards():
+    """``load_state_dict`` copies each value in with ``copy_``, and NF4's ``copy_`` returns
+    None: the DTensor keeps its (now overwritten) NF4 shard rather than losing it."""
+    net, other = _qlora_model(), _qlora_model()
+    with torch.no_grad():
+        other[0].up.lora_a.add_(1.0)
+    for model in (net, other):
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+    net.load_state_dict(other.state_dict())
+    bad = []
+    for (key, mine), theirs in zip(net.state_dict().items(), other.state_dict().values()):
+        a, b = mine._local_tensor, theirs._local_tensor
+        if type(a) is not type(b):
+            bad.append(f"{key}: {type(a).__name__} after loading a {type(b).__name__}")
+        elif not torch.equal(a.quantized_data if hasattr(a, "quantized_data") else a,
+                             b.quantized_data if hasattr(b, "quantized_data") else b):
+            bad.append(f"{key}: values differ")
+    assert_all_ranks(not bad, "; ".join(bad))
