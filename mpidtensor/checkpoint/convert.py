@@ -4,7 +4,9 @@ line, is :mod:`.format_utils`).
 
 ``dcp_to_torch_save`` reads a native checkpoint (every block's CRC-32 checked) or a
 torch DCP directory (``.metadata`` plus ``.distcp`` files); ``torch_save_to_dcp``
-writes the native format. Each holds the whole state in memory: run it on one rank.
+writes the native format. A tensor subclass saved as one chunk or block comes back as
+itself; one saved in several cannot be assembled (``CheckpointError``). Each holds the
+whole state in memory: run it on one rank.
 ``to_torch_save`` / ``from_torch_save`` are the older names of the two functions.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from mpi4py import MPI
 from .api import no_checkpoint, reader_class
 from .native import NativeReader
 from .plain import load_plain, save_plain
+from .torch_format import load_chunk
 
 
 def _read_whole(directory: str) -> Any:
@@ -29,16 +32,22 @@ def _read_whole(directory: str) -> Any:
 
 
 def _read_torch_dcp(directory: str, reader: type) -> dict:
-    """A torch DCP checkpoint whole: targets made from its metadata (read with torch's
-    own reader), filled flat by ``reader`` in this process, nested by the saved paths."""
+    """A torch DCP checkpoint whole: a tensor saved as one chunk is that chunk as
+    ``torch.load`` gives it (a tensor subclass included); the others are targets made
+    from the metadata (read with torch's own reader), filled flat by ``reader`` in this
+    process; nested by the saved paths."""
     from torch.distributed.checkpoint import FileSystemReader as TorchReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = TorchReader(directory).read_metadata()
+    whole = {fqn: load_chunk(directory, metadata, fqn, 0, meta.properties.dtype)
+             for fqn, meta in metadata.state_dict_metadata.items()
+             if isinstance(meta, TensorStorageMetadata) and len(meta.chunks) == 1}
     flat = {fqn: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
             if isinstance(meta, TensorStorageMetadata) else None
-            for fqn, meta in metadata.state_dict_metadata.items()}
+            for fqn, meta in metadata.state_dict_metadata.items() if fqn not in whole}
     reader(directory).read(flat, MPI.COMM_SELF)
+    flat = {fqn: whole[fqn] if fqn in whole else flat[fqn] for fqn in metadata.state_dict_metadata}
     nested: dict = {}
     for fqn, value in flat.items():
         _set_element(nested, tuple((metadata.planner_data or {}).get(fqn, (fqn,))), value)

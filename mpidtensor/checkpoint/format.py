@@ -4,7 +4,8 @@ A checkpoint is a directory holding ``index.json`` and the data files that the i
 names (``data-<token>-<rank>.bin``, one per rank that wrote blocks). The index lists the
 leaves of the nested state dict in order; each has a ``path`` (the keys from the root)
 and either a ``tensor`` (dtype, shape and its blocks: a box, the data file and 64-byte
-aligned offset holding the box's row-major bytes, a CRC-32) or a ``value`` (JSON) /
+aligned offset holding the box's row-major bytes, a CRC-32; a tensor subclass: the
+box's ``torch.save`` bytes, see :mod:`.opaque`) or a ``value`` (JSON) /
 ``pickle`` (base64) / ``empty`` (an empty container). Version 1 (one data file holding
 every tensor whole) is still read: :func:`chunks` gives both as stored boxes.
 ``docs/checkpoint-format.md`` documents both.
@@ -36,6 +37,8 @@ VERSION = 2
 READABLE = (1, 2)
 INDEX = "index.json"
 ALIGN = 64
+#: The ``encoding`` of a tensor whose blocks are ``torch.save`` bytes (see :mod:`.opaque`).
+TORCH_SAVE = "torch.save"
 
 DTYPES = {
     name: getattr(torch, name)
@@ -237,13 +240,18 @@ def chunks(index: dict, meta: dict) -> list[Chunk]:
                       meta["nbytes"])]
     itemsize = DTYPES[meta["dtype"]].itemsize
     return [Chunk(tuple(b["start"]), tuple(b["shape"]), index["data_files"][b["file"]], b["offset"],
-                  prod(b["shape"]) * itemsize) for b in meta["blocks"]]
+                  b.get("nbytes", prod(b["shape"]) * itemsize)) for b in meta["blocks"]]
 
 
-def tensor_meta(shape, dtype: torch.dtype, blocks: list[dict]) -> dict:
-    """The ``tensor`` field of an index entry; each block ``{start, shape, file, offset, crc32}``."""
-    return {"dtype": dtype_name(dtype), "shape": list(shape), "nbytes": prod(shape) * dtype.itemsize,
+def tensor_meta(shape, dtype: torch.dtype, blocks: list[dict], cls: str | None = None) -> dict:
+    """The ``tensor`` field of an index entry; each block ``{start, shape, file, offset,
+    crc32}``. A tensor subclass stored opaquely (``cls``, see :mod:`.opaque`) adds
+    ``encoding: "torch.save"`` and ``class``, and each of its blocks its ``nbytes``."""
+    meta = {"dtype": dtype_name(dtype), "shape": list(shape), "nbytes": prod(shape) * dtype.itemsize,
             "blocks": blocks}
+    if cls is not None:
+        meta.update({"encoding": TORCH_SAVE, "class": cls})
+    return meta
 
 
 def make_entry(path: tuple, meta: dict | None, value: Any) -> dict:

@@ -39,7 +39,7 @@ import torch
 from mpi4py import MPI
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from . import collective, io, shards
+from . import collective, io, opaque, shards
 from . import format as fmt
 from . import safetensors_file as sf
 from .metadata import describe, gc_paused, start_save, torch_leaves
@@ -117,6 +117,9 @@ class HuggingFaceStorageWriter(StorageWriter):
         not_tensors = [key for key, value in leaves if not isinstance(value, torch.Tensor)]
         if not_tensors:
             raise TypeError(f"safetensors hold tensors only; not tensors: {not_tensors}")
+        subclasses = [f"{key!r} ({opaque.class_name(value)})" for key, value in leaves if opaque.class_name(value)]
+        if subclasses:
+            raise TypeError(f"safetensors hold plain dtypes only; tensor subclasses: {', '.join(subclasses)}")
         for key, value in leaves:
             sf.dtype_name(value.dtype, key)
         mapping = self.fqn_to_index_mapping
@@ -310,6 +313,8 @@ def _target_errors(tensors: dict[str, Stored], leaves: list[tuple[str, Any]]) ->
             errors.append(f"shape mismatch for {key!r}: checkpoint {stored.shape}, state dict {tuple(value.shape)}")
         elif stored.dtype != value.dtype:
             errors.append(f"dtype mismatch for {key!r}: checkpoint {stored.dtype}, state dict {value.dtype}")
+        elif opaque.class_name(value):
+            errors.append(opaque.kind_error(key, None, opaque.class_name(value)))
         else:
             try:
                 shards.check_loadable(key, value)

@@ -17,6 +17,10 @@ load: each rank reads the box of the target layout it holds from the saved block
 that overlap it, whatever layout was saved (resharding is box intersection). Each
 saved block's CRC-32 is checked once: by a rank whose target box is that block, else
 by a rank that reads it for the check.
+
+Tensor subclasses that cannot be viewed as bytes (:mod:`.opaque`) are stored as the
+``torch.save`` bytes of each box and loaded only into targets holding saved boxes
+(every rank that reads such a block checks its CRC-32).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from . import format as fmt
-from . import collective, io, shards
+from . import collective, io, opaque, shards
 from .metadata import describe, gc_paused, start_save, torch_leaves
 from .storage import StorageReader, StorageWriter
 
@@ -79,70 +83,84 @@ def _save(state_dict: Any, directory: str, comm: MPI.Intracomm) -> Metadata:
     path = os.path.join(directory, fmt.data_name(token, comm.rank))
     blocks, error = collective.attempt(_write_blocks, path, todo, metas)
     try:
-        stale = collective.commit_on_rank0(comm, blocks, error,
-                                           lambda written: _commit(directory, token, leaves, metas, written))
+        stale, pickled = collective.commit_on_rank0(comm, blocks, error,
+                                                    lambda written: _commit(directory, token, leaves, metas, written))
     except Exception:
         if todo and os.path.exists(path):
             os.remove(path)  # this save's data file: no index will name it
         raise
     collective.remove_stale(comm, directory, stale)
-    return _metadata(state_dict, directory, token, leaves, metas, writers)
+    return _metadata(state_dict, directory, token, leaves, metas, writers, pickled)
 
 
 def _write_blocks(path: str, todo: list, metas: list) -> dict[int, dict]:
     """Write this rank's boxes (``todo``: leaf index and tensor) into its new data file
-    ``path``; where each block went, with its CRC-32, by leaf index."""
-    raws = [(i, shards.local_bytes(t)) for i, t in todo]
+    ``path``: the raw ones in leaf order, then the ``torch.save`` bytes of the opaque ones
+    (so that the raw ones' offsets follow from their sizes alone); where each block
+    went, with its CRC-32 (and an opaque one's ``nbytes``), by leaf index."""
+    raws = [(i, shards.local_bytes(t)) for i, t in todo if metas[i][1][3] is None]
+    raws += [(i, opaque.to_bytes(t)) for i, t in todo if metas[i][1][3] is not None]
     offsets = fmt.layout([raw.nbytes for _, raw in raws])
     blocks = {}
     for (i, raw), offset in zip(raws, offsets):
         start, shape = metas[i][1][2]
         blocks[i] = {"start": list(start), "shape": list(shape), "offset": offset, "crc32": fmt.crc32(raw)}
+        if metas[i][1][3] is not None:
+            blocks[i]["nbytes"] = raw.nbytes
     if raws:
         io.write_file(path, [(offset, raw) for (_, raw), offset in zip(raws, offsets)])
     return blocks
 
 
-def _commit(directory: str, token: str, leaves: list, metas: list, written: list[dict]) -> list[str]:
+def _commit(directory: str, token: str, leaves: list, metas: list,
+            written: list[dict]) -> tuple[list[str], dict[str, list]]:
     """Rank 0: the index from every rank's written blocks, committed; the files it
-    supersedes (see format.commit_index)."""
+    supersedes (see format.commit_index) and the opaque leaves' saved chunks for the
+    ``Metadata`` (``(box, _StorageInfo)`` by flat key, in the order of the writing ranks)."""
     data_files, by_leaf = [], {}
     for rank, rank_blocks in enumerate(written):
         if rank_blocks:
             for i, block in rank_blocks.items():
                 by_leaf.setdefault(i, []).append({**block, "file": len(data_files)})
             data_files.append(fmt.data_name(token, rank))
-    entries = []
+    entries, pickled = [], {}
     for i, (path, value) in enumerate(leaves):
         meta = None
         if metas[i][1] is not None:
+            key, (shape, _, _, cls) = metas[i]
+            if cls is not None:
+                pickled[key] = [((tuple(b["start"]), tuple(b["shape"])), _StorageInfo(
+                    data_files[b["file"]], b["offset"], b["nbytes"])) for b in by_leaf.get(i, [])]
             saved = sorted(by_leaf.get(i, []), key=lambda b: b["start"])
-            shards.check_covered(metas[i][0], metas[i][1][0], [(b["start"], b["shape"]) for b in saved])
-            meta = fmt.tensor_meta(metas[i][1][0], value.dtype, saved)
+            shards.check_covered(key, shape, [(b["start"], b["shape"]) for b in saved])
+            meta = fmt.tensor_meta(shape, value.dtype, saved, cls)
         entries.append(fmt.make_entry(path, meta, value))
-    return fmt.commit_index(directory, fmt.make_index(data_files, entries))
+    return fmt.commit_index(directory, fmt.make_index(data_files, entries)), pickled
 
 
 @gc_paused()
 def _metadata(state_dict: Any, directory: str, token: str, leaves: list, metas: list,
-              writers: list[dict[tuple, int]]) -> Metadata:
+              writers: list[dict[tuple, int]], pickled: dict[str, list]) -> Metadata:
     """The torch ``Metadata`` of the save, which every rank builds alike from facts they
-    share, without a message: which rank wrote each block (``writers``) and so where
-    (:func:`_write_blocks` lays a rank's blocks out in leaf order).
+    share, without a message: which rank wrote each raw block (``writers``) and so where
+    (:func:`_write_blocks` lays a rank's raw blocks out first, in leaf order); the opaque
+    leaves' chunks (``pickled``, of unknown size before they were written) come with the
+    commit's broadcast.
 
     It describes the state dict as torch flattens it: a tensor leaf's chunks are its
     blocks, in the order of the ranks that wrote them, ``storage_data`` mapping each to
     ``_StorageInfo(data file, offset, length)``: the byte range holding the block's raw
-    row-major bytes (no ``torch.save`` framing). A value (which the index holds, not a
-    data file) has no ``storage_data`` entry, and neither has a tensor inside a value (a
-    tuple, say), which torch would save as one object. ``storage_meta``: the directory
+    row-major bytes (no ``torch.save`` framing; an opaque block's ``torch.save`` bytes).
+    A value (which the index holds, not a data file) has no ``storage_data`` entry, and
+    neither has a tensor inside a value (a tuple, say), which torch would save as one object. ``storage_meta``: the directory
     and the save's token (its data files' names).
     """
     by_rank: dict[int, list] = {}
     for i, leaf_writers in enumerate(writers):
         for box, rank in leaf_writers.items():
-            by_rank.setdefault(rank, []).append((i, box))
-    chunks: dict[str, list] = {}
+            if metas[i][1][3] is None:
+                by_rank.setdefault(rank, []).append((i, box))
+    chunks: dict[str, list] = dict(pickled)
     for rank in sorted(by_rank):
         sizes = [prod(box[1]) * leaves[i][1].dtype.itemsize for i, box in by_rank[rank]]
         for (i, box), offset, size in zip(by_rank[rank], fmt.layout(sizes), sizes):
@@ -152,7 +170,9 @@ def _metadata(state_dict: Any, directory: str, token: str, leaves: list, metas: 
 
 # --- load ----------------------------------------------------------------------------------------------
 def _check_target(index_entries: dict, gathered: list[list[tuple]]) -> None:
-    errors = []
+    """Every rank's targets (``gathered``) fit the index: keys, kinds, shapes, dtypes, and
+    an opaque leaf's target is a subclass holding saved boxes (:mod:`.opaque`)."""
+    errors, targets = [], {}
     for metas in gathered:
         for key, meta in metas:
             entry = index_entries.get(key)
@@ -169,7 +189,15 @@ def _check_target(index_entries: dict, gathered: list[list[tuple]]) -> None:
                                   f"state dict {tuple(meta[0])}")
                 if meta[1] != saved["dtype"]:
                     errors.append(f"dtype mismatch for {key!r}: checkpoint {saved['dtype']}, state dict {meta[1]}")
-    collective.raise_if(errors)
+                cls = saved["class"] if saved.get("encoding") == fmt.TORCH_SAVE else None
+                errors.append(opaque.kind_error(key, cls, meta[3]))
+                if cls is not None:
+                    targets.setdefault(key, []).append(meta[2])
+    for key, boxes in targets.items():
+        saved = index_entries[key]["tensor"]
+        errors.append(opaque.layout_error(key, saved["class"], [(b["start"], b["shape"]) for b in saved["blocks"]],
+                                          boxes))
+    collective.raise_if([e for e in errors if e])
 
 
 def _destination(t: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, bool]:
@@ -184,6 +212,11 @@ def _load_tensor(reader: io.Reader, index: dict, saved: dict, key: str, t: torch
                  boxes: list, comm: MPI.Intracomm) -> list[str]:
     """Fill this rank's part of ``t`` (leaf ``i``; ``boxes``: every rank's box of it) from
     the saved tensor, check the CRC-32s this rank is in charge of; the mismatches found."""
+    if saved.get("encoding") == fmt.TORCH_SAVE:  # the target box is a saved one (_check_target)
+        block = next((b for b in saved["blocks"] if (tuple(b["start"]), tuple(b["shape"])) == boxes[comm.rank]), None)
+        if block is not None:
+            shards.local_tensor(t).copy_(opaque.read_block(reader, index, block, key))
+        return []
     stored, box = fmt.chunks(index, saved), boxes[comm.rank]
     local, buf, direct = _destination(t)
     if buf.size:

@@ -12,14 +12,15 @@ from mpi4py import MPI
 
 from ..dtensor import DTensor
 from ..placements import Replicate
-from . import collective
+from . import collective, opaque
 from . import format as fmt
 
 __all__ = ["TensorMeta", "box", "leaf_meta", "local_bytes", "check_same_leaves", "gather_metas",
            "box_writers", "boxes_to_write", "check_covered", "reduced", "local_tensor", "check_loadable"]
 
-#: ``(global shape, dtype name, this rank's box)`` of a tensor leaf; None for a value.
-TensorMeta = tuple[tuple[int, ...], str, tuple[tuple[int, ...], tuple[int, ...]]]
+#: ``(global shape, dtype name, this rank's box, class of its local block when it is
+#: stored opaquely (:mod:`.opaque`) else None)`` of a tensor leaf; None for a value.
+TensorMeta = tuple[tuple[int, ...], str, tuple[tuple[int, ...], tuple[int, ...]], "str | None"]
 
 
 def box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -37,14 +38,21 @@ def local_bytes(t: torch.Tensor) -> np.ndarray:
     return local.reshape(-1).view(torch.uint8).numpy()
 
 
+def _same(meta: TensorMeta | None) -> tuple | None:
+    """What every rank's meta of a leaf must agree on: all but the box."""
+    return meta and (meta[0], meta[1], meta[3])
+
+
 def check_same_leaves(gathered: list[list[tuple]]) -> None:
-    """All ranks must pass state dicts with the same keys, global shapes and dtypes."""
-    first = [(key, meta and meta[:2]) for key, meta in gathered[0]]
+    """All ranks must pass state dicts with the same keys, global shapes, dtypes and
+    local block classes (plain or the same opaque subclass)."""
+    first = [(key, _same(meta)) for key, meta in gathered[0]]
     collective.raise_if([f"{key!r} has dtype {meta[1]}, which cannot be checkpointed"
               for key, meta in gathered[0] if meta is not None and meta[1] not in fmt.DTYPES], TypeError)
     for rank, metas in enumerate(gathered[1:], 1):
-        if [(key, meta and meta[:2]) for key, meta in metas] != first:
-            raise ValueError(f"the state dict on rank {rank} differs from rank 0's in keys, shapes or dtypes")
+        if [(key, _same(meta)) for key, meta in metas] != first:
+            raise ValueError(f"the state dict on rank {rank} differs from rank 0's in keys, shapes, dtypes "
+                             "or tensor subclasses")
     keys = [key for key, _ in gathered[0]]
     if len(set(keys)) != len(keys):
         dup = sorted({k for k in keys if keys.count(k) > 1})
@@ -60,12 +68,13 @@ def leaf_meta(key: str, leaf: Any) -> tuple[str, TensorMeta | None]:
     """``(key, meta)`` of one leaf, as :func:`gather_metas` exchanges it."""
     if not isinstance(leaf, torch.Tensor):
         return key, None
-    return key, (tuple(leaf.shape), fmt.DTYPE_NAMES.get(leaf.dtype, str(leaf.dtype)), box(leaf))
+    return key, (tuple(leaf.shape), fmt.DTYPE_NAMES.get(leaf.dtype, str(leaf.dtype)), box(leaf),
+                 opaque.class_name(leaf))
 
 
 def gather_metas(metas: list[tuple[str, TensorMeta | None]], comm: MPI.Intracomm) -> list[list[tuple]]:
     """Every rank's ``metas`` of the state dict to write (one ``allgather``), checked:
-    every rank passed the same keys, shapes and dtypes (checkpointable ones)."""
+    every rank passed the same keys, shapes, dtypes (checkpointable ones) and classes."""
     all_metas = comm.allgather(metas)
     check_same_leaves(all_metas)
     return all_metas
