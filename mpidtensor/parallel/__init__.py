@@ -1,5 +1,6 @@
 """Tensor parallelism on modules (the API of ``torch.distributed.tensor.parallel``)."""
 from .api import parallelize_module
+from .experts import ExpertParallel
 from .hf_plan import from_hf_plan
 from .loss import loss_parallel
 from .prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
@@ -8,6 +9,7 @@ from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 __all__ = [
     "ColwiseParallel",
+    "ExpertParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",

@@ -60,15 +60,16 @@ def _resolve(module: nn.Module, plan) -> list[tuple[str, nn.Module, ParallelStyl
             raise TypeError(f"parallelize_plan keys must be module names (str), got {key!r}")
         if not isinstance(style, ParallelStyle):
             raise TypeError(f"parallelize_plan[{key!r}] must be a ParallelStyle, got {type(style).__name__}")
-        matched = _match(module, key)
+        matched = matching_submodules(module, key)
         if not matched:
             raise ValueError(f"parallelize_plan key {key!r} names no submodule of {type(module).__name__}")
         targets += [(name, sub, style) for name, sub in matched]
     return targets
 
 
-def _match(module: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
-    """Submodules whose dotted name matches ``key`` component by component."""
+def matching_submodules(module: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
+    """``(name, submodule)`` of the submodules whose dotted name matches the plan key ``key``
+    component by component (``fnmatch`` patterns)."""
     found = [("", module)]
     for token in key.split(".") if key else ():
         found = [

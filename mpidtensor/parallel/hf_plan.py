@@ -8,9 +8,12 @@ mpidtensor's styles, so the same model is sharded on an MPI mesh::
 
     parallelize_module(model, mesh, from_hf_plan(model.tp_plan))
 
-The mixture-of-experts and packed-weight styles (``moe_tp_experts``, ``packed_colwise``,
-``packed_rowwise``) need a strided-shard placement mpidtensor does not have; a plan that
-uses them is refused with a ``ValueError`` naming them.
+Expert-parallel plans (``model.ep_plan``: ``ep_dispatch_experts``, ``grouped_gemm``) map to
+:class:`ExpertParallel`. The tensor-parallel MoE and packed-weight styles (``moe_tp_experts``,
+``packed_colwise``, ``packed_rowwise``) need a strided-shard placement mpidtensor does not
+have; a plan that uses them is refused with a ``ValueError`` naming them. Such a model's
+experts split over a tensor-parallel mesh by its ``ep_plan`` instead, with
+``expert_dispatch="all_reduce"`` (the ranks share their tokens).
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from typing import Callable, Mapping
 from torch import nn
 
 from ..placements import Partial, Replicate
+from .api import matching_submodules
+from .experts import Dispatch, ExpertParallel
 from .prepare import PrepareModuleOutput
 from .sequence import SequenceParallel
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -72,16 +77,43 @@ _STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "all_reduce": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
     "gather": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
 }
+# the expert-parallel plan's (``model.ep_plan``): whole experts per rank
+_EXPERT_STYLES = ("ep_dispatch_experts", "grouped_gemm")
 
 
-def from_hf_plan(tp_plan: Mapping[str, str]) -> dict[str, ParallelStyle]:
+def from_hf_plan(tp_plan: Mapping[str, str], *, expert_dispatch: Dispatch = "all_to_all",
+                 model: nn.Module | None = None) -> dict[str, ParallelStyle]:
     """``tp_plan`` (module pattern -> transformers style string) as a plan of mpidtensor styles
     for :func:`parallelize_module`, one new style per entry. A ``ValueError`` names the
     styles that have no mpidtensor counterpart (raised alike on every rank: the plan is
-    the same everywhere)."""
+    the same everywhere).
+
+    An expert-parallel plan (``model.ep_plan``) translates too: its experts module
+    (``ep_dispatch_experts``) becomes :class:`ExpertParallel` with ``expert_dispatch``
+    (``"all_to_all"`` when each rank holds its own tokens, ``"all_reduce"`` when the mesh
+    is a tensor-parallel group sharing them), which shards all the module's weights; the
+    weights' own ``grouped_gemm`` entries must each belong to such a module.
+
+    ``model``: drop the entries that name none of its submodules, as transformers skips
+    them (a plan covers an architecture's variants: Qwen2-MoE's names dense MLPs that a
+    model of MoE layers only has not; ``parallelize_module`` refuses such keys)."""
     if not isinstance(tp_plan, Mapping):
         raise TypeError(f"from_hf_plan expects a mapping of module patterns to style strings, got {type(tp_plan).__name__}")
-    unknown = sorted({s for s in tp_plan.values() if s not in _STYLES})
+    unknown = sorted({s for s in tp_plan.values() if s not in _STYLES and s not in _EXPERT_STYLES})
     if unknown:
         raise ValueError(f"no mpidtensor style for the transformers plan styles {unknown}")
-    return {key: _STYLES[style]() for key, style in tp_plan.items()}
+    if model is not None:
+        tp_plan = {key: style for key, style in tp_plan.items()
+                   if matching_submodules(model, key) or style == "grouped_gemm"}  # a weight, not a module
+    owners = {key for key, style in tp_plan.items() if style == "ep_dispatch_experts"}
+    orphans = sorted(key for key, style in tp_plan.items()
+                     if style == "grouped_gemm" and key.rsplit(".", 1)[0] not in owners)
+    if orphans:
+        raise ValueError(f"grouped_gemm weights {orphans} have no ep_dispatch_experts module in the plan")
+    plan: dict[str, ParallelStyle] = {}
+    for key, style in tp_plan.items():
+        if style == "ep_dispatch_experts":
+            plan[key] = ExpertParallel(dispatch=expert_dispatch)
+        elif style != "grouped_gemm":  # sharded by its module's ExpertParallel
+            plan[key] = _STYLES[style]()
+    return plan
