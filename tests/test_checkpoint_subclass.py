@@ -275,3 +275,19 @@ def test_float8_training_weights_stay_raw_and_reshard(ckpt_dir):
     dcp.load(state, checkpoint_id=ckpt_dir, no_dist=True)
     differ = [key for key, value in state.items() if not torch.equal(value, whole[key])]
     assert_all_ranks(not encoded and not differ, f"stored opaquely: {encoded}; loaded values differ: {differ}")
+
+
+def test_async_save_snapshots_the_nf4_shards(ckpt_dir):
+    """``async_save`` stages an NF4 shard as a zeroed NF4 it copies itself into (exact; its
+    ``clone`` re-quantizes): the checkpoint holds the values of the call, changes made
+    while it is written included."""
+    net, same, fresh = qlora(0), qlora(0), qlora(5)
+    future = dcp.async_save(net.state_dict(), checkpoint_id=ckpt_dir)
+    with torch.no_grad():
+        _local(net[0].weight).quantized_data.zero_()
+        net[0].lora_a.add_(1.0)
+    future.result()
+    before = differences(same, fresh)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    check_loaded(same, fresh, before)

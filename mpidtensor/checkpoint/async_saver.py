@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ..dtensor import DTensor
 from . import format as fmt
-from . import stateful
+from . import opaque, stateful
 from .arguments import check_planner, communicator, refuse_sharded, storage
 from .native import NativeWriter
 from .shards import reduced
@@ -71,7 +71,9 @@ class HostStager:
 
     Every tensor leaf becomes a copy of its local data in a host buffer (a DTensor: of
     its local shard, wrapped with the same spec; ``async_save`` reduces the ``Partial``
-    ones after) and other values are deep-copied. With ``cache`` (the default) the
+    ones after; a subclass that is not bytes, :mod:`.opaque`, a zeroed one of its own kind
+    it copies itself into, exactly: NF4's ``clone`` would re-quantize) and other values
+    are deep-copied. With ``cache`` (the default) the
     buffers are kept for the next ``stage`` of a state dict with the same keys, shapes
     and dtypes: fresh memory costs a page fault per page on first touch, several times
     the copy itself, and keeping them is what makes the caller's share of an
@@ -92,7 +94,9 @@ class HostStager:
                 key = fmt.fqn(path)
                 local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
                 buffer = self._buffers.get(key)
-                if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+                if opaque.class_name(local) is not None:  # no bytes to copy: a copy of its own kind
+                    buffer = local.detach().cpu().new_zeros(local.shape)
+                elif buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
                     buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu")
                 buffer.copy_(local.detach())
                 buffers[key] = buffer
