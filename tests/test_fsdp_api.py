@@ -357,3 +357,22 @@ def test_subclass_without_extension_is_refused(mesh1d, cls, match):
     assert_all_ranks(isinstance(net.blocks[0], FSDPModule), "the blocks were sharded first")
     raises_everywhere(TypeError, lambda: fully_shard(net.head, mesh=mesh1d), match)
     assert_all_ranks(_unchanged(net.head, {k[5:]: v for k, v in params.items() if k.startswith("head.")}))
+
+
+def test_ignored_params_stay_as_they_are(mesh1d):
+    """``ignored_params`` (torch's): the parameter is not sharded, not gathered, and its
+    gradient is each rank's own (not reduced); the others train as usual."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 4))
+    ignored = net[1].weight
+    fully_shard(net, mesh=mesh1d, ignored_params={ignored})
+    kinds = [type(p).__name__ for p in net.parameters()]
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(WORLD.rank))
+    net(x).sum().backward()
+    mine = ignored.grad.clone()
+    expected = torch.autograd.grad(F.linear(F.linear(x, net[0].weight.full_tensor(), net[0].bias.full_tensor()),
+                                            ignored, net[1].bias.full_tensor()).sum(), ignored)[0]
+    assert_all_ranks(kinds == ["DTensor", "DTensor", "Parameter", "DTensor"] and ignored is net[1].weight
+                     and torch.allclose(mine, expected, atol=1e-6), f"kinds {kinds}")
+    raises_everywhere(TypeError, lambda: fully_shard(nn.Linear(2, 2), mesh=mesh1d, ignored_params={torch.ones(2)}),
+                      match="ignored_params")

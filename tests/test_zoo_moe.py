@@ -7,7 +7,8 @@
   experts on the routes to them, and one all-reduce sums the outputs.
 * Expert parallelism over data-parallel ranks (``"all_to_all"``): each rank trains on its
   own shard of the batch, the (token, expert) pairs travel to the experts' ranks and back;
-  the other parameters are plain, their gradients averaged by hand.
+  the other parameters are plain, their gradients averaged by hand, or sharded by FSDP2
+  (``fully_shard(..., ignored_params=experts)``).
 
 12 experts split over 1-4 ranks; Qwen2-MoE adds a shared expert, GPT-OSS biased experts.
 """
@@ -22,7 +23,9 @@ from torch import nn
 import mpidtensor.checkpoint as dcp
 from helpers import assert_all_ranks, assert_close, global_tensor, raises_everywhere
 from mpidtensor import DTensor
+from mpidtensor.fsdp import fully_shard
 from mpidtensor.parallel import ExpertParallel, from_hf_plan, parallelize_module
+from mpidtensor.parallel.experts import ExpertsForward
 from zoo_models import (
     ADAM_EPS, GRAD_ATOL, HEADS, LR, PARAM_ATOL, SEQ, VOCAB, _tokens, check_trains_like_one_process, loss_of,
     parameter_differences, shard, train_reference,
@@ -109,6 +112,23 @@ def test_expert_parallel_over_data_parallel_ranks(name, mesh1d):
     differ = parameter_differences(model, ref, PARAM_ATOL)
     assert_all_ranks(not differ, f"parameters differ from one process: {differ}")
 
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_fsdp_with_expert_parallel_trains_like_one_process(name, mesh1d):
+    """FSDP2 shards every parameter but the experts (``ignored_params``), which
+    ExpertParallel splits over the same ranks; the experts' gradients come summed over
+    the ranks, so a hook takes their mean, as FSDP's reduce-scatter does for the rest."""
+    ref = moe_model(name)
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh1d, from_hf_plan(model.ep_plan))
+    experts = {p for m in model.modules() if isinstance(m.forward, ExpertsForward) for p in m.parameters()}
+    for p in experts:
+        p.register_hook(lambda grad: grad / WORLD.size)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh1d, ignored_params=experts)
+    fully_shard(model, mesh=mesh1d, ignored_params=experts)
+    check_trains_like_one_process(model, ref, batches(), WORLD.rank, WORLD.size, WORLD)
 
 def _experts(seed: int = 0) -> nn.Module:
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts

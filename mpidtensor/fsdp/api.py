@@ -193,6 +193,7 @@ def fully_shard(
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over the data-parallel ``mesh`` (FSDP2 semantics).
 
@@ -213,6 +214,9 @@ def fully_shard(
     int the module holds the sharded parameters between forward and backward.
     ``offload_policy``: ``CPUOffloadPolicy()`` keeps the sharded state in host memory (see
     ``offload.CPUOffloadPolicy``; on a CPU mesh it changes nothing).
+    ``ignored_params``: parameters FSDP leaves as they are: not sharded, not gathered,
+    their gradients not reduced (as torch's): e.g. experts that ``ExpertParallel``
+    already split over the ranks.
     Returns ``module``, whose class is now an ``FSDPModule`` subclass.
     """
     if not isinstance(module, nn.Module):
@@ -223,7 +227,7 @@ def fully_shard(
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(reshard_after_forward, int):
         raise TypeError(f"reshard_after_forward must be a bool or an int, got {reshard_after_forward!r}")
-    managed = _managed_params(module)
+    managed = _managed_params(module, _ignored_ids(ignored_params))
     if mesh is None:
         mesh = _default_mesh(_device_type(managed))
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
@@ -266,15 +270,25 @@ def _state_of(module: nn.Module) -> FSDPState:
     return module._fsdp_state
 
 
-def _managed_params(module: nn.Module) -> list[tuple[list[tuple[nn.Module, str]], nn.Parameter]]:
+def _ignored_ids(ignored_params: Iterable[nn.Parameter] | None) -> set[int]:
+    """The ids of ``fully_shard``'s ``ignored_params`` (a set of parameters, or None)."""
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
+            isinstance(p, nn.Parameter) for p in ignored_params):
+        raise TypeError(f"ignored_params must be a set of nn.Parameters, got {ignored_params!r}"[:200])
+    return {id(p) for p in ignored_params}
+
+
+def _managed_params(module: nn.Module, ignored: set[int]) -> list[tuple[list[tuple[nn.Module, str]], nn.Parameter]]:
     """Each parameter ``module`` owns, with every (module, name) that refers to it; the
-    sub-trees of ``fully_shard``-ed descendants are left out."""
+    sub-trees of ``fully_shard``-ed descendants and the ``ignored`` ids are left out."""
     found: dict[int, tuple[list[tuple[nn.Module, str]], nn.Parameter]] = {}
     stack = [module]
     while stack:
         m = stack.pop()
         for name, param in m._parameters.items():
-            if param is not None:
+            if param is not None and id(param) not in ignored:
                 found.setdefault(id(param), ([], param))[0].append((m, name))
         stack.extend(c for c in reversed(list(m._modules.values())) if c is not None and not isinstance(c, FSDPModule))
     return list(found.values())
