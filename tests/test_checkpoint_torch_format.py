@@ -26,9 +26,16 @@ SHAPES = {"w": (13, 6), "v": (7,), "m": (5, 9)}
 
 @pytest.fixture(scope="module")
 def gloo():
-    """torch.distributed on gloo over the MPI ranks (rank 0 picks the port): torch's mesh."""
+    """torch.distributed on gloo over the MPI ranks (rank 0 picks the port): torch's mesh;
+    taken down after the module when it set it up (later modules may expect none)."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
     init_gloo_process_group(WORLD)
-    return torch_mesh("cpu", (WORLD.size,))
+    yield torch_mesh("cpu", (WORLD.size,))
+    if owned:
+        WORLD.Barrier()
+        dist.destroy_process_group()
 
 
 def sub_mesh(shape):

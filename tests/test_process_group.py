@@ -1,0 +1,97 @@
+"""``mpidtensor.process_group``: torch.distributed's collectives carried by MPI, for
+third-party code that calls them, checked against what each rank can compute alone; and
+Hugging Face ``generate(synced_gpus=True)`` on an FSDP model whose ranks stop at
+different lengths (without the synced loop the ones that stop early leave the others
+blocked in FSDP's all-gathers)."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from mpi4py import MPI
+
+from helpers import assert_all_ranks
+from mpidtensor import init_device_mesh
+from mpidtensor.process_group import init_process_group
+from zoo_models import ZOO, fully_shard_zoo
+
+WORLD = MPI.COMM_WORLD
+N, RANK = WORLD.size, WORLD.rank
+
+
+@pytest.fixture
+def mpi_group():
+    """The mpidtensor backend as torch's default group for one test, taken down after."""
+    if dist.is_initialized():
+        pytest.fail(f"a torch.distributed group ({dist.get_backend()}) is already up: an earlier module left it")
+    init_process_group()
+    yield
+    WORLD.Barrier()
+    dist.destroy_process_group()
+
+
+def test_collectives_match_what_each_rank_computes(mpi_group):
+    ranks = torch.arange(N, dtype=torch.float32)
+    bad = []
+
+    def check(name, got, want):
+        if not torch.equal(torch.as_tensor(got), torch.as_tensor(want)):
+            bad.append(f"{name}: {got} != {want}")
+
+    t = torch.full((3,), RANK + 1.0)
+    dist.all_reduce(t)
+    check("all_reduce sum", t, torch.full((3,), N * (N + 1) / 2))
+    t = torch.tensor([RANK + 1.0], dtype=torch.bfloat16)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    check("all_reduce max bf16", t, torch.tensor([float(N)], dtype=torch.bfloat16))
+    t = torch.tensor([RANK + 1.0])
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    check("all_reduce avg", t, torch.tensor([(N + 1) / 2]))
+    t = torch.tensor([float(RANK)])
+    dist.broadcast(t, src=N - 1)
+    check("broadcast", t, torch.tensor([N - 1.0]))
+    outs = [torch.zeros(2) for _ in range(N)]
+    dist.all_gather(outs, torch.tensor([RANK, RANK + 0.5]))
+    check("all_gather", torch.stack(outs), torch.stack([ranks, ranks + 0.5], 1))
+    out = torch.zeros(2 * N)
+    dist.all_gather_into_tensor(out, torch.tensor([RANK, RANK + 0.5]))
+    check("all_gather_into_tensor", out, torch.stack([ranks, ranks + 0.5], 1).reshape(-1))
+    out = torch.zeros(2)
+    dist.reduce_scatter_tensor(out, torch.arange(2.0 * N))
+    check("reduce_scatter_tensor", out, N * torch.arange(2.0 * RANK, 2.0 * RANK + 2))
+    out = torch.zeros(1)
+    dist.reduce_scatter(out, [torch.tensor([float(k)]) for k in range(N)])
+    check("reduce_scatter", out, torch.tensor([float(N * RANK)]))
+    out = torch.zeros(N)
+    dist.all_to_all_single(out, torch.full((N,), float(RANK)))
+    check("all_to_all_single", out, ranks)
+    sizes = [k + 1 for k in range(N)]  # rank r sends k + 1 rows to rank k, gets r + 1 from each
+    out = torch.zeros(N * (RANK + 1))
+    dist.all_to_all_single(out, torch.full((sum(sizes),), float(RANK)), [RANK + 1] * N, sizes)
+    check("all_to_all_single uneven", out, ranks.repeat_interleave(RANK + 1))
+    dist.barrier()
+    check("functional all_reduce", funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD), torch.full((2,), float(N)))
+    if N > 1:
+        group = dist.new_group([0, 1])
+        if RANK < 2:
+            t = torch.ones(1)
+            dist.all_reduce(t, group=group)
+            check("new_group all_reduce", t, torch.tensor([2.0]))
+    assert_all_ranks(not bad, "; ".join(bad))
+
+
+def test_generate_synced_over_fsdp_with_different_lengths(mpi_group):
+    """Rank r generates ``2 + r`` tokens: with ``synced_gpus=True`` (the flag all-reduced
+    through this backend) the ranks that finish keep joining the others' forwards; each
+    rank's tokens are the unsharded model's."""
+    zoo = ZOO["llama"]
+    ref = zoo.build().eval()
+    model = copy.deepcopy(ref)
+    fully_shard_zoo(model, zoo, init_device_mesh("cpu", (N,)))
+    prompt = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(RANK))
+    kwargs = dict(max_new_tokens=2 + RANK, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = model.generate(prompt, synced_gpus=True, **kwargs)
+        want = ref.generate(prompt, **kwargs)
+    assert_all_ranks(torch.equal(got, want), f"generated {got.tolist()}, one process {want.tolist()}")
