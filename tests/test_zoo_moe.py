@@ -130,6 +130,21 @@ def test_fsdp_with_expert_parallel_trains_like_one_process(name, mesh1d):
     fully_shard(model, mesh=mesh1d, ignored_params=experts)
     check_trains_like_one_process(model, ref, batches(), WORLD.rank, WORLD.size, WORLD)
 
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fsdp_over_tensor_and_expert_parallel_trains_like_one_process(name, mesh2d):
+    """FSDP x TP on 2x2: the TP + EP plan on the "tp" dim (the experts split over it as
+    TP parameters are), then fully_shard over "dp", which shards the experts' blocks on
+    their next dim as it does any TP parameter's."""
+    ref = moe_model(name)
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh2d["tp"], tensor_parallel_plan(model))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh2d["dp"])
+    fully_shard(model, mesh=mesh2d["dp"])
+    dp = mesh2d.get_group("dp")
+    check_trains_like_one_process(model, ref, batches(), dp.rank, dp.size, dp)
+
 def _experts(seed: int = 0) -> nn.Module:
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
