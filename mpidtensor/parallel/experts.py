@@ -40,6 +40,7 @@ from .style import ParallelStyle, require_1d_mesh, require_plain_parameters
 __all__ = ["ExpertParallel"]
 
 Dispatch = Literal["all_to_all", "all_reduce"]
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class ExpertParallel(ParallelStyle):
@@ -123,8 +124,12 @@ def _local_parameters(module: nn.Module) -> Iterator[None]:
 def _require_same_tokens(hidden: torch.Tensor, index: torch.Tensor, comm) -> None:
     """``ValueError`` on every rank unless all hold the same tokens and routes (compared by
     shape and sums, one small ``allgather``): summing the outputs of different batches
-    would be silently wrong."""
-    mine = (tuple(hidden.shape), hidden.detach().double().sum().item().hex(), index.sum().item())  # hex: NaN == NaN
+    would be silently wrong. The tokens' sum is of their bits as integers, wrapping: exact
+    whatever the order of summation (threads), so equal data always agrees (and as fast
+    as a float32 sum: 3.6 ms for 16M values here)."""
+    bits = hidden.detach().contiguous().view(_INT_OF_SIZE[hidden.element_size()])
+    total = bits.sum(dtype=torch.int64 if bits.element_size() == 8 else torch.int32)
+    mine = (tuple(hidden.shape), total.item(), index.sum().item())
     seen = comm.allgather(mine)
     if any(other != seen[0] for other in seen):
         raise ValueError("ExpertParallel(dispatch='all_reduce') needs the same tokens on every rank of its mesh; "
