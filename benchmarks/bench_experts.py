@@ -9,16 +9,18 @@ side by side with its peers in one MPI job:
 * **torch gloo**: transformers' own expert parallelism (``EpDispatchExpertsParallel``,
   ``AllToAllEP``: torch's ``all_to_all_single``) on torch's DTensor over gloo.
 
-    mpiexec -n 4 python benchmarks/bench_experts.py [--tokens 256] [--hidden 512] [--reps 15]
+    mpiexec -n 4 python benchmarks/bench_experts.py [--tokens 256] [--hidden 512] [--reps 15] [--check-only]
 
 Every variant is first checked against one process (the whole batch through the unsplit
 experts): the rank's outputs and the experts' gradients. Then the variants take turns,
 ``--reps`` times; a step's time is the slowest rank's, the figure the median.
+``--check-only`` stops after the checks (``tests/test_bench.py`` runs it).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -143,14 +145,16 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[str]:
+    """Check, then time unless ``--check-only``; the names of the variants checked."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=256, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--reps", type=int, default=15)
-    args = parser.parse_args()
+    parser.add_argument("--check-only", action="store_true", help="check every variant, time nothing")
+    args = parser.parse_args(argv)
     if args.experts % N:
         raise SystemExit(f"--experts {args.experts} must divide by the {N} ranks")
     local = args.experts // N
@@ -178,7 +182,15 @@ def main() -> None:
             torch.allclose(g, r, atol=1e-6, rtol=1e-3) for g, r in zip(grads, want))
         if not all(COMM.allgather(ok)):
             raise SystemExit(f"{name}: outputs or gradients differ from one process")
+    if not args.check_only:
+        _time(variants, args, local, x, i, w)
+    if gloo is not None:
+        gloo[0].destroy_process_group()
+    return list(variants)
 
+
+def _time(variants: dict, args, local: int, x, i, w) -> None:
+    """The variants in turns, ``args.reps`` times after two warm-up rounds; rank 0 prints."""
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(args.reps + 2):  # two warm-up rounds
         for name, (forward, params) in variants.items():
@@ -192,17 +204,9 @@ def main() -> None:
         median = {name: statistics.median(s) for name, s in samples.items()}
         print(f"{N} ranks, {args.experts} experts ({local} per rank), top-{args.top_k}, {args.tokens} tokens "
               f"per rank, hidden {args.hidden}, intermediate {2 * args.hidden}; forward + backward, "
-              f"median of {args.reps} (slowest rank), load average {' '.join(f'{v:.1f}' for v in _load())}")
+              f"median of {args.reps} (slowest rank), load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
         rows_ = [[name, f"{m:.2f}", f"{m / median['mpi4py']:.2f}"] for name, m in median.items()]
         print_table(["step", "ms", "/ mpi4py"], rows_)
-    if gloo is not None:
-        gloo[0].destroy_process_group()
-
-
-def _load() -> tuple[float, ...]:
-    import os
-
-    return os.getloadavg()
 
 
 if __name__ == "__main__":

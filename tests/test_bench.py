@@ -40,3 +40,15 @@ def test_record_checks_every_cell_and_step():
     want = ["TP MLP 32x1024, hidden 4096", "FSDP, 4 x Linear(1024", "FSDP, dim 128", "FSDP x TP"]
     assert_all_ranks(len(steps) == 4 and all(any(k.startswith(w) for k in steps) for w in want)
                      and all(checked == everything for checked in steps.values()), str(steps))
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallel_bench_checks_every_variant():
+    """``benchmarks/bench_experts.py --check-only`` (small sizes): mpidtensor's dispatch, the
+    hand-written mpi4py one and transformers' on torch's gloo all match one process."""
+    if 8 % WORLD.size:
+        pytest.skip("8 experts split over 1, 2 or 4 ranks")
+    import bench_experts
+
+    checked = bench_experts.main(["--check-only", "--tokens", "16", "--hidden", "32"])
+    assert_all_ranks(checked == ["mpidtensor", "mpi4py", "torch gloo"], f"checked {checked}")
