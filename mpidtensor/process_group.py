@@ -13,8 +13,9 @@ reach the same methods.
 
 Collectives: ``all_reduce`` (sum, avg, product, min, max), ``broadcast``, ``all_gather``,
 ``all_gather_into_tensor``, ``reduce_scatter``, ``reduce_scatter_tensor``,
-``all_to_all_single``, ``barrier``. Each runs to completion when called (MPI blocking
-calls): the returned work is done. Others (point-to-point, ``gather``, ``scatter``,
+``all_to_all_single`` (its splits agreed by one small ``allgather`` first: a mismatch is a
+``ValueError`` on every rank), ``barrier``. Each runs to completion when called (MPI
+blocking calls): the returned work is done. Others (point-to-point, ``gather``, ``scatter``,
 coalesced ones) are not implemented: torch's base ``ProcessGroup`` raises for them.
 """
 from __future__ import annotations
@@ -137,6 +138,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         n = self.comm.size
         send = list(input_split_sizes) or [t.shape[0] // n] * n
         recv = list(output_split_sizes) or [output.shape[0] // n] * n
+        _check_splits(self.comm.allgather((send, recv, t.shape[0], output.shape[0])))
         output.copy_(exchange_rows(t, self.comm, send_rows=send, recv_rows=recv))
         return _Done([output])
 
@@ -153,6 +155,22 @@ class MPIProcessGroup(dist.ProcessGroup):
     def _scatter(self, t: torch.Tensor, opts: Any) -> torch.Tensor:
         return collectives.reduce_scatter(t.contiguous(), self.comm, _op(opts.reduceOp), dim=0,
                                           sizes=[1] * self.comm.size)
+
+
+def _check_splits(table: list[tuple[list[int], list[int], int, int]]) -> None:
+    """``ValueError`` on every rank (each checks the same gathered ``table`` of every rank's
+    send and receive splits and row counts) unless each split list has a count per rank,
+    adds up to its tensor's rows, and each rank receives from rank k what rank k sends it;
+    a rank alone in the exchange would hang or truncate."""
+    n = len(table)
+    for r, (send, recv, rows_in, rows_out) in enumerate(table):
+        if len(send) != n or len(recv) != n or sum(send) != rows_in or sum(recv) != rows_out:
+            raise ValueError(f"all_to_all_single on rank {r}: splits {send} -> {recv} do not fit {n} ranks "
+                             f"and tensors of {rows_in} -> {rows_out} rows")
+        wrong = [k for k in range(n) if recv[k] != table[k][0][r]]
+        if wrong:
+            raise ValueError(f"all_to_all_single: rank {r} expects {[recv[k] for k in wrong]} rows from ranks "
+                             f"{wrong}, which send it {[table[k][0][r] for k in wrong]}")
 
 
 def _op(reduce_op: Any) -> str:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from mpi4py import MPI
 
-from helpers import assert_all_ranks
+from helpers import assert_all_ranks, raises_everywhere
 from mpidtensor import init_device_mesh
 from mpidtensor.process_group import init_process_group
 from zoo_models import ZOO, fully_shard_zoo
@@ -80,6 +80,17 @@ def test_collectives_match_what_each_rank_computes(mpi_group):
             check("new_group all_reduce", t, torch.tensor([2.0]))
     assert_all_ranks(not bad, "; ".join(bad))
 
+
+
+def test_all_to_all_splits_that_do_not_match_raise_everywhere(mpi_group):
+    """The last rank expects one row more from rank 0 than rank 0 sends it: every rank
+    raises (one rank alone in the Alltoallv would truncate or hang)."""
+    recv = [1] * N
+    if RANK == N - 1:
+        recv[0] = 2
+    out = torch.zeros(sum(recv))
+    raises_everywhere(ValueError, lambda: dist.all_to_all_single(out, torch.zeros(N), recv, [1] * N),
+                      match=f"rank {N - 1} expects")
 
 def test_generate_synced_over_fsdp_with_different_lengths(mpi_group):
     """Rank r generates ``2 + r`` tokens: with ``synced_gpus=True`` (the flag all-reduced

@@ -189,6 +189,19 @@ def test_all_reduce_dispatch_refuses_different_tokens(mesh1d):
     raises_everywhere(ValueError, lambda: model(hidden, index, torch.ones(4, 2)), match="same tokens")
 
 
+
+@pytest.mark.parametrize("dispatch", ["all_to_all", "all_reduce"])
+def test_routes_outside_the_experts_raise_everywhere(dispatch, mesh1d):
+    """An expert id outside [0, E) (on the last rank only, with each rank's own tokens) is
+    a ValueError on every rank before any token moves: the all-to-all's counts carry each
+    sender's verdict; under all_reduce the ranks hold the same routes."""
+    model = parallelize_module(_experts(), mesh1d, ExpertParallel(dispatch=dispatch))
+    index = torch.zeros(4, 2, dtype=torch.long)
+    if dispatch == "all_reduce" or WORLD.rank == WORLD.size - 1:
+        index[1, 0] = EXPERTS
+    raises_everywhere(ValueError, lambda: model(global_tensor((4, 48), seed=3), index, torch.ones(4, 2)),
+                      match="outside [0, 12)")
+
 def test_bad_expert_plans_raise_everywhere(mesh1d):
     raises_everywhere(TypeError, lambda: parallelize_module(nn.Linear(4, 4), mesh1d, ExpertParallel()),
                       match="num_experts")

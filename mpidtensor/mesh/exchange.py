@@ -25,8 +25,9 @@ def exchange_rows(tensor: torch.Tensor, comm: MPI.Intracomm, *, send_rows: Seque
 
     Unlike ``collectives.all_to_all`` the counts are this rank's own and differ from rank to rank, as
     a mixture-of-experts token dispatch's do: ``recv_rows`` must be what the others send
-    here (exchange the counts first). Under debug mode the ranks agree on the dtype and the
-    row shape, not the counts."""
+    here (exchange the counts first). The counts' checks are this rank's own: a caller whose
+    counts may be wrong must agree on them first (a wrong one raises here alone); under
+    debug mode the ranks agree on the dtype and the row shape, not the counts."""
     send_rows, recv_rows = tuple(send_rows), tuple(recv_rows)
     if guard.ENABLED:
         guard.check("exchange_rows", comm, guard.tensor_facts(tensor, (0,)),

@@ -136,8 +136,16 @@ def _require_same_tokens(hidden: torch.Tensor, index: torch.Tensor, comm) -> Non
                          "they differ (use dispatch='all_to_all' when each rank holds its own batch)")
 
 
+def _require_routes_inside(ranks: list[int], experts: int) -> None:
+    """``ValueError`` if ``ranks`` (which every rank computes alike) route outside the experts."""
+    if ranks:
+        raise ValueError(f"ExpertParallel: expert ids outside [0, {experts}) in the routes of ranks {ranks}")
+
+
 def _all_reduce_dispatch(experts, hidden, index, weights, comm, local: int) -> torch.Tensor:
     """Every rank holds the same tokens: its experts on the routes to them, outputs summed."""
+    outside = index.numel() and (int(index.min()) < 0 or int(index.max()) >= local * comm.size)
+    _require_routes_inside(list(range(comm.size)) if outside else [], local * comm.size)  # same index everywhere
     hidden, weights = _SumGradient.apply(hidden, comm), _SumGradient.apply(weights, comm)
     first = comm.rank * local
     foreign = (index < first) | (index >= first + local)
@@ -151,8 +159,15 @@ def _all_to_all_dispatch(experts, hidden, index, weights, comm, local: int) -> t
     tokens, top_k = index.shape
     routes = index.reshape(-1)
     order = torch.argsort(routes, stable=True)  # by expert, so by owner rank
-    counts = torch.bincount(routes, minlength=local * comm.size).view(comm.size, local)
-    arriving = exchange_rows(counts, comm, send_rows=(1,) * comm.size, recv_rows=(1,) * comm.size)
+    valid = (routes >= 0) & (routes < local * comm.size)
+    outside = not bool(valid.all())
+    counts = torch.bincount(routes[valid] if outside else routes, minlength=local * comm.size).view(comm.size, local)
+    # the counts travel with a last column saying whether the sender has routes outside the
+    # experts: every rank learns every rank's, so all raise alike before any token moves
+    table = torch.cat([counts, counts.new_full((comm.size, 1), int(outside))], 1)
+    arriving = exchange_rows(table, comm, send_rows=(1,) * comm.size, recv_rows=(1,) * comm.size)
+    _require_routes_inside(arriving[:, local].nonzero().flatten().tolist(), local * comm.size)
+    arriving = arriving[:, :local]
     send_rows, recv_rows = counts.sum(1).tolist(), arriving.sum(1).tolist()
     received = _Exchange.apply(hidden[order // top_k], comm, send_rows, recv_rows)
     ids = torch.arange(local, device=index.device).repeat(comm.size).repeat_interleave(arriving.reshape(-1))
