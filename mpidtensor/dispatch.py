@@ -615,14 +615,14 @@ def _make_inplace_wrap(func, written, specs_of: Callable) -> Callable:
         results = []
         for (kind, where), spec, local in zip(written, specs_of(out), outs):
             dst = a[where] if kind == "pos" else k[where]
-            if local is None:  # a subclass's in-place op that returned nothing, run on a moved copy
-                raise RuntimeError(f"{func} returned None for the tensor it wrote into, which mpidtensor "
-                                   f"had redistributed: the write cannot be placed back")
             if getattr(dst, "_not_a_view_of", None) is not None:
                 raise RuntimeError(
                     f"{func} writes into the result of {dst._not_a_view_of}, which mpidtensor computed on a "
                     f"redistributed copy (no sharding rule), so the write would not reach the original tensor"
                 )
+            if local is None:  # a subclass's in-place op that returned nothing, run on a moved copy
+                raise RuntimeError(f"{func} returned None for the tensor it wrote into, which mpidtensor "
+                                   f"had redistributed: the write cannot be placed back")
             if isinstance(dst, DTensor):
                 if inplace_view:
                     with no_dispatch():

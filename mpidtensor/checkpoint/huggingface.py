@@ -117,7 +117,7 @@ class HuggingFaceStorageWriter(StorageWriter):
         not_tensors = [key for key, value in leaves if not isinstance(value, torch.Tensor)]
         if not_tensors:
             raise TypeError(f"safetensors hold tensors only; not tensors: {not_tensors}")
-        subclasses = [f"{key!r} ({opaque.class_name(value)})" for key, value in leaves if opaque.class_name(value)]
+        subclasses = [f"{key!r} ({cls})" for key, value in leaves if (cls := opaque.class_name(value))]
         if subclasses:
             raise TypeError(f"safetensors hold plain dtypes only; tensor subclasses: {', '.join(subclasses)}")
         for key, value in leaves:

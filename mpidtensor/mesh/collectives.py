@@ -128,7 +128,7 @@ def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, *, dim: int, sizes: Se
         guard.check("all_gather", comm, facts,
                     lambda: _gather_layout(tensor.shape, tensor.dtype, dim, sizes, comm.size, comm.rank, _limits()))
     if type(tensor) is not torch.Tensor and self_gathering.gathers_itself(tensor, sizes):
-        return self_gathering.all_gather(tensor, comm, dim)
+        return self_gathering.all_gather(tensor, comm, dim, all_gather)
     lay = _gather_layout(tensor.shape, tensor.dtype, dim, sizes, comm.size, comm.rank, _limits())
     send = stage(tensor)
     tracing.record("all_gather", send.nbytes)

@@ -13,6 +13,8 @@ inputs); other subclasses' inner gathers unwrap to plain tensors, as under torch
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from mpi4py import MPI
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -28,11 +30,12 @@ def gathers_itself(tensor: torch.Tensor, sizes: tuple[int, ...]) -> bool:
     return is_traceable_wrapper_subclass(tensor) and len(set(sizes)) == 1
 
 
-def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, dim: int) -> torch.Tensor:
+def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, dim: int, gather: Callable) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along ``dim`` in rank order, by the subclass's
-    own gather (along dim 0, then regrouped along ``dim`` as torch's ``all_gather_tensor``)."""
+    own gather (along dim 0, then regrouped along ``dim`` as torch's ``all_gather_tensor``);
+    its inner tensors by ``gather`` (``collectives.all_gather``)."""
     cls = type(tensor)
-    with _InnerGathersOverMPI(comm), torch.no_grad():
+    with _InnerGathersOverMPI(comm, gather), torch.no_grad():
         out = cls.__torch_dispatch__(_ALL_GATHER, (cls,), (tensor, comm.size, _GROUP_NAME), {})
     if dim % tensor.ndim != 0:
         out = torch.cat(torch.chunk(out, comm.size, dim=0), dim=dim)
@@ -40,20 +43,18 @@ def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, dim: int) -> torch.Ten
 
 
 class _InnerGathersOverMPI(TorchDispatchMode):
-    """Runs the functional all-gathers a subclass issues on its inner tensors as MPI
-    all-gathers on ``comm`` (their group arguments name no torch group); their waits
+    """Runs the functional all-gathers a subclass issues on its inner tensors as ``gather``
+    on ``comm`` (their group arguments name no torch group); their waits
     are no-ops, since the MPI call has completed. Every other op runs as it is."""
 
-    def __init__(self, comm: MPI.Intracomm) -> None:
+    def __init__(self, comm: MPI.Intracomm, gather: Callable) -> None:
         super().__init__()
-        self.comm = comm
+        self.comm, self.gather = comm, gather
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _ALL_GATHER:
-            from .collectives import all_gather
-
             inner = args[0]
-            return all_gather(inner, self.comm, dim=0, sizes=(inner.shape[0],) * self.comm.size)
+            return self.gather(inner, self.comm, dim=0, sizes=(inner.shape[0],) * self.comm.size)
         if func is _WAIT:
             return args[0]
         return func(*args, **(kwargs or {}))
