@@ -1,16 +1,31 @@
-"""Errors that some ranks meet, raised on all of them: a rank that raises alone leaves the
-others waiting in the next collective. A step that can fail on some ranks only (a tensor
-subclass's own code, a file) is run with :func:`attempt`, and the ranks exchange the outcome
-(:func:`raise_agreed`, one ``allgather``) before any data moves.
+"""The one agreement helper: errors that some ranks meet, raised on all of them.
+
+A rank that raises alone leaves the others waiting in the next collective (the job hangs,
+or aborts with "Message truncated"). Every check that can fail on some ranks only (a
+tensor subclass's own code, a file, per-rank data) goes through this module: decide on
+each rank, share the verdict with one small collective before any data moves, and raise
+the same error (type and message) on every rank.
+
+- :func:`agree`: a ``with`` block whose error on any rank is raised on every rank;
+- :func:`attempt` + :func:`raise_agreed`: the same for a value-returning step;
+- :func:`raise_found`: each rank's list of problems, raised as one error naming all;
+- :func:`on_rank0`: rank 0 decides (reads a file, commits), every rank gets the result
+  or the error;
+- :func:`require_same`: a value every rank must hold alike (shapes, signatures).
+
+Checks decided from what every rank shares (global shapes, specs, meshes) need none of
+this: they raise alike everywhere by construction.
 """
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from mpi4py import MPI
 
-__all__ = ["attempt", "portable", "raise_first", "raise_agreed"]
+__all__ = ["agree", "attempt", "on_rank0", "portable", "raise_agreed", "raise_first", "raise_found",
+           "require_same"]
 
 
 def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
@@ -45,3 +60,42 @@ def raise_first(errors: list[BaseException | None]) -> None:
 def raise_agreed(comm: MPI.Intracomm, error: BaseException | None) -> None:
     """Raise on every rank the first error any rank met (one ``allgather``)."""
     raise_first(comm.allgather(portable(error)))
+
+
+@contextmanager
+def agree(comm: MPI.Intracomm, errors: tuple[type[BaseException], ...] = (Exception,)) -> Iterator[None]:
+    """Run the block on every rank; an error of a type in ``errors`` raised in it on any
+    rank is raised on every rank when the block ends (one ``allgather``). A collective:
+    every rank of ``comm`` enters the block. The block must not itself run collectives
+    after the point where it may fail, since a failing rank leaves it there."""
+    error = None
+    try:
+        yield
+    except errors as err:
+        error = err
+    raise_agreed(comm, error)
+
+
+def raise_found(comm: MPI.Intracomm, problems: list[str], cls: type[Exception] = ValueError) -> None:
+    """Raise on every rank one ``cls`` naming every distinct problem any rank found (one
+    ``allgather`` of each rank's list of messages)."""
+    found = [msg for rank_problems in comm.allgather(problems) for msg in rank_problems]
+    if found:
+        raise cls("; ".join(dict.fromkeys(found)))
+
+
+def on_rank0(comm: MPI.Intracomm, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run by rank 0 alone; its result on every rank, or its error raised
+    on every rank (one ``bcast``)."""
+    value, error = comm.bcast(attempt(fn, *args) if comm.rank == 0 else None, root=0)
+    raise_first([error])
+    return value
+
+
+def require_same(comm: MPI.Intracomm, value: Any, what: str, cls: type[Exception] = ValueError) -> list[Any]:
+    """Every rank's ``value`` (one ``allgather``); ``cls`` on every rank unless all are
+    equal, naming ``what`` and each rank's value."""
+    seen = comm.allgather(value)
+    if any(other != seen[0] for other in seen):
+        raise cls(f"{what} differ across ranks: " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(seen)))
+    return seen
