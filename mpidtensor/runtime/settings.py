@@ -112,15 +112,23 @@ class Settings:
         return cls(**values)
 
     def update(self, **changes: Any) -> None:
-        """Set fields by name (``TypeError`` for an unknown one) and tell their listeners."""
+        """Set fields by name (``TypeError`` for an unknown one) and tell their listeners;
+        a listener's error (say, a progress mode MPI cannot run) restores the old value."""
         known = {f.name for f in fields(self)}
         unknown = sorted(set(changes) - known)
         if unknown:
             raise TypeError(f"unknown mpidtensor settings {unknown}; known: {sorted(known)}")
         for name, value in changes.items():
+            before = getattr(self, name)
             object.__setattr__(self, name, value)
-            for listener in _LISTENERS.get(name, ()):
-                listener(value)
+            try:
+                for listener in _LISTENERS.get(name, ()):
+                    listener(value)
+            except BaseException:  # a listener refused the value: keep the old one everywhere
+                object.__setattr__(self, name, before)
+                for listener in _LISTENERS.get(name, ()):
+                    listener(before)
+                raise
 
     @contextmanager
     def override(self, **changes: Any) -> Iterator["Settings"]:
