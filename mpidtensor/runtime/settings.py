@@ -140,11 +140,14 @@ class Settings:
         finally:
             self.update(**before)
 
-    def on_change(self, name: str, listener: Callable[[Any], None]) -> None:
-        """Call ``listener(new_value)`` whenever ``name`` is updated."""
+    def on_change(self, name: str, listener: Callable[[Any], None]) -> Callable[[], None]:
+        """Call ``listener(new_value)`` whenever ``name`` is updated; returns the function
+        that unregisters it."""
         if name not in {f.name for f in fields(self)}:
             raise TypeError(f"unknown mpidtensor setting {name!r}")
-        _LISTENERS.setdefault(name, []).append(listener)
+        listeners = _LISTENERS.setdefault(name, [])
+        listeners.append(listener)
+        return lambda: listeners.remove(listener)
 
 
 _LISTENERS: dict[str, list[Callable[[Any], None]]] = {}
