@@ -1,7 +1,8 @@
 """End the whole MPI job when one rank dies of an uncaught exception.
 
 Without this, the other ranks wait forever in their next collective. ``install``
-(a process-wide effect, run when the first mesh is built: :mod:`mpidtensor.runtime.effects`)
+(a process-wide effect, run when the first mesh is built or ``process_group.init_process_group``
+is called: :mod:`mpidtensor.runtime.effects`)
 chains a ``sys.excepthook`` that first lets the previous hook print the traceback, then
 calls ``MPI.COMM_WORLD.Abort(1)``. It installs nothing in a job of one rank, and nothing
 while ``settings.abort_on_exception`` is off (``MPIDTENSOR_ABORT_ON_EXCEPTION=0``; read
@@ -18,10 +19,11 @@ from mpi4py import MPI
 from ..runtime.effects import effect
 from ..runtime.settings import settings
 
+EFFECT = "abort on uncaught exception"  # its name in runtime.effects
 _installed = False
 
 
-@effect("abort on uncaught exception", "first mesh",
+@effect(EFFECT, "first mesh",
         "sys.excepthook: an uncaught exception on one rank aborts the MPI job (jobs of 2+ ranks; "
         "MPIDTENSOR_ABORT_ON_EXCEPTION=0 disables)")
 def install() -> bool:
