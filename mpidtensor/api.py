@@ -34,6 +34,7 @@ def distribute_tensor(
     """
     if isinstance(tensor, DTensor):
         raise TypeError("distribute_tensor expects a plain torch.Tensor, got a DTensor")
+    device_mesh._require_live()
     placements = [Replicate()] * device_mesh.ndim if placements is None else placements
     placements = normalize_placements(placements, device_mesh.ndim, tensor.ndim)
     check_src_data_rank(src_data_rank, device_mesh)

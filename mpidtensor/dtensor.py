@@ -22,6 +22,8 @@ from . import validate
 from .mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, normalize_placements
 from .redistribute import redistribute_local
+from .runtime import caches
+from .runtime.effects import effect
 from .spec import DTensorSpec
 
 
@@ -135,6 +137,7 @@ class DTensor(torch.Tensor):
                 return DTensor(local_tensor, known[0])
         if device_mesh is None:
             raise ValueError("from_local needs a device_mesh")
+        device_mesh._require_live()
         placements = [Replicate()] * device_mesh.ndim if placements is None else placements
         if run_check:
             validate.check_local_tensors(local_tensor, device_mesh, placements, shape)
@@ -184,6 +187,7 @@ class DTensor(torch.Tensor):
     def _target_spec(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> DTensorSpec:
         """The spec :meth:`redistribute` moves to; a ValueError for a bad target."""
         mesh = self._spec.mesh if device_mesh is None else device_mesh
+        self._spec.mesh._require_live()
         if mesh != self._spec.mesh:
             raise ValueError(
                 f"redistribute to another mesh is not supported: {self._spec.mesh} -> {mesh}"
@@ -201,6 +205,7 @@ class DTensor(torch.Tensor):
         spec = self._spec
         target = _REPLICATED.get(spec)
         if target is None:
+            spec.mesh._require_live()
             target = _REPLICATED[spec] = spec.with_placements([Replicate()] * spec.mesh.ndim)
         return redistribute_dtensor(self, target, same_ok=True).to_local(grad_placements=grad_placements)
 
@@ -236,10 +241,11 @@ def _settled(placements) -> list[Placement]:
     return [Replicate() if p.is_partial() else p for p in placements]
 
 
-# Cache-hit paths of the public entry points: every key is checked once, on its first use.
-_TARGETS: dict[tuple, DTensorSpec] = {}  # (spec, *placements as given) -> redistribute's target
-_REPLICATED: dict[DTensorSpec, DTensorSpec] = {}  # spec -> its all-Replicate spec (full_tensor)
-_FROM_LOCAL: dict[tuple, tuple[DTensorSpec, torch.Size]] = {}  # from_local(shape=...) -> (spec, local shape)
+# Cache-hit paths of the public entry points: every key is checked once, on its first use
+# (a freed mesh's specs miss them all: freeing a mesh clears them).
+_TARGETS: dict[tuple, DTensorSpec] = caches.cache("dtensor.redistribute_targets", 4096)  # (spec, *placements)
+_REPLICATED: dict[DTensorSpec, DTensorSpec] = caches.cache("dtensor.replicated", 4096)  # spec -> all-Replicate
+_FROM_LOCAL: dict[tuple, tuple] = caches.cache("dtensor.from_local", 4096)  # from_local(shape=...) -> (spec, shape, stride)
 
 
 def redistribute_dtensor(x: DTensor, spec: DTensorSpec, *, same_ok: bool = False) -> DTensor:
@@ -336,4 +342,14 @@ def _graph_breaks() -> None:
             setattr(DTensor, name, torch.compiler.disable(attr))
 
 
-traceable.when_dynamo_loads(_graph_breaks)
+@effect("graph breaks under torch.compile", "first mesh",
+        "sys.meta_path: a finder that marks DTensor.from_local/redistribute/full_tensor as graph "
+        "breaks once torch.compile imports torch._dynamo, then removes itself (at once if loaded)")
+def _install_graph_breaks() -> None:
+    traceable.when_dynamo_loads(_graph_breaks)
+
+
+@effect("Tensor.to_dtensor", "first mesh",
+        "torch.Tensor.to_dtensor(device_mesh, placements): DTensor.from_local as a tensor method")
+def _install_to_dtensor() -> None:
+    torch.Tensor.to_dtensor = to_dtensor

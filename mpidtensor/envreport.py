@@ -3,7 +3,9 @@
 The MPI library and mpi4py's build, whether MPI takes GPU buffers (and what
 ``MPIDTENSOR_CUDA_AWARE`` makes of it), torch and its devices, and, under
 ``mpiexec``/``srun``, one row per rank: host, node-local rank, and the GPU
-``init_device_mesh("cuda", ...)`` would bind. Every rank contributes; rank 0 prints.
+``init_device_mesh("cuda", ...)`` would bind; then every setting with its current value
+(rank 0's) and the process-wide effects mpidtensor has installed or would install.
+Every rank contributes; rank 0 prints.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import torch
 from mpi4py import MPI
 
 from .mesh import buffers, launch, mpi_library, scheduling
+from .runtime import effects
+from .runtime.settings import ENVIRONMENT, settings
 
 _RANK_ENV = ("SLURM_PROCID", "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES")
 
@@ -60,16 +64,40 @@ def _scheduling_lines(rows: list[dict[str, str]], placement: list[tuple[frozense
 def _cuda_aware_lines() -> list[str]:
     answer = mpi_library.query_cuda_support()
     said = {True: "yes", False: "no", None: "unknown (the library exports no MPIX_Query_cuda_support)"}[answer]
-    override = os.environ.get("MPIDTENSOR_CUDA_AWARE")
     lines = [
         f"  MPIX_Query_cuda_support: {said}",
-        f"  MPIDTENSOR_CUDA_AWARE:   {override if override is not None else 'unset'}",
+        f"  MPIDTENSOR_CUDA_AWARE:   {_shown(settings.cuda_aware)}",
         f"  GPU buffers go to MPI:   {'directly' if buffers.cuda_aware() else 'staged through host memory'}",
     ]
     built = _ompi_built_with_cuda()
     if built is not None:
         lines.append(f"  ompi_info built with CUDA: {built}")
     return lines
+
+
+def _shown(value: object) -> str:
+    """A setting's value as its environment variable spells it."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(int(value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def settings_lines() -> list[str]:
+    """One row per ``MPIDTENSOR_*`` variable: its current value, its default, its meaning."""
+    rows = [[env, _shown(getattr(settings, name)), _shown(default), doc] for env, name, default, doc in ENVIRONMENT]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return [f"  {env.ljust(widths[0])}  {value.ljust(widths[1])}  (default {default}){' ' * (widths[2] - len(default))}  {doc}"
+            for env, value, default, doc in rows]
+
+
+def effects_lines() -> list[str]:
+    """One row per process-wide effect: when it is installed, whether it is, what it does."""
+    rows = effects.describe()
+    width = max((len(name) for name, *_ in rows), default=0)
+    return [f"  {name.ljust(width)}  {when}, {'installed' if done else 'not installed'}: {what}"
+            for name, when, what, done in rows]
 
 
 def _ompi_built_with_cuda() -> str | None:
@@ -129,6 +157,10 @@ def report(comm: MPI.Intracomm | None = None, file: TextIO | None = sys.stdout) 
             f"ranks: {comm.size} on {len(hosts)} node(s); per node: "
             + ", ".join(f"{host} {count}" for host, count in hosts.items()),
             *_table(rows),
+            "settings (environment or mpidtensor.settings.update)",
+            *settings_lines(),
+            "process-wide effects",
+            *effects_lines(),
         ]
         if mislaunch is not None:
             lines += ["LAUNCH PROBLEM", f"  {mislaunch}"]

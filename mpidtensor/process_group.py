@@ -27,8 +27,9 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.futures import Future
 
-from .mesh import collectives
+from .mesh import abort, collectives
 from .mesh.exchange import exchange_rows
+from .runtime import effects
 
 __all__ = ["BACKEND", "init_process_group"]
 
@@ -41,7 +42,9 @@ _OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg"), (dist.ReduceOp.P
 def init_process_group(comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
     """Make torch.distributed's default group the ranks of ``comm`` (each with its rank
     there), its collectives carried by MPI; nothing if a default group exists already.
-    Collective over ``comm``. No store, port or launcher variable is needed."""
+    Collective over ``comm``. No store, port or launcher variable is needed. Like a first
+    mesh, it installs the abort hook: a rank that dies must not leave the others waiting."""
+    effects.install(abort.EFFECT)
     if dist.is_initialized():
         return
     if BACKEND not in dist.Backend.backend_list:

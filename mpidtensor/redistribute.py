@@ -31,6 +31,7 @@ from .mesh.prepared import (
     prepare_reduce_scatter,
 )
 from .placements import Partial, Placement, Replicate, Shard
+from .runtime import caches
 from .spec import DTensorSpec
 
 
@@ -165,7 +166,8 @@ class Restride:
 
 Step = AllGather | AllToAll | AllReduce | ReduceScatter | Chunk | ToPartial | Restride
 
-_PLANS: dict[tuple[DTensorSpec, DTensorSpec], tuple[Step, ...]] = {}
+# Plans by (source spec, target spec); specs hold their mesh, so freeing it clears these.
+_PLANS: dict[tuple[DTensorSpec, DTensorSpec], tuple[Step, ...]] = caches.cache("redistribute.plans", 4096)
 
 
 def plan(src: DTensorSpec, dst: DTensorSpec) -> tuple[Step, ...]:
@@ -173,6 +175,7 @@ def plan(src: DTensorSpec, dst: DTensorSpec) -> tuple[Step, ...]:
     key = (src, dst)
     steps = _PLANS.get(key)
     if steps is None:
+        src.mesh._require_live()  # a freed mesh's specs miss every cache and stop here
         steps = _merge(_plan(src, dst))
         order = _memory_order(dst.shape, dst.stride)
         if order != tuple(range(len(order))) and any(not isinstance(s, ToPartial) for s in steps):
@@ -192,7 +195,7 @@ def _memory_order(shape, stride) -> tuple[int, ...]:
 
 
 def clear_plans() -> None:
-    """Forget every cached redistribution plan."""
+    """Forget every cached redistribution plan (``mpidtensor.clear_cache()`` does this too)."""
     _PLANS.clear()
     _PREPARED.clear()
 
@@ -201,7 +204,7 @@ _MAKES_BUFFER = (AllGather, AllToAll, AllReduce, ReduceScatter)  # steps whose r
 
 # Plans of one collective, by (source spec, target spec): the collective as prepared on the
 # first plain tensor, so that a repeated redistribution is one dict lookup from MPI.
-_PREPARED: dict[tuple[DTensorSpec, DTensorSpec], Prepared] = {}
+_PREPARED: dict[tuple[DTensorSpec, DTensorSpec], Prepared] = caches.cache("redistribute.prepared", 4096)
 
 
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 from ._layout import local_shape_and_offset
 from .mesh import DeviceMesh
 from .placements import Placement
+from .runtime import caches
 
 
 class DTensorSpec:
@@ -67,3 +68,15 @@ class DTensorSpec:
     def local_shape_and_offset(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """This rank's local shape and its offset in the global tensor."""
         return local_shape_and_offset(self.shape, self.placements, self.mesh.shape, self.mesh._coord)
+
+
+def _forget_freed_meshes() -> None:
+    """Drop the interned specs of freed meshes (which no new tensor may use), so that the
+    meshes can be collected; the specs of live meshes stay interned (their identity is
+    their equality)."""
+    interned = DTensorSpec._interned
+    for key in [key for key, spec in interned.items() if spec.mesh._freed]:
+        del interned[key]
+
+
+caches.on_clear("spec.interned_on_freed_meshes", _forget_freed_meshes)

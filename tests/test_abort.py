@@ -7,6 +7,7 @@ import pytest
 
 from helpers import assert_all_ranks
 from mpidtensor.mesh import abort
+from mpidtensor.runtime.settings import settings
 from subjob import run_job
 
 RAISE_ON_RANK_1 = """
@@ -17,6 +18,7 @@ RAISE_ON_RANK_1 = """
     from mpidtensor.mesh import collectives
 
     comm = MPI.COMM_WORLD
+    mpidtensor.init_device_mesh("cpu", (comm.size,))  # the first mesh installs the hook
     comm.Barrier()
     if comm.rank == 1:
         print(f"RAISED={time.time()}", flush=True)
@@ -40,9 +42,8 @@ def test_opt_out_and_single_rank(monkeypatch: pytest.MonkeyPatch):
     """``MPIDTENSOR_ABORT_ON_EXCEPTION=0`` and a world of one rank install nothing."""
     monkeypatch.setattr(abort, "_installed", False)
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
-    monkeypatch.setenv("MPIDTENSOR_ABORT_ON_EXCEPTION", "0")
-    assert_all_ranks(abort.install() is False and sys.excepthook is sys.__excepthook__, "installed")
-    monkeypatch.delenv("MPIDTENSOR_ABORT_ON_EXCEPTION")
+    with settings.override(abort_on_exception=False):
+        assert_all_ranks(abort.install() is False and sys.excepthook is sys.__excepthook__, "installed")
     installed = abort.install()
     expected = abort.MPI.COMM_WORLD.size > 1
     assert_all_ranks(installed is expected and (sys.excepthook is not sys.__excepthook__) is expected,

@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor.mesh import buffers, collectives, tracing
+from mpidtensor.runtime.settings import settings
 from mpidtensor.mesh.collectives import (
     all_gather,
     all_reduce,
@@ -354,11 +355,11 @@ def test_buffers_stage_and_types():
     assert buffers.mpi_type(torch.complex32).Get_size() == 4
 
 
-def test_cuda_aware_override(monkeypatch):
-    monkeypatch.setenv("MPIDTENSOR_CUDA_AWARE", "1")
-    assert buffers.cuda_aware()
-    monkeypatch.setenv("MPIDTENSOR_CUDA_AWARE", "0")
-    assert not buffers.cuda_aware()
+def test_cuda_aware_override():
+    with settings.override(cuda_aware=True):  # MPIDTENSOR_CUDA_AWARE=1
+        assert buffers.cuda_aware()
+    with settings.override(cuda_aware=False):
+        assert not buffers.cuda_aware()
 
 
 def test_type_cache_frees_evicted_types():
@@ -397,18 +398,18 @@ def _check_cuda_matches_cpu() -> None:
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_cuda_host_staging(monkeypatch):
-    monkeypatch.setenv("MPIDTENSOR_CUDA_AWARE", "0")
-    _check_cuda_matches_cpu()
+def test_cuda_host_staging():
+    with settings.override(cuda_aware=False):  # MPIDTENSOR_CUDA_AWARE=0
+        _check_cuda_matches_cpu()
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_cuda_aware_cupy_path(monkeypatch):
+def test_cuda_aware_cupy_path():
     pytest.importorskip("cupy")
-    monkeypatch.delenv("MPIDTENSOR_CUDA_AWARE", raising=False)
-    if not all(WORLD.allgather(buffers.cuda_aware())):
-        pytest.skip("MPI is not CUDA-aware")
-    _check_cuda_matches_cpu()
+    with settings.override(cuda_aware=None):  # unset: ask MPI
+        if not all(WORLD.allgather(buffers.cuda_aware())):
+            pytest.skip("MPI is not CUDA-aware")
+        _check_cuda_matches_cpu()
 
 
 # ---------------------------------------------------------------- thresholds per MPI library

@@ -9,14 +9,16 @@ from mpi4py import MPI
 from helpers import assert_all_ranks
 from mpidtensor import envreport, launcher
 from mpidtensor.mesh import mpi_library
+from mpidtensor.runtime import effects
+from mpidtensor.runtime.settings import ENVIRONMENT, settings
 
 WORLD = MPI.COMM_WORLD
 
 
-def test_report_has_every_rank_and_the_library(monkeypatch):
-    monkeypatch.setenv("MPIDTENSOR_CUDA_AWARE", "0")
+def test_report_has_every_rank_and_the_library():
     out = io.StringIO()
-    text = envreport.report(file=out)
+    with settings.override(cuda_aware=False):  # MPIDTENSOR_CUDA_AWARE=0
+        text = envreport.report(file=out)
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rank", "host"])
     rows = [line.split() for line in lines[header + 1: header + 1 + WORLD.size]]
@@ -25,6 +27,16 @@ def test_report_has_every_rank_and_the_library(monkeypatch):
     assert_all_ranks(f"ranks: {WORLD.size} on" in text and lib.vendor in text and lib.vendor_version in text, text)
     assert_all_ranks("MPIDTENSOR_CUDA_AWARE:   0" in text and "staged through host memory" in text, text)
     assert_all_ranks(out.getvalue() == (text + "\n" if WORLD.rank == 0 else ""), "printed on a rank other than 0")
+
+
+def test_report_lists_every_setting_and_effect():
+    text = envreport.report(file=None)
+    with settings.override(timeout=7.5):
+        changed = envreport.report(file=None)
+    rows = {line.split()[0]: line.split() for line in changed.splitlines() if line.startswith("  MPIDTENSOR_")}
+    listed = all(f"  {env} " in text for env, *_ in ENVIRONMENT)
+    effects_listed = all(f"  {name} " in text for name, *_ in effects.describe())
+    assert_all_ranks(listed and effects_listed and rows["MPIDTENSOR_TIMEOUT"][1] == "7.5", changed)
 
 
 def test_node_local_ranks_cover_each_node():
@@ -43,7 +55,7 @@ def test_node_local_ranks_cover_each_node():
 
 def test_report_names_a_mislaunch(monkeypatch):
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", str(WORLD.size + 3))
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPIDTENSOR_LAUNCH_CHECK"):
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     text = envreport.report(file=None)
     assert_all_ranks(("LAUNCH PROBLEM" in text) == (WORLD.size == 1), text)

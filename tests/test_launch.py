@@ -4,11 +4,12 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks
 from mpidtensor.mesh import device_mesh, launch
+from mpidtensor.runtime.settings import settings
 
 WORLD = MPI.COMM_WORLD
 
 LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
-                 "SLURM_PROCID", launch.OPT_OUT)
+                 "SLURM_PROCID")
 
 # srun -n 4 with a PMI plugin the MPI library does not speak: the step says 4, MPI says 1.
 SRUN_STEP = {"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_ID": "77"}
@@ -36,10 +37,15 @@ def test_srun_step_of_single_rank_jobs_is_caught():
     {**SRUN_STEP, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1"},  # srun -n 1
     {"PMI_SIZE": "1", "SLURM_STEP_NUM_TASKS": "2"},   # mpiexec -n 1 whose proxies srun started
     {"OMPI_COMM_WORLD_SIZE": "1", "SLURM_STEP_NUM_TASKS": "2"},
-    {**SRUN_STEP, launch.OPT_OUT: "0"},               # the opt-out
 ])
 def test_sound_single_rank_launches_pass(env):
     assert_all_ranks(launch.mislaunch_message(1, env) is None, str(env))
+
+
+def test_the_opt_out_passes_a_mislaunch():
+    with settings.override(launch_check=False):  # MPIDTENSOR_LAUNCH_CHECK=0
+        assert_all_ranks(launch.mislaunch_message(1, SRUN_STEP) is None)
+    assert_all_ranks(launch.mislaunch_message(1, SRUN_STEP) is not None)
 
 
 @pytest.mark.parametrize("env", [
@@ -78,8 +84,7 @@ def test_building_a_mesh_runs_the_check(clean_env):
 
 def test_check_runs_once_and_respects_the_opt_out(clean_env):
     clean_env.setenv("SLURM_STEP_NUM_TASKS", "4")
-    clean_env.setenv(launch.OPT_OUT, "0")
-    launch.check_launch_once()
-    clean_env.delenv(launch.OPT_OUT)
+    with settings.override(launch_check=False):
+        launch.check_launch_once()
     launch.check_launch_once()  # already checked: not again
     assert_all_ranks(launch._checked)

@@ -6,6 +6,7 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks
 from mpidtensor.mesh import buffers, mpi_library
+from mpidtensor.runtime.settings import Settings, settings
 
 
 def test_finds_the_loaded_libmpi():
@@ -37,7 +38,7 @@ def test_query_answers_where_the_symbol_exists():
 def test_symbol_absent_gives_none_and_not_aware(monkeypatch):
     libc = ctypes.util.find_library("c")
     assert_all_ranks(mpi_library.query_cuda_support(libc) is None, "libc claims an answer")
-    monkeypatch.delenv("MPIDTENSOR_CUDA_AWARE", raising=False)
+    monkeypatch.setattr(settings, "cuda_aware", None)
     monkeypatch.setattr(mpi_library, "library_path", lambda: libc)
     monkeypatch.setattr(buffers, "query_cuda_support", mpi_library.query_cuda_support)
     buffers._mpi_cuda_support.cache_clear()
@@ -58,14 +59,14 @@ def test_library_not_found_gives_none(monkeypatch):
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("0", False)])
-def test_env_override_wins(monkeypatch, value, expected):
-    monkeypatch.setenv("MPIDTENSOR_CUDA_AWARE", value)
-    assert_all_ranks(buffers.cuda_aware() is expected)
+def test_env_override_wins(value, expected):
+    with settings.override(cuda_aware=Settings.from_environ({"MPIDTENSOR_CUDA_AWARE": value}).cuda_aware):
+        assert_all_ranks(buffers.cuda_aware() is expected)
 
 
-def test_unset_override_asks_the_library(monkeypatch):
-    monkeypatch.delenv("MPIDTENSOR_CUDA_AWARE", raising=False)
-    assert_all_ranks(buffers.cuda_aware() is bool(mpi_library.query_cuda_support()))
+def test_unset_override_asks_the_library():
+    with settings.override(cuda_aware=None):
+        assert_all_ranks(buffers.cuda_aware() is bool(mpi_library.query_cuda_support()))
 
 
 def test_mpi4py_build():

@@ -5,6 +5,7 @@ import pytest
 
 from helpers import assert_all_ranks
 from mpidtensor.mesh import watchdog
+from mpidtensor.runtime.settings import settings
 from subjob import run_job
 
 HANG = """
@@ -58,5 +59,5 @@ def test_no_false_alarm(tmp_path):
 
 
 def test_disabled_by_default():
-    assert_all_ranks(watchdog.TIMEOUT is None and not watchdog.ENABLED and watchdog._thread is None,
-                     f"watchdog on without MPIDTENSOR_TIMEOUT: {watchdog.TIMEOUT}")
+    assert_all_ranks(settings.timeout is None and not watchdog.ENABLED and watchdog._thread is None,
+                     f"watchdog on without MPIDTENSOR_TIMEOUT: {settings.timeout}")

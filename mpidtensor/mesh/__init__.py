@@ -1,11 +1,10 @@
 """Device meshes, their MPI communicators, and collectives on torch tensors.
 
-Importing this package (which any mpidtensor import does) installs the abort hook:
-an uncaught exception on one rank ends the job instead of hanging the others.
+Importing this package changes nothing outside it: the abort hook (an uncaught exception
+on one rank ends the job instead of hanging the others) is a process-wide effect
+installed when the first mesh is built (:mod:`mpidtensor.runtime.effects`).
 """
-from . import abort
+from . import abort  # noqa: F401  (registers the abort hook with the first-mesh effects)
 from .device_mesh import DeviceMesh, init_device_mesh
-
-abort.install()
 
 __all__ = ["DeviceMesh", "init_device_mesh"]

@@ -1,29 +1,37 @@
 """End the whole MPI job when one rank dies of an uncaught exception.
 
 Without this, the other ranks wait forever in their next collective. ``install``
-(called when mpidtensor is imported) chains a ``sys.excepthook`` that first lets the
-previous hook print the traceback, then calls ``MPI.COMM_WORLD.Abort(1)``. It
-installs nothing in a job of one rank, and nothing with
-``MPIDTENSOR_ABORT_ON_EXCEPTION=0``; interactive sessions (``python -i``) only print.
+(a process-wide effect, run when the first mesh is built or ``process_group.init_process_group``
+is called: :mod:`mpidtensor.runtime.effects`)
+chains a ``sys.excepthook`` that first lets the previous hook print the traceback, then
+calls ``MPI.COMM_WORLD.Abort(1)``. It installs nothing in a job of one rank, and nothing
+while ``settings.abort_on_exception`` is off (``MPIDTENSOR_ABORT_ON_EXCEPTION=0``; read
+again when an exception arrives); interactive sessions (``python -i``) only print.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from types import TracebackType
 
 from mpi4py import MPI
 
+from ..runtime.effects import effect
+from ..runtime.settings import settings
+
+EFFECT = "abort on uncaught exception"  # its name in runtime.effects
 _installed = False
 
 
+@effect(EFFECT, "first mesh",
+        "sys.excepthook: an uncaught exception on one rank aborts the MPI job (jobs of 2+ ranks; "
+        "MPIDTENSOR_ABORT_ON_EXCEPTION=0 disables)")
 def install() -> bool:
     """Install the aborting excepthook once; return whether it is installed."""
     global _installed
     if _installed:
         return True
-    if os.environ.get("MPIDTENSOR_ABORT_ON_EXCEPTION", "1") == "0" or MPI.COMM_WORLD.size == 1:
+    if not settings.abort_on_exception or MPI.COMM_WORLD.size == 1:
         return False
     previous = sys.excepthook
 
@@ -31,7 +39,7 @@ def install() -> bool:
         try:
             previous(exc_type, exc, tb)
         finally:
-            if not hasattr(sys, "ps1"):  # an interactive session carries on after the error
+            if settings.abort_on_exception and not hasattr(sys, "ps1"):  # an interactive session carries on
                 sys.stderr.write(f"[mpidtensor] rank {MPI.COMM_WORLD.rank}: uncaught {exc_type.__name__}; "
                                  "aborting the MPI job (MPIDTENSOR_ABORT_ON_EXCEPTION=0 disables)\n")
                 for stream in (sys.stdout, sys.stderr):

@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from functools import cache
 from typing import Any, Callable, Hashable
@@ -23,6 +22,7 @@ from mpi4py import MPI
 
 from .mpi_library import query_cuda_support
 from .pool import pool, tracked_empty
+from ..runtime.settings import settings
 
 _MPI_TYPES: dict[torch.dtype, MPI.Datatype] = {
     torch.float64: MPI.DOUBLE,
@@ -78,11 +78,10 @@ derived = _TypeCache(maxsize=256 + 2 * MPI.COMM_WORLD.size)
 
 
 def cuda_aware() -> bool:
-    """Whether MPI may be handed device pointers; ``MPIDTENSOR_CUDA_AWARE=0|1`` overrides."""
-    override = os.environ.get("MPIDTENSOR_CUDA_AWARE")
-    if override in ("0", "1"):
-        return override == "1"
-    return _mpi_cuda_support()
+    """Whether MPI may be handed device pointers: ``settings.cuda_aware``
+    (``MPIDTENSOR_CUDA_AWARE=0|1``) where set, else what the MPI library answers."""
+    override = settings.cuda_aware
+    return _mpi_cuda_support() if override is None else override
 
 
 @cache

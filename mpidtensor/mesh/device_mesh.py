@@ -5,7 +5,11 @@ coordinates. Every mesh dimension, and every group of dimensions taken together
 (a slice or a flattened view), is a ``Cart_sub`` of it. Communicators for single
 dimensions are made when the mesh is made; others on first use (a collective
 call, made by all ranks in the same order because plans are the same on all
-ranks) and then cached. ``free()`` releases them all.
+ranks) and then cached. ``free()`` releases them all and marks the mesh freed: every
+later use of it raises the same error on every rank (the mark is set by the collective
+``free()`` on all of them), and the caches that may hold its communicators are emptied.
+The first mesh built installs mpidtensor's process-wide effects
+(:mod:`mpidtensor.runtime.effects`).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Iterable, Sequence
 import torch
 from mpi4py import MPI
 
+from ..runtime import caches, effects
 from .cuda import bind_local_gpu
 from .launch import check_launch_once
 
@@ -103,6 +108,9 @@ class DeviceMesh:
         self._submeshes: dict[tuple[int, ...], DeviceMesh] = {}
         self._key = (device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names)
         self._hash = hash(self._key)
+        self._freed = False
+        self._synced_generators: set[int] = set()  # ids of generators ops.random made equal over it
+        effects.first_mesh()  # hooks and patches the user opts into by building a mesh
         if cart is not None:
             for dim in range(ranks.ndim):
                 self.comm_for((dim,))
@@ -155,6 +163,7 @@ class DeviceMesh:
 
     def __getitem__(self, names: str | Sequence[str]) -> "DeviceMesh":
         """The sub-mesh over the named dimensions that contains this rank."""
+        self._require_live()
         names = (names,) if isinstance(names, str) else tuple(names)
         dims = tuple(self._dim_index(n) for n in names)
         if list(dims) != sorted(set(dims)):
@@ -178,7 +187,7 @@ class DeviceMesh:
         use, then cached."""
         key = ("merged", dims, name)
         merged = self._submeshes.get(key)
-        if merged is None:
+        if merged is None or merged._freed:
             self._require_member()
             groups = [(d,) for d in range(self.ndim) if d < dims[0] and d not in dims] + [dims] \
                 + [(d,) for d in range(self.ndim) if d > dims[0] and d not in dims]
@@ -215,9 +224,20 @@ class DeviceMesh:
         return self._cart
 
     def free(self) -> None:
-        """Free every communicator this mesh (and its sub-meshes) created. Collective."""
+        """Free every communicator this mesh (and its sub-meshes) created. Collective.
+
+        The mesh is unusable afterwards: redistributing, distributing or wrapping tensors
+        on it, its communicators and its sub-meshes raise ``RuntimeError`` on every rank.
+        Cached plans that may hold its communicators are dropped. A second call does nothing."""
+        if self._freed:
+            return
+        self._release()
+        caches.mesh_freed()
+
+    def _release(self) -> None:
         for sub in self._submeshes.values():
-            sub.free()
+            if not sub._freed:
+                sub._release()
         for comm in self._subcomms.values():
             comm.Free()
         self._subcomms.clear()
@@ -226,12 +246,14 @@ class DeviceMesh:
         if self._cart is not None and self._cart != MPI.COMM_NULL:
             self._cart.Free()
         self._cart = None
+        self._freed = True
+        self._key = (*self._key, "freed", id(self))  # equal to no other mesh (the hash stays)
 
     # --- helpers ---------------------------------------------------------------------------
     def _submesh(self, dims: tuple[int, ...], names, flatten: bool = False) -> "DeviceMesh":
         key = dims + ((-1,) if flatten else ())
         sub = self._submeshes.get(key)
-        if sub is None:
+        if sub is None or sub._freed:  # a sub-mesh freed on its own is made anew
             self._require_member()
             comm = self._cart.Sub([d in dims for d in range(self.ndim)])
             index = tuple(slice(None) if d in dims else self._coord[d] for d in range(self.ndim))
@@ -254,7 +276,13 @@ class DeviceMesh:
             raise ValueError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-D mesh")
         return mesh_dim % self.ndim
 
+    def _require_live(self) -> None:
+        """Raise on every rank if the mesh was freed (``free()`` marks it on all of them)."""
+        if self._freed:
+            raise RuntimeError(f"{self!r} was freed (DeviceMesh.free()); build a new mesh to use its ranks")
+
     def _require_member(self) -> None:
+        self._require_live()
         if self._cart is None:
             raise ValueError(f"rank {self.get_rank()} is not part of this mesh {self.mesh.tolist()}")
 

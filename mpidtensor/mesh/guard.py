@@ -5,18 +5,28 @@ corrupts data in MPI. Under debug mode every collective first exchanges a small
 fingerprint with one ``allgather`` on its own communicator; every rank compares the
 same list, so a mismatch (or an argument error found on some ranks only) raises the
 same error on every rank, naming the collective, the ranks and what differs, before
-any data moves. The environment is read once at import: with ``ENABLED`` false the
-collectives skip this module entirely.
+any data moves. ``settings.debug`` turns it on (``settings.update(debug=True)`` on every
+rank alike); the collectives test the module flag ``ENABLED``, which a settings listener
+keeps equal to it, and skip this module entirely while it is false.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 from mpi4py import MPI
 
-ENABLED: bool = os.environ.get("MPIDTENSOR_DEBUG", "") not in ("", "0")
+from ..runtime.settings import settings
+
+ENABLED: bool = settings.debug  # read by every collective: a module flag, not a settings lookup
+
+
+def _debug_changed(value: bool) -> None:
+    global ENABLED
+    ENABLED = bool(value)
+
+
+settings.on_change("debug", _debug_changed)
 
 _MARK = "mpidtensor.guard"  # tells our fingerprints from a stray object a user collective sent
 _ERRORS = (ValueError, TypeError, IndexError)

@@ -5,7 +5,8 @@
 was built with, does not fail: every process starts as its own one-rank MPI
 job and the program runs N times over. The launcher still tells each process
 how many it started, so a world size of 1 against a launcher's count above 1 is
-caught when the first mesh is built. ``MPIDTENSOR_LAUNCH_CHECK=0`` turns it off.
+caught when the first mesh is built. ``settings.launch_check`` (``MPIDTENSOR_LAUNCH_CHECK=0``)
+turns it off.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Mapping
 
 from mpi4py import MPI
 
-OPT_OUT = "MPIDTENSOR_LAUNCH_CHECK"
+from ..runtime.settings import settings
+
+OPT_OUT = "MPIDTENSOR_LAUNCH_CHECK"  # named in the message; read as settings.launch_check
 
 # Set by the process manager that started this process, most specific first:
 # Open MPI's and MVAPICH's mpirun; PMI-1/PMI-2 (MPICH's Hydra, Intel MPI, srun --mpi=pmi2); any srun step.
@@ -34,8 +37,9 @@ def launched_size(environ: Mapping[str, str]) -> tuple[int, str] | None:
 
 
 def mislaunch_message(world_size: int, environ: Mapping[str, str]) -> str | None:
-    """The error for a launch that made single-rank jobs, or None if the launch is sound."""
-    if world_size != 1 or environ.get(OPT_OUT) == "0":
+    """The error for a launch that made single-rank jobs, or None if the launch is sound
+    (or ``settings.launch_check`` is off). ``environ`` holds the launcher's variables."""
+    if world_size != 1 or not settings.launch_check:
         return None
     launched = launched_size(environ)
     if launched is None or launched[0] <= 1:

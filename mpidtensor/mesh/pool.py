@@ -18,7 +18,8 @@ never overwritten. Limit: a bare ``untyped_storage()`` object kept with no tenso
 left on it does not count as a holder.
 
 The pool keeps at most ``PER_SIZE`` buffers of one size, ``MAX_SIZES`` sizes and
-``MPIDTENSOR_BUFFER_POOL_MB`` (default 512; 0 turns pooling off) in all, dropping
+``settings.buffer_pool_mb`` MiB (``MPIDTENSOR_BUFFER_POOL_MB``, default 512; 0 turns
+pooling off; a change resizes the pool at once) in all, dropping
 the least recently used idle sizes first; a request it cannot pool gets a fresh
 buffer, freed as usual. Hand-outs and returns are reported to :mod:`mesh.accounting`
 as allocations and frees; a buffer is known to be back when a scan or a request of
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import sys
 import threading
 from collections import OrderedDict
@@ -39,6 +39,7 @@ from math import prod
 import torch
 
 from . import accounting
+from ..runtime.settings import settings
 
 PER_SIZE = 4  # buffers of one dtype and shape
 MAX_SIZES = 1024  # distinct (dtype, shape) keys
@@ -132,6 +133,12 @@ class BufferPool:
             self._addresses.clear()
             self._bytes = 0
 
+    def resize(self, limit_bytes: int) -> None:
+        """Keep at most ``limit_bytes`` from now on, dropping idle buffers beyond it."""
+        with self._lock:
+            self.limit_bytes = limit_bytes
+            self._make_room(0)
+
     def _hand_out(self, buffer: _Buffer) -> None:
         buffer.out = True
         self._out_bytes += buffer.nbytes
@@ -206,4 +213,5 @@ def advise_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-pool = BufferPool(int(float(os.environ.get("MPIDTENSOR_BUFFER_POOL_MB", "512")) * 2**20))
+pool = BufferPool(int(settings.buffer_pool_mb * 2**20))
+settings.on_change("buffer_pool_mb", lambda mb: pool.resize(int(mb * 2**20)))

@@ -2,7 +2,8 @@
 
 MPI moves a non-blocking collective's data only inside MPI calls (MPICH and Open MPI
 without an async-progress thread), so a prefetched all-gather advances only when
-something calls MPI. Modes (``MPIDTENSOR_PROGRESS``, or ``set_mode``):
+something calls MPI. Modes (``settings.progress``, from ``MPIDTENSOR_PROGRESS``; ``set_mode``
+is ``settings.update(progress=...)``):
 
 * ``"off"`` (default): data moves only inside the waits; FSDP then issues its
   reduce-scatters blocking (``fsdp.comms.start_reduce_scatter``), which costs less CPU.
@@ -19,12 +20,13 @@ docs/mpi-settings.md ("FSDP overlap") has the measurements behind the default.
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 import time
 from typing import Protocol
 
 from mpi4py import MPI
+
+from ..runtime.settings import settings
 
 MODES = ("off", "hooks", "thread")
 
@@ -46,6 +48,11 @@ def set_mode(mode: str) -> None:
     """Choose ``"off"``, ``"hooks"`` or ``"thread"``, the same on every rank: it changes no
     result, but FSDP's reduce-scatter is blocking in ``"off"`` and non-blocking otherwise,
     and MPI matches a blocking collective with no non-blocking one."""
+    settings.update(progress=mode)
+
+
+def _apply(mode: str) -> None:
+    """The listener of ``settings.progress``: check the mode, start the thread it needs."""
     global _mode, _thread
     if mode not in MODES:
         raise ValueError(f"progress mode must be one of {MODES}, got {mode!r}")
@@ -109,4 +116,5 @@ def _stop() -> None:
 
 
 atexit.register(_stop)
-set_mode(os.environ.get("MPIDTENSOR_PROGRESS", "off"))
+settings.on_change("progress", _apply)
+_apply(settings.progress)

@@ -6,11 +6,11 @@ per timeout; when the slot has been held longer than the timeout it prints this
 rank's collective, communicator, sizes, the previous collective and the Python stack
 to stderr, then calls ``MPI.COMM_WORLD.Abort``. Every rank stuck in a collective
 reports for itself, so the reports show which collective each one waits in.
-The environment is read once at import; with ``ENABLED`` false nothing is recorded.
+The timeout is ``settings.timeout``; the collectives test the module flag ``ENABLED``
+(kept by a settings listener equal to "a timeout is set") and record nothing while it is false.
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -19,20 +19,20 @@ from typing import Any
 
 from mpi4py import MPI
 
-
-def _timeout_from_env() -> float | None:
-    raw = os.environ.get("MPIDTENSOR_TIMEOUT", "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"MPIDTENSOR_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    return value if value > 0 else None
+from ..runtime.settings import settings
 
 
-TIMEOUT: float | None = _timeout_from_env()
-ENABLED: bool = TIMEOUT is not None
+
+def _timeout_changed(value: float | None) -> None:
+    global ENABLED
+    ENABLED = value is not None and value > 0
+
+
+ENABLED: bool = False  # read by every collective: a module flag, kept by the listener
+_timeout_changed(settings.timeout)
+
+
+settings.on_change("timeout", _timeout_changed)
 
 # (kind, comm, details, start time, thread id) of the collective in progress, or None
 _current: tuple[str, MPI.Comm, dict[str, Any], float, int] | None = None
@@ -68,11 +68,11 @@ def _start() -> None:
 
 def _watch() -> None:
     """Poll the slot; abort the job once one collective has outlived the timeout."""
-    period = min(max(TIMEOUT / 4, 0.05), 1.0)
     while True:
-        time.sleep(period)
-        current = _current
-        if current is not None and time.monotonic() - current[3] > TIMEOUT:
+        timeout = settings.timeout
+        time.sleep(1.0 if timeout is None else min(max(timeout / 4, 0.05), 1.0))
+        current, timeout = _current, settings.timeout
+        if current is not None and ENABLED and time.monotonic() - current[3] > timeout:
             sys.stderr.write(report(current))
             sys.stderr.flush()
             time.sleep(0.5)  # let the launcher forward the report before Abort tears the job down
@@ -87,7 +87,7 @@ def report(current: tuple[str, MPI.Comm, dict[str, Any], float, int]) -> str:
     facts = ", ".join(f"{k}={v}" for k, v in details.items())
     return (
         f"\n[mpidtensor watchdog] rank {MPI.COMM_WORLD.rank}: stuck for {time.monotonic() - start:.1f} s "
-        f"(MPIDTENSOR_TIMEOUT={TIMEOUT:g}) in {kind} on {_describe(comm)}"
+        f"(MPIDTENSOR_TIMEOUT={settings.timeout or 0:g}) in {kind} on {_describe(comm)}"
         f"{': ' + facts if facts else ''}; previous collective: {_last or 'none'}; aborting the job.\n"
         f"Stack of the waiting thread (most recent call last):\n{stack}"
     )

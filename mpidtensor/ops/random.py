@@ -73,19 +73,16 @@ class Block:
         return index
 
 
-_SYNCED: set = set()  # (generator, mesh) pairs whose states were made equal
-
-
 def sync_default_generator(mesh, device: torch.device) -> None:
     """Give every rank of ``mesh`` the state of the default generator of ``device`` on the
-    mesh's first rank, once per mesh (collective over the mesh on its first call)."""
+    mesh's first rank, once per mesh (collective over the mesh on its first call). The mesh
+    keeps the generators it synced (``_synced_generators``): the record lives and dies with it."""
     gen = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
-    key = (id(gen), mesh)
-    if key in _SYNCED:
+    if id(gen) in mesh._synced_generators:
         return
     comm = mesh.comm
     gen.set_state(comm.bcast(gen.get_state() if comm.rank == 0 else None, root=0))
-    _SYNCED.add(key)
+    mesh._synced_generators.add(id(gen))
 
 
 def _mesh_device(mesh) -> torch.device:

@@ -20,6 +20,7 @@ import torch
 
 from .._layout import local_shape_and_offset, local_span
 from ..placements import Partial, Placement, Replicate, Shard
+from ..runtime.effects import effect
 from ..spec import DTensorSpec
 from .registry import OpCall, Sharding, cheapest, register
 
@@ -560,14 +561,19 @@ def _tensor_split_by_tensor(self: torch.Tensor, tensor_indices_or_sections: torc
     return aten.tensor_split.indices(self, split.tolist(), dim)
 
 
-def _register_tensor_split() -> torch.library.Library:
+_LIBRARIES: list[torch.library.Library] = []  # kept alive: dropping one restores torch's kernel
+
+
+@effect("aten::tensor_split kernel", "first mesh",
+        "aten::tensor_split.tensor_indices_or_sections: a kernel that also takes DTensor indices "
+        "replaces torch's composite one, for every tensor (the only dispatch key that runs before "
+        "a tensor subclass is seen); same results and errors for plain tensors")
+def _register_tensor_split() -> None:
     """Replace torch's composite kernel (for every tensor: the one dispatch key that runs
-    before a subclass is seen); the warning that a kernel is overridden is expected."""
+    before a subclass is seen); the warning that a kernel is overridden is expected. Done
+    at the first mesh: DTensors exist only from then on."""
     library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Oo]verrid")
         library.impl("tensor_split.tensor_indices_or_sections", _tensor_split_by_tensor, "CompositeImplicitAutograd")
-    return library
-
-
-_TENSOR_SPLIT_LIBRARY = _register_tensor_split()  # kept alive: dropping it restores torch's kernel
+    _LIBRARIES.append(library)

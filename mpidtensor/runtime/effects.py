@@ -8,6 +8,9 @@ installed then, once:
   that builds one runs distributed tensors; :func:`first_mesh` is called by the mesh);
 - ``"explicit"``: only when the user calls :func:`install` with its name.
 
+An installer that returns ``False`` had nothing to do (the abort hook in a job of one
+rank, or switched off) and is not counted as installed.
+
 :func:`describe` lists them (name, when, what it does, whether installed): the README's
 table of process-wide effects and ``python -m mpidtensor`` print it.
 """
@@ -56,8 +59,7 @@ def install(name: str) -> None:
     except KeyError:
         raise ValueError(f"no process-wide effect {name!r}; known: {sorted(_EFFECTS)}") from None
     if not found.installed:
-        found.setup()
-        found.installed = True
+        found.installed = found.setup() is not False
 
 
 def first_mesh() -> None:

@@ -112,15 +112,23 @@ class Settings:
         return cls(**values)
 
     def update(self, **changes: Any) -> None:
-        """Set fields by name (``TypeError`` for an unknown one) and tell their listeners."""
+        """Set fields by name (``TypeError`` for an unknown one) and tell their listeners;
+        a listener's error (say, a progress mode MPI cannot run) restores the old value."""
         known = {f.name for f in fields(self)}
         unknown = sorted(set(changes) - known)
         if unknown:
             raise TypeError(f"unknown mpidtensor settings {unknown}; known: {sorted(known)}")
         for name, value in changes.items():
+            before = getattr(self, name)
             object.__setattr__(self, name, value)
-            for listener in _LISTENERS.get(name, ()):
-                listener(value)
+            try:
+                for listener in _LISTENERS.get(name, ()):
+                    listener(value)
+            except BaseException:  # a listener refused the value: keep the old one everywhere
+                object.__setattr__(self, name, before)
+                for listener in _LISTENERS.get(name, ()):
+                    listener(before)
+                raise
 
     @contextmanager
     def override(self, **changes: Any) -> Iterator["Settings"]:
@@ -132,11 +140,14 @@ class Settings:
         finally:
             self.update(**before)
 
-    def on_change(self, name: str, listener: Callable[[Any], None]) -> None:
-        """Call ``listener(new_value)`` whenever ``name`` is updated."""
+    def on_change(self, name: str, listener: Callable[[Any], None]) -> Callable[[], None]:
+        """Call ``listener(new_value)`` whenever ``name`` is updated; returns the function
+        that unregisters it."""
         if name not in {f.name for f in fields(self)}:
             raise TypeError(f"unknown mpidtensor setting {name!r}")
-        _LISTENERS.setdefault(name, []).append(listener)
+        listeners = _LISTENERS.setdefault(name, [])
+        listeners.append(listener)
+        return lambda: listeners.remove(listener)
 
 
 _LISTENERS: dict[str, list[Callable[[Any], None]]] = {}

@@ -14,6 +14,8 @@ import functools
 
 import torch
 
+from ...runtime import caches
+
 
 def check_balanced_length(seq_len: int, cp: int) -> None:
     """Raise ValueError unless ``seq_len`` splits into ``2 * cp`` equal chunks."""
@@ -39,3 +41,7 @@ def head_tail_inverse(seq_len: int, cp: int, device: torch.device = torch.device
     """The inverse permutation of :func:`head_tail_order`: ``balanced[inverse]`` is in natural order."""
     order = head_tail_order(seq_len, cp, device)
     return torch.empty_like(order).scatter_(0, order, torch.arange(seq_len, device=device))
+
+
+caches.on_clear("context_parallel.head_tail_order", head_tail_order.cache_clear, holds_meshes=False)
+caches.on_clear("context_parallel.head_tail_inverse", head_tail_inverse.cache_clear, holds_meshes=False)
