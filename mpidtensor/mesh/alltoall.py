@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
+from ..runtime import caches
 from . import base, guard, recorders
 from .base import TRACED, Run, Types, beyond, check_dim, check_sizes, enter, leave, limits, piece_counts, resized
 from .buffers import as_buffer, derived, empty, host_buffer, mpi_type, stage, unstage
@@ -120,6 +121,9 @@ def _layout(shape: torch.Size, itemsize: int, split_dim: int, concat_dim: int, s
     send_only = not landing_later and prod(whole[:split_dim]) != 1
     thresholds = base.ALLTOALL_PACK_SEND_MIN if send_only else base.ALLTOALL_PACKED_MIN
     return split_dim, concat_dim, result, fits and beyond(thresholds, size, total)
+
+
+caches.on_clear("all-to-all layouts", _layout.cache_clear, holds_meshes=False)
 
 
 def _typed_runner(comm: MPI.Intracomm, shape: tuple[int, ...], send_blocks: tuple, recv_blocks: tuple,

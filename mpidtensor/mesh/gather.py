@@ -17,6 +17,7 @@ from typing import NamedTuple, Sequence
 import torch
 from mpi4py import MPI
 
+from ..runtime import caches
 from . import base, guard, recorders, self_gathering
 from .base import TRACED, Run, Types, beyond, check_dim, check_sizes, enter, leave, limits, piece_counts, resized
 from .buffers import as_buffer, derived, empty, host_buffer, mpi_type, stage, unstage
@@ -68,6 +69,9 @@ def _layout(shape: torch.Size, dtype: torch.dtype, dim: int, sizes: tuple[int, .
     runs = rows == 1 and (mode != "padded" or tail_padded)
     return _Gather(dim, counts, starts, mpi_type(dtype), mode, width, resized(shape, dim, sum(sizes)),
                    runs, rows, tuple(c // rows if rows else 0 for c in counts))
+
+
+caches.on_clear("all-gather layouts", _layout.cache_clear, holds_meshes=False)
 
 
 def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, *, dim: int, sizes: Sequence[int]) -> torch.Tensor:

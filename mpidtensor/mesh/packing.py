@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from ..runtime import caches
 from .base import Run, resized
 from .buffers import empty, stage
 
@@ -77,3 +78,9 @@ def from_rank_order(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) ->
         out.view(blocks).copy_(flat.view(packed).transpose(0, 1))
         return out
     return strided
+
+
+for _name, _cached in (("rank-order packings", to_rank_order), ("per-piece packings", _per_piece),
+                       ("rank-order unpackings", from_rank_order)):
+    caches.on_clear(_name, _cached.cache_clear, holds_meshes=False)
+del _name, _cached

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
+from ..runtime import caches
 from . import base, guard, recorders
 from .base import TRACED, ReduceOp, Run, check_dim, check_sizes, enter, leave, piece_counts, reduction, resized
 from .buffers import as_buffer, empty, host_buffer, mpi_type, stage, unstage
@@ -132,6 +133,9 @@ def _reduce_scatter_layout(shape: torch.Size, dtype: torch.dtype, op: str, dim: 
     leading = (shape[dim], *shape[:dim], *shape[dim + 1:])
     return (dim, reduce_dtype, mpi_op, mpi_type(reduce_dtype), piece_counts(leading, 0, sizes),
             resized(leading, 0, sizes[rank]))
+
+
+caches.on_clear("reduce-scatter layouts", _reduce_scatter_layout.cache_clear, holds_meshes=False)
 
 
 def _reduce_scatter_runner(comm: MPI.Intracomm, datatype: MPI.Datatype, mpi_op: MPI.Op, op: str, counts: list[int],
