@@ -48,9 +48,9 @@ MAX_COUNT: int | None = None if MPI.Get_version() >= (4, 0) else 2**31 - 1
 TUNABLES = ("ALLTOALL_PACKED_MIN", "ALLTOALL_PACK_SEND_MIN", "ALLGATHER_PADDED_MIN", "GATHER_TYPED_MAX",
             "MAX_COUNT")
 
-# Tensors that exist only while torch.compile traces. A kind hands them to the custom op
-# of its name in ``TRACED_OPS``, which ``compiled`` fills when imported (``collectives``
-# imports it): the kinds do not import ``compiled``, whose ops call them.
+# Tensors that exist only while torch.compile traces. A kind hands them to the entry of its
+# name in ``TRACED_OPS`` (a call of a custom op), which ``compiled`` fills when imported
+# (``collectives`` imports it): the kinds do not import ``compiled``, whose ops call them.
 TRACED = (FakeTensor, FunctionalTensor)
 TRACED_OPS: dict[str, Callable[..., torch.Tensor]] = {}
 
