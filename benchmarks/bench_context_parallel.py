@@ -24,7 +24,7 @@ repetitions in which the timed variants take turns (the same machine load for ea
 * **overlap** (cp > 1): **compute ms** is the step with the ring's exchange replaced by
   no communication (``exchange.shift`` returns a buffer of zeros: the same kernels on
   wrong data); **exchange ms** the same messages (recorded from a step through
-  ``mesh.tracing``: the ``ring_shift`` kind; **exchange MiB** their sum) sent alone, one
+  ``mesh.recorders``: the ``ring_shift`` kind; **exchange MiB** their sum) sent alone, one
   after another, by the ring's own ``exchange.shift``; **waited ms** the time the step
   spent in the exchanges' ``wait()`` (what the computation did not hide, waiting for a
   slower neighbour included); **hidden** = 1 - waited / exchange.
@@ -56,7 +56,7 @@ from mpidtensor import init_device_mesh  # noqa: E402
 from mpidtensor.experimental import context_parallel, set_rotate_method  # noqa: E402
 from mpidtensor.experimental._context_parallel import exchange  # noqa: E402
 from mpidtensor.memory import max_memory_reserved, memory_reserved, reset_peak_memory_stats  # noqa: E402
-from mpidtensor.mesh import tracing  # noqa: E402
+from mpidtensor.mesh import recorders  # noqa: E402
 
 world = MPI.COMM_WORLD
 RESULTS = HERE / "results"
@@ -168,11 +168,11 @@ def recorded_shifts(run_step: Callable[[], float]) -> list[int]:
         if kind == "ring_shift":
             sizes.append(nbytes)
 
-    tracing.push(recorder)
+    recorders.push(recorder)
     try:
         run_step()
     finally:
-        tracing.pop(recorder)
+        recorders.pop(recorder)
     return sizes
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .dtensor import DTensor
-from .mesh import tracing
+from .mesh import recorders
 
 
 class CommDebugMode:
@@ -28,11 +28,11 @@ class CommDebugMode:
     def __enter__(self) -> "CommDebugMode":
         self.counts.clear()
         self.bytes.clear()
-        tracing.push(self._recorder)
+        recorders.push(self._recorder)
         return self
 
     def __exit__(self, *exc) -> None:
-        tracing.pop(self._recorder)
+        recorders.pop(self._recorder)
 
     def get_total_counts(self) -> int:
         return sum(self.counts.values())

@@ -23,7 +23,7 @@ from torch._prims_common import compute_elementwise_output_logical_to_physical_p
 
 from ._layout import chunk_sizes, chunk_span, local_span, nested_sizes
 from .mesh import collectives
-from .mesh.prepared import (
+from .mesh.collectives import (
     Prepared,
     prepare_all_gather,
     prepare_all_reduce,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from mpidtensor.mesh import tracing
+from mpidtensor.mesh import recorders
 
 WORLD = MPI.COMM_WORLD
 
@@ -49,11 +49,11 @@ class CollectiveLog:
         self.calls.append(kind)
 
     def __enter__(self) -> "CollectiveLog":
-        tracing.push(self)
+        recorders.push(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        tracing.pop(self)
+        recorders.pop(self)
 
 
 def raises_everywhere(exc: type, fn, match: str = "", comm=WORLD) -> None:

@@ -9,7 +9,7 @@ import torch
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
-from mpidtensor.mesh import buffers, collectives, tracing
+from mpidtensor.mesh import alltoall, base, buffers, collectives, recorders
 from mpidtensor.runtime.settings import settings
 from mpidtensor.mesh.collectives import (
     all_gather,
@@ -304,7 +304,7 @@ def test_bad_sizes_raise_before_communicating():
     def recorder(kind: str, nbytes: int) -> None:
         calls.append(kind)
 
-    tracing.push(recorder)
+    recorders.push(recorder)
     try:
         with pytest.raises(ValueError):
             all_gather(torch.ones(2, 3), WORLD, dim=0, sizes=[1] * SIZE)
@@ -316,7 +316,7 @@ def test_bad_sizes_raise_before_communicating():
             all_to_all(torch.ones(SIZE, 2), WORLD, split_dim=0, concat_dim=-2, split_sizes=[1] * SIZE,
                        concat_sizes=[2] * SIZE)
     finally:
-        tracing.pop(recorder)
+        recorders.pop(recorder)
     assert_all_ranks(calls == [], f"recorded {calls}")
 
 
@@ -327,19 +327,19 @@ def test_tracing_records_each_collective():
     outer, inner = [], []
     outer_rec = lambda kind, nbytes: outer.append((kind, nbytes))  # noqa: E731
     inner_rec = lambda kind, nbytes: inner.append((kind, nbytes))  # noqa: E731
-    tracing.push(outer_rec)
+    recorders.push(outer_rec)
     x = torch.ones(SIZE, 2)
     all_reduce(x, WORLD)
-    tracing.push(inner_rec)
+    recorders.push(inner_rec)
     all_gather(x, WORLD, dim=0, sizes=[SIZE] * SIZE)
     broadcast(x, WORLD, 0)
-    tracing.pop(inner_rec)
-    tracing.pop(outer_rec)
+    recorders.pop(inner_rec)
+    recorders.pop(outer_rec)
     all_reduce(x, WORLD)
     assert_all_ranks(inner == [("all_gather", x.nbytes), ("broadcast", x.nbytes if RANK == 0 else 0)], str(inner))
     assert_all_ranks(outer == [("all_reduce", x.nbytes)] + inner, str(outer))
     with pytest.raises(ValueError):
-        tracing.pop(outer_rec)
+        recorders.pop(outer_rec)
 
 
 def test_buffers_stage_and_types():
@@ -426,8 +426,8 @@ def test_thresholds_follow_the_loaded_library():
                      == (loaded["alltoall_packed"], loaded["alltoall_pack_send"], loaded["allgather_padded"]))
     assert_all_ranks(collective_thresholds("Intel MPI") == collective_thresholds("MPICH"))
     big = 32 << 20
-    assert_all_ranks(not any(collectives._beyond(t, 4, 4 * big) for t in collective_thresholds("Open MPI").values()))
-    assert_all_ranks(all(collectives._beyond(t, 4, 4 * big) for t in collective_thresholds("MPICH").values()))
+    assert_all_ranks(not any(base.beyond(t, 4, 4 * big) for t in collective_thresholds("Open MPI").values()))
+    assert_all_ranks(all(base.beyond(t, 4, 4 * big) for t in collective_thresholds("MPICH").values()))
 
 
 @pytest.mark.parametrize("shape,split_dim,concat_dim,split_sizes,concat_sizes,packed", [
@@ -443,12 +443,12 @@ def test_packed_all_to_all_choice(monkeypatch, shape, split_dim, concat_dim, spl
     """Which threshold applies: the send-side one where only the input's pieces are strided,
     the general one where the received pieces land along a later dim too, none for uneven
     pieces landing along a later dim (Alltoallw's receive datatypes place them in place)."""
-    shape = collectives._resized(shape, concat_dim, concat_sizes[0])
+    shape = base.resized(shape, concat_dim, concat_sizes[0])
     chosen = []
     for general, send in (((1, 0),), ((1, 1 << 62),)), (((1, 1 << 62),), ((1, 0),)):
         monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", general)
         monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", send)
-        chosen.append(collectives._all_to_all_layout(torch.Size(shape), 4, split_dim, concat_dim, split_sizes,
-                                                     concat_sizes, 2, 0, collectives._limits())[3])
+        chosen.append(alltoall._layout(torch.Size(shape), 4, split_dim, concat_dim, split_sizes,
+                                       concat_sizes, 2, 0, base.limits())[3])
     want = {"both": [True, False], "send": [False, True], "never": [False, False]}[packed]
     assert_all_ranks(chosen == want, f"packed {chosen} for {shape} {split_sizes} {concat_sizes}")

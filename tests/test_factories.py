@@ -9,7 +9,7 @@ from helpers import assert_all_ranks, assert_close
 from mpidtensor import Partial, Replicate, Shard, distribute_tensor
 from mpidtensor import factories
 from mpidtensor._layout import local_shape_and_offset
-from mpidtensor.mesh import tracing
+from mpidtensor.mesh import recorders
 
 PLACEMENTS_1D = [[Shard(0)], [Shard(1)], [Replicate()]]
 PLACEMENTS_2D = [[Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(1)], [Shard(1), Replicate()]]
@@ -41,14 +41,14 @@ def test_constant_factories_1d(mesh1d, placements):
     def record(kind, nbytes):
         calls.append(kind)
 
-    tracing.push(record)
+    recorders.push(record)
     try:
         z = factories.zeros(7, 9, device_mesh=mesh1d, placements=placements)
         o = factories.ones((7, 9), dtype=torch.float64, device_mesh=mesh1d, placements=placements)
         f = factories.full(shape, 3, device_mesh=mesh1d, placements=placements)
         e = factories.empty(torch.Size(shape), requires_grad=True, device_mesh=mesh1d, placements=placements)
     finally:
-        tracing.pop(record)
+        recorders.pop(record)
     assert_all_ranks(calls == [], f"factories communicated: {calls}")
     _check(z, shape, placements, mesh1d, torch.zeros(shape))
     _check(o, shape, placements, mesh1d, torch.ones(shape, dtype=torch.float64), torch.float64)

@@ -187,7 +187,7 @@ def test_local_layout_follows_global_strides(mesh1d, dst):
 def test_2d_all_reduce_of_a_gathered_buffer_is_in_place(mesh2d, monkeypatch):
     """[P, S(0)] -> [R, R] gathers, then all-reduces the gathered buffer with MPI_IN_PLACE;
     the input's local tensor is left as it was."""
-    from mpidtensor.mesh import collectives
+    from mpidtensor.mesh import reduce
 
     parts = [global_tensor((8, 6), seed=s) for s in (1, 2)]
     row, col = mesh2d.get_coordinate()
@@ -195,13 +195,13 @@ def test_2d_all_reduce_of_a_gathered_buffer_is_in_place(mesh2d, monkeypatch):
     kept = local.clone()
     d = DTensor.from_local(local, mesh2d, [Partial(), Shard(0)], shape=(8, 6), stride=(6, 1))
     calls = []
-    real = collectives._all_reduce_fn  # makes the MPI call of all_reduce and of its prepared form
+    real = reduce._all_reduce_runner  # makes the MPI call of all_reduce and of its prepared form
 
     def spy(comm, datatype, mpi_op, op, inplace, host=False):
         calls.append(inplace)
         return real(comm, datatype, mpi_op, op, inplace, host)
 
-    monkeypatch.setattr(collectives, "_all_reduce_fn", spy)
+    monkeypatch.setattr(reduce, "_all_reduce_runner", spy)
     clear_plans()  # the step prepares its all-reduce in this test (an earlier one may have)
     out = d.redistribute(mesh2d, [Replicate(), Replicate()]).to_local()
     assert_close(out, parts[0] + parts[1])

@@ -7,18 +7,27 @@ results handed back are never overwritten by later calls; later calls skip the g
 collective functions; and every input the fast path does not take (non-contiguous,
 debug mode, changed thresholds, a dtype reduced in another one) still gives the right result.
 """
+import sys
+
 import pytest
 import torch
 from mpi4py import MPI
 
 from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from mpidtensor.mesh import buffers, collectives, guard
+from mpidtensor.mesh import alltoall, buffers, collectives, guard
 from mpidtensor.redistribute import clear_plans
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank
 CALLS = 3  # the first prepares, the others take the fast path
+
+
+def refuse(monkeypatch, kind: str, refused) -> None:
+    """Replace the general function ``kind`` where callers reach it (``collectives``) and where
+    its prepared form falls back to it (its kind's module)."""
+    monkeypatch.setattr(sys.modules[getattr(collectives, kind).__module__], kind, refused)
+    monkeypatch.setattr(collectives, kind, refused)
 
 
 def placement(text: str):
@@ -119,7 +128,7 @@ def test_later_calls_skip_the_general_functions(mesh1d, monkeypatch, src, dst, k
 
     def refused(*args, **kwargs):
         raise AssertionError(f"{kind}: the general function ran on a prepared step")
-    monkeypatch.setattr(collectives, kind, refused)
+    refuse(monkeypatch, kind, refused)
     with CollectiveLog() as log:
         second = x.redistribute(mesh1d, target).to_local()
     assert_all_ranks(log.calls == [kind], f"collectives {log.calls}")
@@ -143,7 +152,7 @@ def test_prepared_packed_all_to_all(mesh1d, monkeypatch, shape, src, dst):
     try:
         x = source(global_tensor(shape), mesh1d, src)
         check_repeated(x, mesh1d, dst, calls=1)  # prepares the collective
-        monkeypatch.setattr(collectives, "all_to_all", lambda *a, **k: pytest.fail("the general all_to_all ran"))
+        refuse(monkeypatch, "all_to_all", lambda *a, **k: pytest.fail("the general all_to_all ran"))
         check_repeated(x, mesh1d, dst)
     finally:
         clear_plans()
@@ -174,8 +183,8 @@ def test_changed_thresholds_are_followed(mesh1d, monkeypatch):
     x = source(full, mesh1d, "S0")
     check_repeated(x, mesh1d, "S1", calls=1)  # prepared with the Alltoallw path
     packed = []
-    real = collectives._all_to_all_packed_fn
-    monkeypatch.setattr(collectives, "_all_to_all_packed_fn", lambda *a: (packed.append(1), real(*a))[1])
+    real = alltoall._packed_runner
+    monkeypatch.setattr(alltoall, "_packed_runner", lambda *a: (packed.append(1), real(*a))[1])
     monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
     monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", ((1, 0),))
     check_repeated(x, mesh1d, "S1", calls=2)

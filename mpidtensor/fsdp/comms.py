@@ -19,7 +19,7 @@ from mpi4py import MPI
 from ..mesh import progress
 from ..mesh.nonblocking import Handle, iall_gather, ireduce_scatter
 from ..mesh.pool import pool, tracked_empty
-from ..mesh.prepared import Prepared, prepare_reduce_scatter
+from ..mesh.collectives import Prepared, prepare_reduce_scatter
 
 
 class _Done:

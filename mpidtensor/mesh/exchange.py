@@ -10,9 +10,8 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
-from . import guard, tracing, watchdog
+from . import base, guard, recorders, watchdog
 from .buffers import as_buffer, empty, mpi_type, stage, unstage
-from .collectives import MAX_COUNT
 from .rounds import offsets
 
 __all__ = ["exchange_rows"]
@@ -37,7 +36,7 @@ def exchange_rows(tensor: torch.Tensor, comm: MPI.Intracomm, *, send_rows: Seque
     out = empty((sum(recv_rows), *tensor.shape[1:]), send)
     datatype = mpi_type(send.dtype)
     sent, received = [r * width for r in send_rows], [r * width for r in recv_rows]
-    tracing.record("exchange_rows", send.nbytes)
+    recorders.record("exchange_rows", send.nbytes)
     if watchdog.ENABLED:
         watchdog.enter("exchange_rows", comm, {"dtype": tensor.dtype, "counts": sent})
     try:
@@ -60,6 +59,7 @@ def _check_rows(tensor: torch.Tensor, comm: MPI.Intracomm, send_rows: tuple, rec
         raise ValueError(f"exchange_rows: send_rows {send_rows} add up to {sum(send_rows)}, "
                          f"the tensor has {tensor.shape[0]} rows")
     width = prod(tensor.shape[1:])
-    if MAX_COUNT is not None and max(sum(send_rows), sum(recv_rows)) * width > MAX_COUNT:
-        raise ValueError(f"exchange_rows of more than {MAX_COUNT} elements needs an MPI-4 library")
+    max_count = base.MAX_COUNT
+    if max_count is not None and max(sum(send_rows), sum(recv_rows)) * width > max_count:
+        raise ValueError(f"exchange_rows of more than {max_count} elements needs an MPI-4 library")
     return width

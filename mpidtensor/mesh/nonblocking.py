@@ -5,7 +5,7 @@ last group's reduce-scatter) and keep computing while MPI moves the data. Each
 returns a :class:`Handle`; the result is valid only after ``handle.wait()``, and the
 buffers stay referenced by the handle until then. Every rank must start the same
 collectives on a communicator in the same order (MPI's rule for non-blocking
-collectives). Each start reports itself to ``tracing.record`` like the blocking ones.
+collectives). Each start reports itself to ``recorders.record`` like the blocking ones.
 
 Inputs are 1-D C-contiguous tensors whose size is a multiple of the communicator
 size where pieces are involved (FSDP pads every shard to the same length), so the
@@ -18,9 +18,9 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from . import progress, tracing
+from . import progress, recorders
+from .base import ReduceOp, reduction
 from .buffers import as_buffer, empty, mpi_type, stage
-from .collectives import ReduceOp, _reduction
 
 
 class Handle:
@@ -67,7 +67,7 @@ def iall_gather(send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor | Non
     src = stage(send)
     dst = out if out.device == src.device else empty((numel,), out)
     datatype = mpi_type(send.dtype)
-    tracing.record("all_gather", src.nbytes)
+    recorders.record("all_gather", src.nbytes)
     request = comm.Iallgather([as_buffer(src), src.numel(), datatype], [as_buffer(dst), src.numel(), datatype])
     return Handle(request, (src, dst), lambda: out if dst is out else out.copy_(dst))
 
@@ -80,7 +80,7 @@ def ireduce_scatter(
     _check_flat(send)
     if send.numel() % comm.size:
         raise ValueError(f"{send.numel()} elements do not split into {comm.size} equal pieces")
-    dtype, mpi_op = _reduction(send.dtype, op)
+    dtype, mpi_op = reduction(send.dtype, op)
     piece = send.numel() // comm.size
     if out is None:
         out = torch.empty(piece, dtype=send.dtype, device=send.device)
@@ -89,7 +89,7 @@ def ireduce_scatter(
     src = stage(send, dtype)
     dst = out if (out.device == src.device and out.dtype == dtype) else empty((piece,), out, dtype)
     datatype = mpi_type(dtype)
-    tracing.record("reduce_scatter", src.nbytes)
+    recorders.record("reduce_scatter", src.nbytes)
     request = comm.Ireduce_scatter_block([as_buffer(src), piece, datatype], [as_buffer(dst), piece, datatype], mpi_op)
     return Handle(request, (src, dst), lambda: _finish_reduction(dst, out, op, comm.size))
 
@@ -98,11 +98,11 @@ def iall_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum",
     """Start reducing 1-D ``tensor`` elementwise over all ranks; the result goes into
     ``tensor`` itself if ``inplace``, else into a new tensor."""
     _check_flat(tensor)
-    dtype, mpi_op = _reduction(tensor.dtype, op)
+    dtype, mpi_op = reduction(tensor.dtype, op)
     out = tensor if inplace else torch.empty_like(tensor)
     src = stage(tensor, dtype, copy=not inplace)  # in place: ``tensor`` itself unless staged
     datatype = mpi_type(dtype)
-    tracing.record("all_reduce", src.nbytes)
+    recorders.record("all_reduce", src.nbytes)
     request = comm.Iallreduce(MPI.IN_PLACE, [as_buffer(src), src.numel(), datatype], mpi_op)
     return Handle(request, (src,), lambda: _finish_reduction(src, out, op, comm.size))
 

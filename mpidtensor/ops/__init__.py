@@ -1,2 +1,15 @@
 """Sharding rules, one module per op family; importing this package registers them."""
-from . import indexing, losses, matrix, nn, pointwise, random, reductions, registry, tensor_ops, views  # noqa: F401
+from . import (  # noqa: F401
+    advanced_indexing,
+    gather_scatter,
+    losses,
+    matrix,
+    nn,
+    pointwise,
+    random,
+    reductions,
+    registry,
+    sorting,
+    tensor_ops,
+    views,
+)

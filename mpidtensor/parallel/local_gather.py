@@ -22,7 +22,7 @@ import torch
 
 from .._layout import chunk_sizes, chunk_span, contiguous_strides
 from ..dtensor import DTensor
-from ..mesh.prepared import prepare_all_gather, prepare_reduce_scatter
+from ..mesh.collectives import prepare_all_gather, prepare_reduce_scatter
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec
 from .direct_apply import direct_apply

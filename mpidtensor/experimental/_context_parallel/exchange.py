@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
-from ...mesh import collectives, tracing
+from ...mesh import collectives, recorders
 from ...mesh.buffers import as_buffer, empty, mpi_type, stage, unstage
 
 
@@ -71,7 +71,7 @@ def shift(send: torch.Tensor, receive_numel: int, comm: MPI.Intracomm, tag: int)
     send = stage(send)
     received = empty((receive_numel,), send)
     datatype = mpi_type(send.dtype)
-    tracing.record("ring_shift", send.nbytes)
+    recorders.record("ring_shift", send.nbytes)
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     requests = [comm.Irecv([as_buffer(received), receive_numel, datatype], source=left, tag=tag),
                 comm.Isend([as_buffer(send), send.numel(), datatype], dest=right, tag=tag)]

@@ -3,11 +3,13 @@
 While Dynamo compiles a frame it runs every op on fake tensors, and AOTAutograd
 (``aot_eager``, ``inductor``) traces a DTensor's ``__torch_dispatch__`` down to the
 ops on its local tensors. Both reach the collectives a sharding plan runs, which can
-neither move fake data nor be traced through mpi4py. :mod:`collectives` therefore
-sends fake and functional tensors here, to custom ops ``mpidtensor::all_gather``...:
-their fake kernels give the result's shape, their real kernels call the collective
-on real tensors. Fake propagation gets shapes, and an AOT graph records a call that
-communicates when the graph runs.
+neither move fake data nor be traced through mpi4py. Each kind (``gather``,
+``alltoall``, ``reduce``) therefore hands fake and functional tensors to the entry
+points this module registers in ``base.TRACED_OPS``, which call custom ops
+``mpidtensor::all_gather``...: their fake kernels give the result's shape, their real
+kernels call the collective on real tensors. Fake propagation gets shapes, and an AOT
+graph records a call that communicates when the graph runs. (Importing this module
+registers the ops; ``collectives`` does.)
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
-from . import collectives
+from . import alltoall, base, gather, reduce
 
 _COMMS: list[MPI.Comm] = []  # a custom op takes ints, not communicators: the graph keeps the index
 _COMM_IDS: dict[int, int] = {}  # id(comm) -> index; the list keeps every comm alive
@@ -38,7 +40,7 @@ def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 @torch.library.custom_op("mpidtensor::all_gather", mutates_args=())
 def all_gather_op(tensor: torch.Tensor, comm: int, dim: int, sizes: list[int]) -> torch.Tensor:
-    return collectives.all_gather(tensor, _COMMS[comm], dim=dim, sizes=sizes)
+    return gather.all_gather(tensor, _COMMS[comm], dim=dim, sizes=sizes)
 
 
 @all_gather_op.register_fake
@@ -50,8 +52,8 @@ def _(tensor, comm, dim, sizes):
 def all_to_all_op(
     tensor: torch.Tensor, comm: int, split_dim: int, concat_dim: int, split_sizes: list[int], concat_sizes: list[int]
 ) -> torch.Tensor:
-    return collectives.all_to_all(tensor, _COMMS[comm], split_dim=split_dim, concat_dim=concat_dim,
-                                  split_sizes=split_sizes, concat_sizes=concat_sizes)
+    return alltoall.all_to_all(tensor, _COMMS[comm], split_dim=split_dim, concat_dim=concat_dim,
+                               split_sizes=split_sizes, concat_sizes=concat_sizes)
 
 
 @all_to_all_op.register_fake
@@ -64,7 +66,7 @@ def _(tensor, comm, split_dim, concat_dim, split_sizes, concat_sizes):
 
 @torch.library.custom_op("mpidtensor::all_reduce", mutates_args=())
 def all_reduce_op(tensor: torch.Tensor, comm: int, op: str) -> torch.Tensor:
-    return collectives.all_reduce(tensor, _COMMS[comm], op)
+    return reduce.all_reduce(tensor, _COMMS[comm], op)
 
 
 @all_reduce_op.register_fake
@@ -74,7 +76,7 @@ def _(tensor, comm, op):
 
 @torch.library.custom_op("mpidtensor::reduce_scatter", mutates_args=())
 def reduce_scatter_op(tensor: torch.Tensor, comm: int, op: str, dim: int, sizes: list[int]) -> torch.Tensor:
-    return collectives.reduce_scatter(tensor, _COMMS[comm], op, dim=dim, sizes=sizes)
+    return reduce.reduce_scatter(tensor, _COMMS[comm], op, dim=dim, sizes=sizes)
 
 
 @reduce_scatter_op.register_fake
@@ -82,7 +84,7 @@ def _(tensor, comm, op, dim, sizes):
     return _resized(tensor, dim, sizes[_COMMS[comm].rank])
 
 
-# --- what collectives calls for a fake or functional tensor ------------------------------------
+# --- what a kind calls for a fake or functional tensor (``base.TRACED_OPS``) -------------------
 
 def all_gather(tensor: torch.Tensor, comm: MPI.Intracomm, dim: int, sizes: Sequence[int]) -> torch.Tensor:
     return all_gather_op(tensor, _comm_id(comm), dim, list(sizes))
@@ -99,3 +101,7 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: str) -> torch.Tens
 
 def reduce_scatter(tensor: torch.Tensor, comm: MPI.Intracomm, op: str, dim: int, sizes: Sequence[int]) -> torch.Tensor:
     return reduce_scatter_op(tensor, _comm_id(comm), op, dim, list(sizes))
+
+
+base.TRACED_OPS.update(all_gather=all_gather, all_to_all=all_to_all, all_reduce=all_reduce,
+                       reduce_scatter=reduce_scatter)
