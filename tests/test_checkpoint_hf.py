@@ -17,7 +17,7 @@ pytest.importorskip("safetensors")
 from helpers import assert_all_ranks, assert_close, raises_everywhere  # noqa: E402
 from mpidtensor import DTensor, init_device_mesh  # noqa: E402
 from mpidtensor.checkpoint import CheckpointError  # noqa: E402
-from mpidtensor.checkpoint.huggingface import HuggingFaceStorageReader, HuggingFaceStorageWriter  # noqa: E402
+from mpidtensor.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter  # noqa: E402
 from mpidtensor.fsdp import fully_shard  # noqa: E402
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
