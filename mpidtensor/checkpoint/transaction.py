@@ -25,9 +25,10 @@ save (:func:`save`), collective over ``comm``:
 
 load (:func:`load`): the targets flattened the format's way; rank 0 reads the
 checkpoint's description (:meth:`LoadFormat.open`: an index, a ``.metadata``, headers)
-for every rank; one ``allgather`` of the targets' metadata, from which the format lists
-what does not fit (:meth:`~LoadFormat.target_errors`), raised on every rank before any
-data moves; each rank fills its boxes (:meth:`~LoadFormat.read_boxes`); one
+for every rank; one ``allgather`` of the targets' metadata, checked against what the
+checkpoint holds (:meth:`~LoadFormat.contents`, :func:`target_errors`: keys, kinds,
+shapes, dtypes, subclass layouts), raised on every rank before any data moves; each rank
+fills its boxes (:meth:`~LoadFormat.read_boxes`); one
 ``allgather`` agrees on errors and on problems found (checksums); the values of the
 non-tensor leaves are put back into the state dict.
 
@@ -38,19 +39,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from mpi4py import MPI
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..mesh.agreement import attempt, on_rank0, portable, raise_agreed, raise_first
-from . import io, shards, tree
+from . import io, opaque, shards, tree
 from .errors import raise_if
 from .metadata import gc_paused, torch_leaves
 from .storage import StorageReader, StorageWriter
 
-__all__ = ["Job", "LoadFormat", "SaveFormat", "commit_on_rank0", "load", "remove_stale", "save", "start_save"]
+__all__ = ["Job", "LoadFormat", "SaveFormat", "SavedTensor", "commit_on_rank0", "load", "remove_stale", "save",
+           "start_save", "target_errors"]
 
 
 @dataclass
@@ -81,6 +83,15 @@ class Job:
     def boxes(self, i: int) -> list[tuple]:
         """Every rank's box of the tensor leaf ``i``, in rank order."""
         return [metas[i][1][2] for metas in self.metas]
+
+
+class SavedTensor(NamedTuple):
+    """A tensor leaf as a checkpoint holds it: what a load checks its targets against."""
+
+    shape: tuple[int, ...]
+    dtype: str  # its name (:data:`.shards.DTYPE_NAMES`; torch's for a dtype without one)
+    boxes: list[tuple]  # the saved boxes, ``(start, shape)``
+    cls: Any  # the subclass stored opaquely (:mod:`.opaque`), None for a plain tensor, ``...`` when unknown
 
 
 class SaveFormat(StorageWriter):
@@ -150,9 +161,12 @@ class LoadFormat(StorageReader):
         gets; ``FileNotFoundError`` or ``CheckpointError`` when there is none or it is corrupt."""
         raise NotImplementedError
 
-    def target_errors(self, job: Job) -> list[str]:
-        """Why the targets do not fit the checkpoint: decided from every rank's metadata
-        (:attr:`Job.metas`), so alike on every rank."""
+    #: Why the format holds only tensors, when it does (a value target is refused with it).
+    values_refused: str | None = None
+
+    def contents(self, job: Job) -> dict[str, SavedTensor | None]:
+        """Each saved leaf by flat key, from :attr:`Job.saved`: a tensor's
+        :class:`SavedTensor`, None for a value."""
         raise NotImplementedError
 
     def read_boxes(self, job: Job) -> tuple[list[str], dict[int, Any]]:
@@ -198,7 +212,8 @@ def load(fmt: LoadFormat, state_dict: Any, comm: MPI.Intracomm) -> None:
     unloadable = [shards.unloadable(leaf.fqn, leaf.value) for leaf in leaves]
     gathered = comm.allgather((mine, [p for p in unloadable if p]))
     job = Job(fmt.path, comm, state_dict, leaves, [metas for metas, _ in gathered], saved)
-    raise_if(fmt.target_errors(job) + [p for _, problems in gathered for p in problems])
+    raise_if(target_errors(fmt.contents(job), job.metas, fmt.values_refused)
+             + [p for _, problems in gathered for p in problems])
     outcome, error = attempt(fmt.read_boxes, job)
     problems, values = outcome if error is None else ([], {})
     outcomes = comm.allgather((problems, portable(error)))
@@ -206,6 +221,39 @@ def load(fmt: LoadFormat, state_dict: Any, comm: MPI.Intracomm) -> None:
     raise_if([p for rank_problems, _ in outcomes for p in rank_problems])
     for i, value in values.items():
         tree.put(state_dict, leaves[i].keys, value)
+
+
+def target_errors(contents: dict[str, SavedTensor | None], metas_by_rank: list[list[tuple]],
+                  values_refused: str | None = None) -> list[str]:
+    """Why the targets (every rank's metadata: the same verdict on every rank) do not fit
+    the checkpoint's ``contents``: a missing key, a value for a tensor or the reverse, a
+    shape or dtype mismatch, a plain tensor for a subclass or the reverse, a subclass
+    whose target boxes are not saved ones (opaque blocks are not resharded)."""
+    errors, opaque_targets = [], {}
+    for metas in metas_by_rank:
+        for key, meta in metas:
+            saved = contents.get(key, False)
+            if meta is None and values_refused:
+                errors.append(f"{key!r} is not a tensor; {values_refused}")
+            elif saved is False:
+                errors.append(f"missing key {key!r} in the checkpoint")
+            elif (meta is None) != (saved is None):
+                kinds = ("a value", "a tensor")
+                errors.append(f"{key!r} is {kinds[meta is not None]} in the state dict but "
+                              f"{kinds[saved is not None]} in the checkpoint")
+            elif meta is not None:
+                if tuple(meta[0]) != saved.shape:
+                    errors.append(f"shape mismatch for {key!r}: checkpoint {saved.shape}, state dict {tuple(meta[0])}")
+                if meta[1] != saved.dtype:
+                    errors.append(f"dtype mismatch for {key!r}: checkpoint {saved.dtype}, state dict {meta[1]}")
+                if saved.cls is not ...:
+                    errors.append(opaque.kind_error(key, saved.cls, meta[3]))
+                cls = meta[3] if saved.cls is ... else saved.cls
+                if cls is not None:
+                    opaque_targets.setdefault(key, (cls, saved.boxes, []))[2].append(meta[2])
+    for key, (cls, boxes, targets) in opaque_targets.items():
+        errors.append(opaque.layout_error(key, cls, boxes, targets))
+    return [e for e in errors if e]
 
 
 def commit_on_rank0(comm: MPI.Intracomm, part: Any, error: BaseException | None,

@@ -45,7 +45,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
@@ -55,7 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 from .. import io, opaque, shards
 from ..errors import CheckpointError
 from ..metadata import Leaf, describe, torch_leaves
-from ..transaction import Job, LoadFormat, SaveFormat
+from ..transaction import Job, LoadFormat, SavedTensor, SaveFormat
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
 
@@ -188,30 +187,6 @@ def _read_metadata(directory: str) -> Metadata:
     return metadata
 
 
-def _target_errors(metadata: Metadata, metas: list) -> list[str]:
-    """What keeps the leaves ``metas`` (one rank's) from being loaded from ``metadata``."""
-    errors = []
-    for key, meta in metas:
-        saved = metadata.state_dict_metadata.get(key)
-        if saved is None:
-            errors.append(f"missing key {key!r} in the checkpoint")
-        elif (meta is None) != isinstance(saved, BytesStorageMetadata):
-            kinds = ("a value", "a tensor")
-            errors.append(f"{key!r} is {kinds[meta is not None]} in the state dict but "
-                          f"{kinds[isinstance(saved, TensorStorageMetadata)]} in the checkpoint")
-        elif meta is not None:
-            if tuple(saved.size) != tuple(meta[0]):
-                errors.append(f"shape mismatch for {key!r}: checkpoint {tuple(saved.size)}, state dict {meta[0]}")
-            dtype = shards.DTYPE_NAMES.get(saved.properties.dtype, str(saved.properties.dtype))
-            if dtype != meta[1]:
-                errors.append(f"dtype mismatch for {key!r}: checkpoint {dtype}, state dict {meta[1]}")
-    for key, meta in metas:  # a subclass target's box must be a saved chunk
-        saved = metadata.state_dict_metadata.get(key)
-        if meta is not None and meta[3] is not None and isinstance(saved, TensorStorageMetadata):
-            errors.append(opaque.layout_error(key, meta[3], [(c.offsets, c.sizes) for c in saved.chunks], [meta[2]]))
-    return [e for e in errors if e]
-
-
 class FileSystemReader(LoadFormat):
     """Reads a checkpoint in torch DCP's layout (written by torch or by
     :class:`FileSystemWriter`) into any layout at any world size."""
@@ -226,8 +201,13 @@ class FileSystemReader(LoadFormat):
     def open(self) -> Metadata:
         return _read_metadata(self.path)
 
-    def target_errors(self, job: Job) -> list[str]:
-        return [e for metas in job.metas for e in _target_errors(job.saved, metas)]
+    def contents(self, job: Job) -> dict[str, SavedTensor | None]:
+        """The kind of a tensor's chunks (plain or a subclass) shows only when they are
+        read (``...``): the metadata does not say."""
+        return {key: SavedTensor(tuple(md.size), shards.DTYPE_NAMES.get(md.properties.dtype, str(md.properties.dtype)),
+                                 [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks], ...)
+                if isinstance(md, TensorStorageMetadata) else None
+                for key, md in job.saved.state_dict_metadata.items()}
 
     def read_boxes(self, job: Job) -> tuple[list[str], dict[int, Any]]:
         """Fill this rank's box of each tensor leaf from the files; each other leaf's value,

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from .. import io, opaque, shards, tree
 from ..errors import CheckpointError
 from ..metadata import describe, torch_leaves
-from ..transaction import Job, LoadFormat, SaveFormat, start_save
+from ..transaction import Job, LoadFormat, SavedTensor, SaveFormat, start_save
 
 try:  # ISA-L's CRC-32 (the same checksum as zlib's) runs at 10-30 GB/s, zlib's at ~1
     from isal.isal_zlib import crc32 as _crc32
@@ -154,37 +154,14 @@ class NativeReader(LoadFormat):
         index = read_index(self.path)
         return index, {e["key"]: e for e in index["entries"]}
 
-    def target_errors(self, job: Job) -> list[str]:
-        """Keys, kinds, shapes, dtypes; an opaque leaf's targets are subclasses holding
-        saved boxes (:mod:`..opaque`)."""
-        entries = job.saved[1]
-        errors, targets = [], {}
-        for metas in job.metas:
-            for key, meta in metas:
-                entry = entries.get(key)
-                if entry is None:
-                    errors.append(f"missing key {key!r} in the checkpoint")
-                elif (meta is None) != ("tensor" not in entry):
-                    kinds = ("a value", "a tensor")
-                    errors.append(f"{key!r} is {kinds[meta is not None]} in the state dict but "
-                                  f"{kinds['tensor' in entry]} in the checkpoint")
-                elif meta is not None:
-                    saved = entry["tensor"]
-                    if list(meta[0]) != saved["shape"]:
-                        errors.append(f"shape mismatch for {key!r}: checkpoint {tuple(saved['shape'])}, "
-                                      f"state dict {tuple(meta[0])}")
-                    if meta[1] != saved["dtype"]:
-                        errors.append(f"dtype mismatch for {key!r}: checkpoint {saved['dtype']}, "
-                                      f"state dict {meta[1]}")
-                    cls = saved["class"] if saved.get("encoding") == TORCH_SAVE else None
-                    errors.append(opaque.kind_error(key, cls, meta[3]))
-                    if cls is not None:
-                        targets.setdefault(key, []).append(meta[2])
-        for key, boxes in targets.items():
-            saved = entries[key]["tensor"]
-            errors.append(opaque.layout_error(key, saved["class"],
-                                              [(b["start"], b["shape"]) for b in saved["blocks"]], boxes))
-        return [e for e in errors if e]
+    def contents(self, job: Job) -> dict[str, SavedTensor | None]:
+        contents = {}
+        for key, entry in job.saved[1].items():
+            meta = entry.get("tensor")
+            contents[key] = meta and SavedTensor(
+                tuple(meta["shape"]), meta["dtype"], [(tuple(b["start"]), tuple(b["shape"])) for b in meta["blocks"]],
+                meta["class"] if meta.get("encoding") == TORCH_SAVE else None)
+        return contents
 
     def read_boxes(self, job: Job) -> tuple[list[str], dict[int, Any]]:
         index, entries = job.saved

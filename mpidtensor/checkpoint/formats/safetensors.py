@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from .. import io, opaque, shards
 from ..errors import CheckpointError
 from ..metadata import describe, torch_leaves
-from ..transaction import Job, LoadFormat, SaveFormat, start_save
+from ..transaction import Job, LoadFormat, SavedTensor, SaveFormat, start_save
 
 __all__ = ["HuggingFaceStorageWriter", "HuggingFaceStorageReader"]
 
@@ -299,29 +299,12 @@ def scan(directory: str) -> dict[str, Stored]:
     return tensors
 
 
-def _target_errors(tensors: dict[str, Stored], metas: list[tuple]) -> list[str]:
-    """What keeps the leaves ``metas`` (one rank's) from being loaded from ``tensors``."""
-    errors = []
-    for key, meta in metas:
-        stored = tensors.get(key)
-        if meta is None:
-            errors.append(f"{key!r} is not a tensor; safetensors hold tensors only")
-        elif stored is None:
-            errors.append(f"missing key {key!r} in the checkpoint")
-        elif stored.shape != tuple(meta[0]):
-            errors.append(f"shape mismatch for {key!r}: checkpoint {stored.shape}, state dict {tuple(meta[0])}")
-        elif stored.dtype != shards.DTYPES.get(meta[1]):
-            dtype = shards.DTYPES.get(meta[1], meta[1])  # a dtype a checkpoint cannot hold is named as torch names it
-            errors.append(f"dtype mismatch for {key!r}: checkpoint {stored.dtype}, state dict {dtype}")
-        elif meta[3]:
-            errors.append(opaque.kind_error(key, None, meta[3]))
-    return errors
-
-
 class HuggingFaceStorageReader(LoadFormat):
     """Reads Hugging Face safetensors weights (``model.safetensors``, an index with
     several files, or torch's shard files) into a state dict of any layout.
     ``thread_count`` is accepted for torch's call shape (each rank reads its own parts)."""
+
+    values_refused = "safetensors hold tensors only"
 
     def __init__(self, path: str | os.PathLike, thread_count: int = 1) -> None:
         super().__init__(path)
@@ -336,8 +319,9 @@ class HuggingFaceStorageReader(LoadFormat):
     def open(self) -> dict[str, Stored]:
         return scan(self.path)
 
-    def target_errors(self, job: Job) -> list[str]:
-        return [e for metas in job.metas for e in _target_errors(job.saved, metas)]
+    def contents(self, job: Job) -> dict[str, SavedTensor]:
+        return {key: SavedTensor(stored.shape, shards.DTYPE_NAMES.get(stored.dtype, str(stored.dtype)),
+                                 [chunk.box for chunk in stored.chunks], None) for key, stored in job.saved.items()}
 
     def read_boxes(self, job: Job) -> tuple[list[str], dict[int, Any]]:
         reader = io.Reader(self.path)
