@@ -148,6 +148,9 @@ class LoadFormat(StorageReader):
     """A storage reader whose ``read`` is :func:`load`; a format subclasses it with its
     decoding."""
 
+    #: Why the format holds only tensors, when it does (a value target is refused with it).
+    values_refused: str | None = None
+
     def read(self, state_dict: Any, comm: MPI.Intracomm) -> None:
         """Fill ``state_dict`` in place from the checkpoint. Collective."""
         load(self, state_dict, comm)
@@ -160,9 +163,6 @@ class LoadFormat(StorageReader):
         """Rank 0 alone: the checkpoint's description (:attr:`Job.saved`), which every rank
         gets; ``FileNotFoundError`` or ``CheckpointError`` when there is none or it is corrupt."""
         raise NotImplementedError
-
-    #: Why the format holds only tensors, when it does (a value target is refused with it).
-    values_refused: str | None = None
 
     def contents(self, job: Job) -> dict[str, SavedTensor | None]:
         """Each saved leaf by flat key, from :attr:`Job.saved`: a tensor's

@@ -1,10 +1,11 @@
 """torch.distributed.checkpoint's file layout, both ways: ``FileSystemWriter`` /
-``FileSystemReader``, so that checkpoints move between torch DCP and mpidtensor.
+``FileSystemReader`` (torch's module path: :mod:`..filesystem`), so that checkpoints
+move between torch DCP and mpidtensor; the steps of :mod:`..transaction` they fill in.
 
 The layout (torch 2.x, ``filesystem.py``): a directory holding ``.metadata``, a pickled
 ``torch.distributed.checkpoint.metadata.Metadata``, and data files ``__<rank>_<n>.distcp``.
-The state dict is flattened torch's way (:func:`.metadata.torch_leaves`). In
-``Metadata`` (:mod:`.metadata` builds it; ``save`` returns it), ``state_dict_metadata``
+The state dict is flattened torch's way (:func:`..metadata.torch_leaves`). In
+``Metadata`` (:mod:`..metadata` builds it; ``save`` returns it), ``state_dict_metadata``
 gives each flat key a ``TensorStorageMetadata`` (properties, global size, the saved
 chunks as (offsets, sizes) boxes, in the order of the ranks that wrote them) or a
 ``BytesStorageMetadata``; ``planner_data`` maps each flat key to its path of keys;
@@ -24,7 +25,7 @@ checkpoints only) and broadcasts it; each rank reads only the saved chunks that 
 the box it holds of each target (resharding by box intersection: any layout, any world
 size), ``torch.load`` reading each straight from its byte range of the file (one copy;
 268 MB at 4 ranks loaded in 0.33 s against torch DCP's 0.58 s on a loaded 2-core node).
-A tensor subclass (:mod:`.opaque`, e.g. torchao's ``NF4Tensor``) is saved as torch
+A tensor subclass (:mod:`..opaque`, e.g. torchao's ``NF4Tensor``) is saved as torch
 saves it (``torch.save`` of each rank's local block) and loaded only into a target whose
 box is a saved chunk (``copy_`` of the loaded chunk). The metadata does not say which
 chunks are subclasses: a chunk that loads as a subclass into a plain target, or as a

@@ -1,5 +1,6 @@
 """Hugging Face safetensors checkpoints, both ways: ``HuggingFaceStorageWriter`` /
-``HuggingFaceStorageReader`` with the call shape of ``torch.distributed.checkpoint``'s.
+``HuggingFaceStorageReader`` with the call shape of ``torch.distributed.checkpoint``'s
+(its module path: :mod:`..hf_storage`); the steps of :mod:`..transaction` they fill in.
 
 Writing, consolidated (``save_distributed=False``, or ``enable_consolidation=True``):
 ``model-0000i-of-0000n.safetensors`` files (which tensor goes to which: the
@@ -17,10 +18,12 @@ would prefer it).
 
 Writing, sharded (``save_distributed=True, enable_consolidation=False``): each rank
 writes its boxes into ``shard-<rank+1>-model-0000i-of-0000n.safetensors`` with torch's
-``DCP_SHARDING_INFO`` (each tensor's offset in the global one) in the header metadata.
+``DCP_SHARDING_INFO`` (each tensor's offset in the global one) in the header metadata,
+under a temporary name that rank 0 replaces once every rank has written, then removes
+the shard files of earlier saves.
 
 Both return the torch ``Metadata`` of the save on every rank
-(:meth:`HuggingFaceStorageWriter._metadata`).
+(:meth:`HuggingFaceStorageWriter.metadata`).
 
 Reading: one ``model.safetensors``, an index with several files, or torch's shard
 files; each rank reads only the bytes of its box of each target (resharding by box
