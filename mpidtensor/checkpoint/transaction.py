@@ -208,9 +208,9 @@ def load(fmt: LoadFormat, state_dict: Any, comm: MPI.Intracomm) -> None:
     """Fill ``state_dict`` in place through ``fmt`` (the steps in the module docstring)."""
     leaves = fmt.leaves(state_dict)
     saved = on_rank0(comm, fmt.open)
-    mine = [shards.leaf_meta(leaf.fqn, leaf.value) for leaf in leaves]
+    metas = [shards.leaf_meta(leaf.fqn, leaf.value) for leaf in leaves]
     unloadable = [shards.unloadable(leaf.fqn, leaf.value) for leaf in leaves]
-    gathered = comm.allgather((mine, [p for p in unloadable if p]))
+    gathered = comm.allgather((metas, [p for p in unloadable if p]))
     job = Job(fmt.path, comm, state_dict, leaves, [metas for metas, _ in gathered], saved)
     raise_if(target_errors(fmt.contents(job), job.metas, fmt.values_refused)
              + [p for _, problems in gathered for p in problems])
