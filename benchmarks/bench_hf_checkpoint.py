@@ -28,7 +28,7 @@ import transformers
 from mpi4py import MPI
 
 import mpidtensor
-from mpidtensor.checkpoint.huggingface import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from mpidtensor.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_checkpoint import remove, scratch_directory, timed  # noqa: E402

@@ -11,8 +11,9 @@ from mpi4py import MPI
 from helpers import assert_all_ranks, assert_close, global_tensor
 import mpidtensor.checkpoint as dcp
 from mpidtensor import DTensor, DeviceMesh, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
-from mpidtensor.checkpoint import format as fmt
 from mpidtensor.checkpoint import io as ckpt_io
+from mpidtensor.checkpoint import shards
+from mpidtensor.checkpoint.formats import native
 
 WORLD = MPI.COMM_WORLD
 R = Replicate()
@@ -185,7 +186,7 @@ def test_replicas_spread_over_writers(mesh1d, ckpt_dir):
     tensors = {f"r{i}": global_tensor((6, 5), seed=i) for i in range(4)}
     state = {k: distribute_tensor(v, mesh1d, [R]) if i % 2 else v for i, (k, v) in enumerate(tensors.items())}
     dcp.save(state, ckpt_dir)
-    index = fmt.read_index(ckpt_dir)
+    index = native.read_index(ckpt_dir)
     files = [b["file"] for e in index["entries"] for b in e["tensor"]["blocks"]]
     assert_all_ranks(len(files) == 4 and len(set(files)) == min(4, WORLD.size) == len(index["data_files"]),
                      f"{files} {index['data_files']}")
@@ -207,17 +208,17 @@ def write_version1(directory: str, tensors: dict, boxes: dict, values: dict) -> 
             f.seek(end)
             f.write(raw.tobytes())
             blocks = [{"start": list(start), "shape": list(shape),
-                       "crc32": fmt.crc32(t[ckpt_io.relative((start, shape), ((0,) * t.ndim, t.shape))]
+                       "crc32": native.crc32(t[ckpt_io.relative((start, shape), ((0,) * t.ndim, t.shape))]
                                           .contiguous().reshape(-1).view(torch.uint8).numpy())}
                       for start, shape in boxes[key]]
-            meta = {"dtype": fmt.dtype_name(t.dtype), "shape": list(t.shape), "offset": end,
+            meta = {"dtype": shards.dtype_name(t.dtype), "shape": list(t.shape), "offset": end,
                     "nbytes": raw.nbytes, "blocks": blocks}
             entries.append({"key": key, "path": [["d", key]], "tensor": meta})
             end += raw.nbytes
         f.truncate(end)
     entries += [{"key": k, "path": [["d", k]], "value": v} for k, v in values.items()]
-    index = {"format": fmt.FORMAT, "version": 1, "data_file": name, "data_bytes": end, "entries": entries}
-    with open(os.path.join(directory, fmt.INDEX), "w") as f:
+    index = {"format": native.FORMAT, "version": 1, "data_file": name, "data_bytes": end, "entries": entries}
+    with open(os.path.join(directory, native.INDEX), "w") as f:
         json.dump(index, f)
 
 
@@ -240,7 +241,7 @@ def test_reads_format_version_1(mesh1d, ckpt_dir):
     plain = dcp.load_plain(ckpt_dir) if WORLD.rank == 0 else tensors
     assert_all_ranks(all(torch.equal(plain[k], v) for k, v in tensors.items()), "load_plain")
     if WORLD.rank == 0:
-        index = fmt.read_index(ckpt_dir)
+        index = native.read_index(ckpt_dir)
         flip_byte(os.path.join(ckpt_dir, index["data_file"]), index["entries"][0]["tensor"]["offset"] + 60)
     WORLD.Barrier()
     target = {"w": zeros_like_layout(tensors["w"], mesh1d, [Shard(1)]), "v": torch.zeros(5, dtype=torch.int32)}
@@ -248,8 +249,8 @@ def test_reads_format_version_1(mesh1d, ckpt_dir):
         dcp.load(target, ckpt_dir)
     dcp.save({k: distribute_tensor(v, mesh1d, [Shard(0)]) for k, v in tensors.items()}, ckpt_dir)
     files = sorted(os.listdir(ckpt_dir))
-    index = fmt.read_index(ckpt_dir)
-    assert_all_ranks(index["version"] == 2 and files == sorted([fmt.INDEX, *index["data_files"]]), f"{files}")
+    index = native.read_index(ckpt_dir)
+    assert_all_ranks(index["version"] == 2 and files == sorted([native.INDEX, *index["data_files"]]), f"{files}")
 
 
 def flip_byte(path: str, offset: int) -> None:
@@ -266,7 +267,7 @@ def test_truncated_data_file_fails_everywhere(mesh1d, ckpt_dir):
     t = global_tensor((8, 32), seed=4)
     dcp.save({"a": distribute_tensor(t, mesh1d, [Shard(0)])}, ckpt_dir)
     if WORLD.rank == 0:
-        index = fmt.read_index(ckpt_dir)
+        index = native.read_index(ckpt_dir)
         path = os.path.join(ckpt_dir, index["data_files"][-1])
         os.truncate(path, os.path.getsize(path) // 2)
     WORLD.Barrier()
@@ -321,7 +322,7 @@ def test_flipped_byte_is_detected(mesh1d, ckpt_dir):
     tensors = {"a": global_tensor((8, 3), seed=1), "b": global_tensor((5,), seed=2)}
     dcp.save({"a": distribute_tensor(tensors["a"], mesh1d, [Shard(0)]), "b": tensors["b"]}, ckpt_dir)
     if WORLD.rank == 0:
-        index = fmt.read_index(ckpt_dir)
+        index = native.read_index(ckpt_dir)
         block = index["entries"][1]["tensor"]["blocks"][0]  # "b"
         flip_byte(os.path.join(ckpt_dir, index["data_files"][block["file"]]), block["offset"] + 6)
     WORLD.Barrier()

@@ -12,7 +12,8 @@ from mpi4py import MPI
 from helpers import assert_all_ranks, global_tensor, raises_everywhere
 import mpidtensor.checkpoint as dcp
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
-from mpidtensor.checkpoint import format as fmt
+from mpidtensor.checkpoint import io as ckpt_io
+from mpidtensor.checkpoint.formats import native
 from mpidtensor.checkpoint.stateful import Stateful
 
 WORLD = MPI.COMM_WORLD
@@ -106,12 +107,12 @@ def test_stateful_failure_on_one_rank(mesh1d, ckpt_dir):
     checkpoint stays); load_state_dict() raising there fails the load everywhere; both
     errors name the object and the rank."""
     dcp.save({"app": Counter(sharded(mesh1d), 1)}, ckpt_dir)
-    before = fmt.read_index(ckpt_dir)
+    before = native.read_index(ckpt_dir)
     last = WORLD.size - 1
     raises_everywhere(dcp.CheckpointError, lambda: dcp.save({"app": Counter(sharded(mesh1d, seed=5), 2, "state_dict")},
                                                             ckpt_dir),
                       f"state_dict() of 'app': RuntimeError: state_dict broke (on rank {last})")
-    assert_all_ranks(fmt.read_index(ckpt_dir) == before, "the failed save changed the index")
+    assert_all_ranks(native.read_index(ckpt_dir) == before, "the failed save changed the index")
     target = {"app": Counter(distribute_tensor(torch.zeros(7, 5), mesh1d, [Shard(1)]), 0, "load_state_dict")}
     raises_everywhere(dcp.CheckpointError, lambda: dcp.load(target, ckpt_dir),
                       f"load_state_dict() of 'app': KeyError: 'no such thing' (on rank {last})")
@@ -141,7 +142,7 @@ def test_format_is_found_from_the_directory(mesh1d, ckpt_dir):
     raises_everywhere(FileNotFoundError, lambda: dcp.load({"w": torch.zeros(2)}, ckpt_dir), repr(ckpt_dir))
     if WORLD.rank == 0:
         os.makedirs(ckpt_dir)
-        with open(os.path.join(ckpt_dir, fmt.data_name(fmt.new_token(), 0)), "wb") as f:
+        with open(os.path.join(ckpt_dir, native.data_name(ckpt_io.new_token(), 0)), "wb") as f:
             f.write(b"\0" * 64)
     WORLD.Barrier()
     raises_everywhere(FileNotFoundError, lambda: dcp.load({"w": torch.zeros(2)}, ckpt_dir), "neither")

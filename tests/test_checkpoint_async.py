@@ -16,8 +16,8 @@ from helpers import assert_all_ranks, global_tensor, raises_everywhere
 import mpidtensor.checkpoint as dcp
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from mpidtensor.checkpoint import async_saver
-from mpidtensor.checkpoint import format as fmt
 from mpidtensor.checkpoint import io as ckpt_io
+from mpidtensor.checkpoint.formats import native
 from mpidtensor.fsdp import fully_shard
 
 WORLD = MPI.COMM_WORLD
@@ -90,7 +90,7 @@ def test_write_error_on_one_rank_reaches_every_result(mesh1d, ckpt_dir, monkeypa
     state = make_state(mesh1d, 1)
     expected = expected_of(state)
     dcp.async_save(state, checkpoint_id=ckpt_dir).result()
-    index_before = fmt.read_index(ckpt_dir)
+    index_before = native.read_index(ckpt_dir)
     if WORLD.rank == WORLD.size - 1:
         def failing_write(fd, buffers, offset):
             raise OSError(f"disk full on rank {WORLD.rank} (simulated)")
@@ -99,9 +99,9 @@ def test_write_error_on_one_rank_reaches_every_result(mesh1d, ckpt_dir, monkeypa
     future = dcp.async_save(make_state(mesh1d, 2), checkpoint_id=ckpt_dir)
     raises_everywhere(OSError, lambda: future.result(timeout=120), f"disk full on rank {WORLD.size - 1}")
     monkeypatch.undo()
-    assert_all_ranks(fmt.read_index(ckpt_dir) == index_before, "the failed save changed the index")
+    assert_all_ranks(native.read_index(ckpt_dir) == index_before, "the failed save changed the index")
     files = sorted(os.listdir(ckpt_dir))
-    assert_all_ranks(files == sorted([fmt.INDEX, *index_before["data_files"]]), f"left files: {files}")
+    assert_all_ranks(files == sorted([native.INDEX, *index_before["data_files"]]), f"left files: {files}")
     assert_all_ranks(loads_as(mesh1d, ckpt_dir, expected), "the previous checkpoint does not load")
     again = make_state(mesh1d, 3)
     expected = expected_of(again)

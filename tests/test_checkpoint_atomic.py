@@ -21,8 +21,8 @@ from mpi4py import MPI
 from helpers import assert_all_ranks, global_tensor
 import mpidtensor.checkpoint as dcp
 from mpidtensor import Shard, distribute_tensor, launcher
-from mpidtensor.checkpoint import format as fmt
 from mpidtensor.checkpoint import io as ckpt_io
+from mpidtensor.checkpoint.formats import native
 
 WORLD = MPI.COMM_WORLD
 
@@ -41,12 +41,12 @@ def loads_as(mesh, ckpt_dir, seed) -> bool:
 
 
 def committed_files(ckpt_dir):
-    return sorted([fmt.INDEX, *fmt.read_index(ckpt_dir)["data_files"]])
+    return sorted([native.INDEX, *native.read_index(ckpt_dir)["data_files"]])
 
 
 def test_failed_save_keeps_previous_checkpoint(mesh1d, ckpt_dir, monkeypatch):
     dcp.save(state(mesh1d, 1), ckpt_dir)
-    index_before = fmt.read_index(ckpt_dir)
+    index_before = native.read_index(ckpt_dir)
     calls = []
 
     def failing_write(fd, buffers, offset):
@@ -61,7 +61,7 @@ def test_failed_save_keeps_previous_checkpoint(mesh1d, ckpt_dir, monkeypatch):
         dcp.save(state(mesh1d, 2), ckpt_dir)
     monkeypatch.undo()
     assert_all_ranks(len(calls) == 2, f"{calls}")
-    assert_all_ranks(fmt.read_index(ckpt_dir) == index_before, "the index changed")
+    assert_all_ranks(native.read_index(ckpt_dir) == index_before, "the index changed")
     files = sorted(os.listdir(ckpt_dir))
     assert_all_ranks(files == committed_files(ckpt_dir), f"the failed save left files: {files}")
     assert_all_ranks(loads_as(mesh1d, ckpt_dir, 1), "previous checkpoint does not load")
@@ -74,7 +74,7 @@ def test_failed_save_keeps_previous_checkpoint(mesh1d, ckpt_dir, monkeypatch):
 def test_write_failure_on_one_rank_fails_everywhere(mesh1d, ckpt_dir, monkeypatch):
     """Only the last rank's write fails: every rank raises its error, nothing is committed."""
     dcp.save(state(mesh1d, 1), ckpt_dir)
-    index_before = fmt.read_index(ckpt_dir)
+    index_before = native.read_index(ckpt_dir)
     if WORLD.rank == WORLD.size - 1:
         def failing_write(fd, buffers, offset):
             raise OSError(f"no space left on rank {WORLD.rank} (simulated)")
@@ -83,7 +83,7 @@ def test_write_failure_on_one_rank_fails_everywhere(mesh1d, ckpt_dir, monkeypatc
     with pytest.raises(OSError, match=f"no space left on rank {WORLD.size - 1}"):
         dcp.save(state(mesh1d, 2), ckpt_dir)
     monkeypatch.undo()
-    assert_all_ranks(fmt.read_index(ckpt_dir) == index_before, "the index changed")
+    assert_all_ranks(native.read_index(ckpt_dir) == index_before, "the index changed")
     files = sorted(os.listdir(ckpt_dir))
     assert_all_ranks(files == committed_files(ckpt_dir), f"the failed save left files: {files}")
     assert_all_ranks(loads_as(mesh1d, ckpt_dir, 1), "previous checkpoint does not load")

@@ -17,7 +17,7 @@ pytest.importorskip("safetensors")
 from helpers import assert_all_ranks, assert_close, raises_everywhere  # noqa: E402
 from mpidtensor import DTensor, init_device_mesh  # noqa: E402
 from mpidtensor.checkpoint import CheckpointError  # noqa: E402
-from mpidtensor.checkpoint.huggingface import HuggingFaceStorageReader, HuggingFaceStorageWriter  # noqa: E402
+from mpidtensor.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter  # noqa: E402
 from mpidtensor.fsdp import fully_shard  # noqa: E402
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
@@ -167,12 +167,16 @@ def test_torch_shard_layout_both_ways(ckpt_dir):
     assert_close(logits(loaded), logits(source))
 
 
-def test_failed_save_keeps_previous_weights(ckpt_dir, monkeypatch):
+@pytest.mark.parametrize("save_distributed", [False, True])
+def test_failed_save_keeps_previous_weights(ckpt_dir, monkeypatch, save_distributed):
+    """A write failing on the last rank raises everywhere and leaves the files of the
+    previous save as they were (consolidated, or torch's shard files), and no others."""
     from mpidtensor.checkpoint import io as ckpt_io
 
     source = llama(seed=1)
     model = parallel(llama(seed=1), "fsdp")
-    HuggingFaceStorageWriter(ckpt_dir).write(model.state_dict(), WORLD)
+    HuggingFaceStorageWriter(ckpt_dir, save_distributed=save_distributed).write(model.state_dict(), WORLD)
+    before = sorted(os.listdir(ckpt_dir))
     real = ckpt_io.write_call
 
     def failing(fd, buffers, offset):
@@ -182,11 +186,14 @@ def test_failed_save_keeps_previous_weights(ckpt_dir, monkeypatch):
 
     monkeypatch.setattr(ckpt_io, "write_call", failing)
     changed = {k: v.detach() + 1 for k, v in model.state_dict().items()}
-    raises_everywhere(OSError, lambda: HuggingFaceStorageWriter(ckpt_dir).write(changed, WORLD), "disk full")
+    raises_everywhere(OSError, lambda: HuggingFaceStorageWriter(ckpt_dir, save_distributed=save_distributed)
+                      .write(changed, WORLD), "disk full")
     monkeypatch.undo()
     WORLD.Barrier()
     names = sorted(os.listdir(ckpt_dir))
-    assert_all_ranks(names == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"], str(names))
+    if not save_distributed:
+        assert_all_ranks(names == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"], str(names))
+    assert_all_ranks(names == before, f"{names} after the failed save, {before} before it")
     state = {k: torch.zeros_like(v) for k, v in source.state_dict().items()}
     HuggingFaceStorageReader(ckpt_dir).read(state, WORLD)
     assert_all_ranks(all(torch.equal(state[k], v) for k, v in source.state_dict().items()), "previous weights")

@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh as torch_mesh
 from helpers import assert_all_ranks, global_tensor, raises_everywhere
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from mpidtensor.checkpoint import CheckpointError, get_state_dict, set_state_dict
-from mpidtensor.checkpoint.torch_format import FileSystemReader, FileSystemWriter, torch_leaves
+from mpidtensor.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from mpidtensor.checkpoint.metadata import torch_leaves
 from mpidtensor.testing.gloo import init_gloo_process_group
 
 WORLD = MPI.COMM_WORLD
@@ -348,7 +349,7 @@ def test_torch_safetensors_shards_both_ways(gloo, ckpt_dir):
     from torch.distributed.checkpoint import HuggingFaceStorageReader as TorchHFReader
     from torch.distributed.checkpoint import HuggingFaceStorageWriter as TorchHFWriter
 
-    from mpidtensor.checkpoint.huggingface import HuggingFaceStorageReader, HuggingFaceStorageWriter
+    from mpidtensor.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
     torch_sd = {k: tdt.distribute_tensor(t, gloo, [tdt.Shard(0)]) for k, t in tensors().items()}
     tdcp.save(torch_sd, storage_writer=TorchHFWriter(ckpt_dir, save_distributed=True))

@@ -7,16 +7,19 @@ writing rank), through a storage writer/reader (the native format by default);
 ``stateful`` has the ``Stateful`` protocol; ``state_dict`` the ``get_``/``set_``
 helpers for models and optimizers; ``format_utils`` converts to and from
 ``torch.save`` files; ``plain`` reads a checkpoint in one process; ``metadata`` has
-torch's ``Metadata`` classes, which ``save`` returns. The format: docs/checkpoint-format.md.
+torch's ``Metadata`` classes, which ``save`` returns; ``filesystem`` and ``hf_storage``
+torch's paths of the storage classes. Every format's save and load is one transaction
+(``transaction``), each format (``formats/``) giving its encoding. The format:
+docs/checkpoint-format.md.
 """
 from .api import load, save
 from .async_saver import AsyncCheckpointerType, HostStager, async_save
-from .format import CheckpointError
-from .convert import dcp_to_torch_save, from_torch_save, to_torch_save, torch_save_to_dcp
-from .huggingface import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from .errors import CheckpointError
+from .formats.dcp import FileSystemReader, FileSystemWriter
+from .formats.native import NativeReader, NativeWriter
+from .formats.safetensors import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from .metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
-from .native import NativeReader, NativeWriter
-from .plain import load_plain
+from .plain import dcp_to_torch_save, from_torch_save, load_plain, to_torch_save, torch_save_to_dcp
 from .state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,7 +31,6 @@ from .state_dict import (
 )
 from .stateful import Stateful
 from .storage import StorageReader, StorageWriter
-from .torch_format import FileSystemReader, FileSystemWriter
 
 __all__ = [
     "AsyncCheckpointerType",

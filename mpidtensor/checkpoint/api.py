@@ -3,7 +3,7 @@
 Both are collective over the process group (an MPI communicator; ``COMM_WORLD`` by
 default). They resolve ``Stateful`` objects (:mod:`.stateful`), then hand the plain
 nested state dict to a storage writer or reader (:mod:`.storage`): the native format
-(:mod:`.native`) unless one is given, or, for ``load``, the format the directory holds
+(:mod:`.formats.native`) unless one is given, or, for ``load``, the format the directory holds
 (a native ``index.json``, else torch DCP's ``.metadata``).
 
 Without a launcher (``python script.py``) MPI starts as a one-process job
@@ -21,10 +21,11 @@ from typing import Any
 from mpi4py import MPI
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..mesh.agreement import on_rank0
 from . import async_saver, stateful
 from .arguments import check_planner, communicator, refuse_sharded, storage
-from .collective import on_rank0
-from .native import NativeReader, NativeWriter
+from .formats.dcp import FileSystemReader
+from .formats.native import NativeReader, NativeWriter
 from .storage import StorageReader, StorageWriter
 
 
@@ -66,8 +67,6 @@ def reader_class(path: str) -> type[StorageReader] | None:
     """The reader of the checkpoint format at ``path`` (looking at the file system only):
     native when it holds an ``index.json``, else torch DCP's when it holds a
     ``.metadata``; None when neither."""
-    from .torch_format import FileSystemReader
-
     for reader in (NativeReader, FileSystemReader):
         if reader.recognizes(path):
             return reader

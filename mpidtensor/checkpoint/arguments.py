@@ -9,7 +9,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ..dtensor import DTensor
-from . import format as fmt
+from . import tree
 from .storage import StorageReader, StorageWriter
 
 
@@ -61,8 +61,8 @@ def check_planner(planner: Any, kind: str) -> None:
 
 def refuse_sharded(state_dict: Any) -> None:
     """With ``no_dist`` every process saves alone: its tensors must be whole."""
-    for path, leaf in fmt.flatten(state_dict):
-        if isinstance(leaf, DTensor) and not all(p.is_replicate() for p in leaf.placements):
-            raise ValueError(f"no_dist=True saves each process's own tensors, but {fmt.fqn(path)!r} is a DTensor "
-                             f"with placements {tuple(leaf.placements)}; save full tensors (StateDictOptions("
+    for leaf in tree.leaves(state_dict):
+        if isinstance(leaf.value, DTensor) and not all(p.is_replicate() for p in leaf.value.placements):
+            raise ValueError(f"no_dist=True saves each process's own tensors, but {leaf.fqn!r} is a DTensor "
+                             f"with placements {tuple(leaf.value.placements)}; save full tensors (StateDictOptions("
                              "full_state_dict=True)) or save without no_dist")

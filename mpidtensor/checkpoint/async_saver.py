@@ -3,8 +3,9 @@
 The call (on the caller's thread) resolves ``Stateful`` objects, copies every tensor's
 local shard into host buffers (a :class:`HostStager`; the training may change the
 parameters as soon as it returns: the checkpoint holds the values of the call), reduces
-the copies of ``Partial`` DTensors and duplicates the communicator (one ``allgather``
-agrees on failures first; the reductions and ``Dup`` are the only other collectives).
+the copies of ``Partial`` DTensors and duplicates the communicator (an ``allgather``
+agrees on failures first, another on which DTensors are ``Partial``; the reductions and
+``Dup`` are the only other collectives).
 A background thread then runs the storage writer's ``write`` over the duplicate,
 collectives included, and the returned ``concurrent.futures.Future`` resolves to what
 ``save`` returns (torch's ``Metadata``) when the checkpoint is committed. As torch
@@ -49,10 +50,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ..dtensor import DTensor
-from . import format as fmt
-from . import opaque, stateful
+from . import opaque, stateful, tree
 from .arguments import check_planner, communicator, refuse_sharded, storage
-from .native import NativeWriter
+from .formats.native import NativeWriter
 from .shards import reduced
 from .storage import StorageWriter
 
@@ -89,9 +89,9 @@ class HostStager:
 
     def stage(self, state_dict: Any) -> Any:
         buffers, staged = {}, []
-        for path, leaf in fmt.flatten(state_dict):
+        for path, leaf in tree.flatten(state_dict):
             if isinstance(leaf, torch.Tensor):
-                key = fmt.fqn(path)
+                key = tree.fqn(path)
                 local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
                 buffer = self._buffers.get(key)
                 if opaque.class_name(local) is not None:  # no bytes to copy: a copy of its own kind
@@ -105,7 +105,7 @@ class HostStager:
                 leaf = copy.deepcopy(leaf)
             staged.append((path, leaf))
         self._buffers = buffers if self.cache else {}
-        return fmt.unflatten(staged)
+        return tree.unflatten(staged)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: ``stage`` copies before it returns."""
@@ -176,15 +176,15 @@ def _check_checkpointer_type(kind: Any) -> None:
 
 
 def _partial_names(state_dict: Any) -> tuple[str, ...]:
-    return tuple(fmt.fqn(path) for path, leaf in fmt.flatten(state_dict)
+    return tuple(tree.fqn(path) for path, leaf in tree.flatten(state_dict)
                  if isinstance(leaf, DTensor) and any(p.is_partial() for p in leaf.placements))
 
 
 def _snapshot(stager: Any, state_dict: Any, comm: MPI.Intracomm, no_dist: bool) -> tuple[Any, bool]:
     """``state_dict`` with its Stateful objects resolved, staged by ``stager`` (a future's
     result when it gives one), then its ``Partial`` DTensors reduced; and whether the
-    stager gave a future. Collective: one ``allgather`` agrees on failures and on which
-    DTensors are Partial before any reduction."""
+    stager gave a future. Collective: every rank agrees on failures, then on which
+    DTensors are Partial, before any reduction."""
     staged, partial, gave_future = None, (), False
     plain, failure, cause = stateful.resolve_here(state_dict)
     if failure is None:
@@ -198,13 +198,14 @@ def _snapshot(stager: Any, state_dict: Any, comm: MPI.Intracomm, no_dist: bool) 
             partial = _partial_names(staged)
         except Exception as err:  # noqa: BLE001  (raised on every rank by agree)
             failure, cause = f"async_save could not stage the state dict: {type(err).__name__}: {err}", err
-    partials = stateful.agree(comm, failure, cause, partial)
+    stateful.agree(comm, failure, cause)
+    partials = comm.allgather(partial)  # each rank decides alike from every rank's names
     differing = [rank for rank, names in enumerate(partials) if names != partials[0]]
     if differing:
         raise ValueError(f"async_save: the state dict on ranks {differing} differs from rank 0's in its "
                          f"Partial DTensors ({list(partials[differing[0]])} against {list(partials[0])})")
     if partial:
-        staged = fmt.unflatten([(path, reduced(leaf)) for path, leaf in fmt.flatten(staged)])
+        staged = tree.unflatten([(path, reduced(leaf)) for path, leaf in tree.flatten(staged)])
     return staged, gave_future
 
 

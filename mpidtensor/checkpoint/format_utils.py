@@ -4,7 +4,7 @@
 
 ``dcp_to_torch_save(dir, file)`` writes a native or torch DCP checkpoint whole with
 ``torch.save``; ``torch_save_to_dcp(file, dir)`` makes a native checkpoint of a
-``torch.save`` file (both in :mod:`.convert`). One process, the whole state in memory.
+``torch.save`` file (both in :mod:`.plain`). One process, the whole state in memory.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from .convert import dcp_to_torch_save, torch_save_to_dcp
+from .plain import dcp_to_torch_save, torch_save_to_dcp
 
 __all__ = ["dcp_to_torch_save", "torch_save_to_dcp"]
 

@@ -1,4 +1,5 @@
-"""File I/O of checkpoint blocks and the box arithmetic that maps one layout onto another.
+"""File I/O of checkpoint blocks and the box arithmetic that maps one layout onto another;
+the file steps every format shares (new names, fsync of a directory, removal).
 
 Each rank writes the blocks it saves into its own data file with vectored ``pwritev``
 calls straight from the tensors' memory, then ``fsync``. Not one shared file: buffered
@@ -13,20 +14,38 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 from collections import deque
+from dataclasses import dataclass
 from math import prod
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from .format import CheckpointError, Chunk
+from .errors import CheckpointError
 
 #: The most bytes one read or write call (or one ``Bcast`` in ``state_dict``) moves.
 MAX_CHUNK_BYTES = 1 << 30
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape) in global indices
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of a saved tensor stored row-major and contiguous: ``nbytes`` at byte
+    ``offset`` of the data file ``file``."""
+
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+
+    @property
+    def box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.start, self.shape
 
 
 # --- boxes ---------------------------------------------------------------------------------------------
@@ -65,6 +84,30 @@ def runs(box: Box, outer: Box) -> Iterator[tuple[int, int, int]]:
     base = sum((s - o) * st for s, o, st in zip(start, outer[0], strides))
     for n, index in enumerate(np.ndindex(*shape[:split])):
         yield base + sum(i * st for i, st in zip(index, strides)), n * length, length
+
+
+# --- files ---------------------------------------------------------------------------------------------
+def new_token() -> str:
+    """A random name part: the files of one save, or a temporary, never collide with others."""
+    return secrets.token_hex(8)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make the names of ``directory``'s files durable (a commit renames after this)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_files(directory: str, names: list[str]) -> None:
+    """Remove ``names`` from ``directory``; those already gone are skipped."""
+    for name in names:
+        try:
+            os.remove(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
 
 
 # --- writing -------------------------------------------------------------------------------------------

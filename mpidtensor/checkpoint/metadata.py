@@ -32,11 +32,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import format as fmt
 from . import shards
 
 __all__ = ["BytesStorageMetadata", "ChunkStorageMetadata", "Leaf", "Metadata", "MetadataIndex", "StorageMeta",
-           "TensorProperties", "TensorStorageMetadata", "describe", "gc_paused", "start_save", "torch_leaves"]
+           "TensorProperties", "TensorStorageMetadata", "describe", "gc_paused", "torch_leaves"]
 
 #: A saved box of a tensor, ``(start, shape)``, with what the format says about its storage.
 SavedChunk = tuple[tuple[tuple[int, ...], tuple[int, ...]], Any]
@@ -100,14 +99,6 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
-
-
-def start_save(directory: str, state_dict: Any) -> str:
-    """Rank 0, before any data moves: :func:`.format.start_save` once ``state_dict`` is
-    known to flatten torch's way (the ``Metadata`` that ``save`` returns needs it), so
-    that one torch cannot flatten fails on every rank, writing nothing."""
-    torch_leaves(state_dict)
-    return fmt.start_save(directory)
 
 
 def _properties(value: torch.Tensor) -> TensorProperties:

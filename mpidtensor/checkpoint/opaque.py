@@ -17,9 +17,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..dtensor import DTensor
-from . import format as fmt
-from .format import CheckpointError
-from .io import Reader
+from .errors import CheckpointError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -64,15 +62,6 @@ def from_bytes(raw: np.ndarray | bytes, key: str) -> torch.Tensor:
             f"the saved block of {key!r} does not load with torch.load(weights_only=True) "
             f"({type(err).__name__}: {err}); if the checkpoint is trusted and its class is refused, "
             f"allow it with torch.serialization.add_safe_globals") from None
-
-
-def read_block(reader: Reader, index: dict, block: dict, key: str, verify: bool = True) -> torch.Tensor:
-    """The tensor stored in ``block`` (of the leaf ``key`` of the index ``index``) by
-    :func:`to_bytes`; ``verify`` checks its CRC-32 first."""
-    raw = reader.array(index["data_files"][block["file"]], block["offset"], block["nbytes"])
-    if verify and fmt.crc32(raw) != block["crc32"]:
-        raise CheckpointError(f"checksum mismatch in tensor {key!r} (block at {block['start']})")
-    return from_bytes(raw, key)
 
 
 def kind_error(key: str, saved: str | None, target: str | None) -> str | None:

@@ -1,6 +1,6 @@
 """What each rank holds of a state dict's tensors and which boxes it writes, agreed by
-one ``allgather``: the first step of every format's writer and reader (native, torch
-DCP, safetensors)."""
+one ``allgather``: the first step of every save and load (:mod:`.transaction`); and the
+dtypes a checkpoint holds, by name."""
 from __future__ import annotations
 
 from math import prod
@@ -12,15 +12,34 @@ from mpi4py import MPI
 
 from ..dtensor import DTensor
 from ..placements import Replicate
-from . import collective, opaque
-from . import format as fmt
+from . import opaque
+from .errors import CheckpointError, raise_if
 
-__all__ = ["TensorMeta", "box", "leaf_meta", "local_bytes", "check_same_leaves", "gather_metas",
-           "box_writers", "boxes_to_write", "check_covered", "reduced", "local_tensor", "check_loadable"]
+__all__ = ["DTYPES", "DTYPE_NAMES", "TensorMeta", "box", "box_writers", "boxes_to_write", "check_covered",
+           "check_same_leaves", "dtype_name", "gather_metas", "leaf_meta", "local_bytes", "local_tensor", "reduced",
+           "unloadable"]
+
+DTYPES = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+        "float8_e4m3fn", "float8_e5m2",
+    )
+    if hasattr(torch, name)
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 #: ``(global shape, dtype name, this rank's box, class of its local block when it is
 #: stored opaquely (:mod:`.opaque`) else None)`` of a tensor leaf; None for a value.
 TensorMeta = tuple[tuple[int, ...], str, tuple[tuple[int, ...], tuple[int, ...]], "str | None"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a checkpoint gives ``dtype``; ``TypeError`` for one it cannot hold."""
+    if dtype not in DTYPE_NAMES:
+        raise TypeError(f"dtype {dtype} cannot be checkpointed")
+    return DTYPE_NAMES[dtype]
 
 
 def box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -47,8 +66,8 @@ def check_same_leaves(gathered: list[list[tuple]]) -> None:
     """All ranks must pass state dicts with the same keys, global shapes, dtypes and
     local block classes (plain or the same opaque subclass)."""
     first = [(key, _same(meta)) for key, meta in gathered[0]]
-    collective.raise_if([f"{key!r} has dtype {meta[1]}, which cannot be checkpointed"
-              for key, meta in gathered[0] if meta is not None and meta[1] not in fmt.DTYPES], TypeError)
+    raise_if([f"{key!r} has dtype {meta[1]}, which cannot be checkpointed"
+              for key, meta in gathered[0] if meta is not None and meta[1] not in DTYPES], TypeError)
     for rank, metas in enumerate(gathered[1:], 1):
         if [(key, _same(meta)) for key, meta in metas] != first:
             raise ValueError(f"the state dict on rank {rank} differs from rank 0's in keys, shapes, dtypes "
@@ -68,7 +87,7 @@ def leaf_meta(key: str, leaf: Any) -> tuple[str, TensorMeta | None]:
     """``(key, meta)`` of one leaf, as :func:`gather_metas` exchanges it."""
     if not isinstance(leaf, torch.Tensor):
         return key, None
-    return key, (tuple(leaf.shape), fmt.DTYPE_NAMES.get(leaf.dtype, str(leaf.dtype)), box(leaf),
+    return key, (tuple(leaf.shape), DTYPE_NAMES.get(leaf.dtype, str(leaf.dtype)), box(leaf),
                  opaque.class_name(leaf))
 
 
@@ -93,7 +112,7 @@ def box_writers(all_metas: list[list[tuple]]) -> list[dict[tuple, int]]:
         holders: dict[tuple, list[int]] = {}
         for r, metas in enumerate(all_metas):
             holders.setdefault(metas[i][1][2], []).append(r)
-        itemsize = fmt.DTYPES[meta[1]].itemsize
+        itemsize = DTYPES[meta[1]].itemsize
         for box_, ranks in holders.items():
             nbytes = prod(box_[1]) * itemsize
             if nbytes:
@@ -113,7 +132,7 @@ def check_covered(key: str, shape: tuple[int, ...], boxes: list[tuple]) -> None:
     its elements: ``CheckpointError`` otherwise."""
     covered, numel = sum(prod(box_shape) for _, box_shape in boxes), prod(shape)
     if covered != numel:
-        raise fmt.CheckpointError(f"the saved chunks of {key!r} cover {covered} of {numel} elements")
+        raise CheckpointError(f"the saved chunks of {key!r} cover {covered} of {numel} elements")
 
 
 def reduced(t: torch.Tensor) -> torch.Tensor:
@@ -123,8 +142,9 @@ def reduced(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def check_loadable(key: str, t: torch.Tensor) -> None:
-    """A load target must not hold ``Partial`` values (every rank decides the same)."""
+def unloadable(key: str, t: Any) -> str | None:
+    """Why ``t`` cannot be a load target: a DTensor holding ``Partial`` values."""
     if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
-        raise fmt.CheckpointError(f"cannot load into {key!r}: its placements {t.placements} hold Partial values")
+        return f"cannot load into {key!r}: its placements {t.placements} hold Partial values"
+    return None
 

@@ -17,9 +17,8 @@ import torch
 from mpi4py import MPI
 
 from ..dtensor import DTensor
-from . import format as fmt
-from . import io
-from .collective import on_rank0
+from ..mesh.agreement import on_rank0
+from . import io, tree
 
 WORLD = MPI.COMM_WORLD
 
@@ -114,7 +113,7 @@ def get_state_dict(model: torch.nn.Module, optimizers, *, options: StateDictOpti
 def _skeleton(leaves: list[tuple[tuple, Any]]) -> list[tuple]:
     """``(path, (shape, dtype) or None, value or None)`` of each leaf of a full state
     dict: what the other ranks need to receive it."""
-    dtensors = [fmt.fqn(p) for p, v in leaves if isinstance(v, DTensor)]
+    dtensors = [tree.fqn(p) for p, v in leaves if isinstance(v, DTensor)]
     if dtensors:
         raise ValueError(f"broadcast_from_rank0 needs a full state dict (plain tensors); got DTensors {dtensors}")
     return [(p, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None,
@@ -124,7 +123,7 @@ def _skeleton(leaves: list[tuple[tuple, Any]]) -> list[tuple]:
 def broadcast_state(state: Any) -> Any:
     """Rank 0's nested ``state`` (plain tensors and values) on every rank; tensors go by
     ``Bcast`` in pieces of at most ``io.MAX_CHUNK_BYTES``."""
-    leaves = list(fmt.flatten(state)) if WORLD.rank == 0 else []
+    leaves = list(tree.flatten(state)) if WORLD.rank == 0 else []
     skeleton = on_rank0(WORLD, _skeleton, leaves)
     out = []
     for i, (path, meta, value) in enumerate(skeleton):
@@ -137,7 +136,7 @@ def broadcast_state(state: Any) -> Any:
         for lo in range(0, raw.size, step):
             WORLD.Bcast([raw[lo: lo + step], MPI.BYTE], root=0)
         out.append((path, t))
-    return fmt.unflatten(out) if out else {}
+    return tree.unflatten(out) if out else {}
 
 
 def _assign(target: torch.Tensor, value: torch.Tensor, key: str) -> None:

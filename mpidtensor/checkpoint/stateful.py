@@ -9,8 +9,9 @@ any object with both methods is one. ``save`` replaces each by its ``state_dict(
 may sit anywhere in nested dicts, lists and tuples.
 
 A ``state_dict()`` or ``load_state_dict()`` that raises on some ranks raises a
-``CheckpointError`` naming the object's key and the ranks on every rank (one small
-``allgather``), so that no rank is left waiting in a later collective.
+``CheckpointError`` naming the object's key and each failing rank on every rank
+(``mesh.agreement.raise_found``: one small ``allgather``), so that no rank is left
+waiting in a later collective.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from mpi4py import MPI
 
-from . import format as fmt
+from ..mesh.agreement import raise_found
+from . import tree
+from .errors import CheckpointError
 
 __all__ = ["Stateful", "StatefulT"]
 
@@ -59,7 +62,7 @@ def _resolved(node: Any, path: tuple) -> Any:
         try:
             return node.state_dict()
         except Exception as err:  # noqa: BLE001  (agreed over the ranks by the caller)
-            raise _StepError(f"state_dict() of {fmt.fqn(path) or 'the state dict'!r}: "
+            raise _StepError(f"state_dict() of {tree.fqn(path) or 'the state dict'!r}: "
                              f"{type(err).__name__}: {err}") from err
     if not _has_stateful(node):
         return node
@@ -75,7 +78,7 @@ def _restored(original: Any, loaded: Any, path: tuple) -> Any:
         try:
             original.load_state_dict(loaded)
         except Exception as err:  # noqa: BLE001  (agreed over the ranks by the caller)
-            raise _StepError(f"load_state_dict() of {fmt.fqn(path) or 'the state dict'!r}: "
+            raise _StepError(f"load_state_dict() of {tree.fqn(path) or 'the state dict'!r}: "
                              f"{type(err).__name__}: {err}") from err
         return original
     if original is loaded:  # no Stateful inside: the reader filled it in place
@@ -93,20 +96,13 @@ def _restored(original: Any, loaded: Any, path: tuple) -> Any:
     return loaded
 
 
-def agree(comm: MPI.Intracomm, failure: str | None, cause: BaseException | None = None, extra: Any = None) -> list:
-    """One ``allgather`` of ``(failure, extra)``: when any rank's ``failure`` is set,
-    raise ``CheckpointError`` on every rank naming each failure and the ranks that met
-    it; else every rank's ``extra``."""
-    gathered = comm.allgather((failure, extra))
-    failed: dict[str, list[int]] = {}
-    for rank, (message, _) in enumerate(gathered):
-        if message is not None:
-            failed.setdefault(message, []).append(rank)
-    if failed:
-        raise fmt.CheckpointError("; ".join(f"{message} (on rank{'s' if len(ranks) > 1 else ''} "
-                                            f"{', '.join(map(str, ranks))})" for message, ranks in failed.items())
-                                  ) from cause
-    return [value for _, value in gathered]
+def agree(comm: MPI.Intracomm, failure: str | None, cause: BaseException | None = None) -> None:
+    """When any rank's ``failure`` is set, raise ``CheckpointError`` on every rank naming
+    each failure and the rank that met it (``cause``, this rank's error, chained)."""
+    try:
+        raise_found(comm, [] if failure is None else [f"{failure} (on rank {comm.rank})"], CheckpointError)
+    except CheckpointError as err:
+        raise err from cause
 
 
 def resolve_here(state_dict: Any) -> tuple[Any, str | None, BaseException | None]:

@@ -1,10 +1,11 @@
 """torch.distributed.checkpoint's file layout, both ways: ``FileSystemWriter`` /
-``FileSystemReader``, so that checkpoints move between torch DCP and mpidtensor.
+``FileSystemReader`` (torch's module path: :mod:`..filesystem`), so that checkpoints
+move between torch DCP and mpidtensor; the steps of :mod:`..transaction` they fill in.
 
 The layout (torch 2.x, ``filesystem.py``): a directory holding ``.metadata``, a pickled
 ``torch.distributed.checkpoint.metadata.Metadata``, and data files ``__<rank>_<n>.distcp``.
-The state dict is flattened torch's way (:func:`.metadata.torch_leaves`). In
-``Metadata`` (:mod:`.metadata` builds it; ``save`` returns it), ``state_dict_metadata``
+The state dict is flattened torch's way (:func:`..metadata.torch_leaves`). In
+``Metadata`` (:mod:`..metadata` builds it; ``save`` returns it), ``state_dict_metadata``
 gives each flat key a ``TensorStorageMetadata`` (properties, global size, the saved
 chunks as (offsets, sizes) boxes, in the order of the ranks that wrote them) or a
 ``BytesStorageMetadata``; ``planner_data`` maps each flat key to its path of keys;
@@ -24,7 +25,7 @@ checkpoints only) and broadcasts it; each rank reads only the saved chunks that 
 the box it holds of each target (resharding by box intersection: any layout, any world
 size), ``torch.load`` reading each straight from its byte range of the file (one copy;
 268 MB at 4 ranks loaded in 0.33 s against torch DCP's 0.58 s on a loaded 2-core node).
-A tensor subclass (:mod:`.opaque`, e.g. torchao's ``NF4Tensor``) is saved as torch
+A tensor subclass (:mod:`..opaque`, e.g. torchao's ``NF4Tensor``) is saved as torch
 saves it (``torch.save`` of each rank's local block) and loaded only into a target whose
 box is a saved chunk (``copy_`` of the loaded chunk). The metadata does not say which
 chunks are subclasses: a chunk that loads as a subclass into a plain target, or as a
@@ -43,20 +44,18 @@ import uuid
 from typing import Any
 
 import torch
-from mpi4py import MPI
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
     TensorStorageMetadata,
 )
 
-from . import collective, io, opaque, shards
-from . import format as fmt
-from .metadata import Leaf, describe, gc_paused, torch_leaves
-from .storage import StorageReader, StorageWriter
+from .. import io, opaque, shards
+from ..errors import CheckpointError
+from ..metadata import Leaf, describe, torch_leaves
+from ..transaction import Job, LoadFormat, SavedTensor, SaveFormat
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
 
@@ -65,15 +64,8 @@ DCP_VERSION = "1.0.0"  # torch's CURRENT_DCP_VERSION for this layout
 _DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 
 
-def _set_leaf(state_dict: dict, keys: tuple, value: Any) -> None:
-    node = state_dict
-    for k in keys[:-1]:
-        node = node[k]
-    node[keys[-1]] = value
-
-
 # --- writing ------------------------------------------------------------------------------------------
-class FileSystemWriter(StorageWriter):
+class FileSystemWriter(SaveFormat):
     """Writes torch DCP's layout (``.metadata`` and ``__<rank>_<n>.distcp``), readable by
     ``torch.distributed.checkpoint.load`` at any world size. ``overwrite=False`` refuses
     a directory that already holds a checkpoint; ``sync_files=False`` skips the fsyncs
@@ -93,39 +85,12 @@ class FileSystemWriter(StorageWriter):
         self.cache_staged_state_dict = cache_staged_state_dict
         self.overwrite = overwrite
 
-    def write(self, state_dict: Any, comm: MPI.Intracomm) -> Metadata:
-        """Write ``state_dict``; the ``Metadata`` committed as ``.metadata`` (its
-        ``storage_data``: each chunk's and value's ``_StorageInfo``, a byte range of a data
-        file holding its ``torch.save``). Collective."""
-        leaves = torch_leaves(state_dict)
-        generation = collective.on_rank0(comm, self._prepare)
-        metas = [shards.leaf_meta(leaf.fqn, leaf.value) for leaf in leaves]
-        all_metas = shards.gather_metas(metas, comm)
-        mine = shards.boxes_to_write(shards.box_writers(all_metas), comm.rank)
-        todo = []
-        for i, (_, _, _, value) in enumerate(leaves):
-            if isinstance(value, torch.Tensor):
-                value = shards.reduced(value)  # collective: every rank, in the same order
-                if i in mine:
-                    todo.append((i, value))
-            elif comm.rank == 0:
-                todo.append((i, value))
-        name = f"__{comm.rank}_{generation}.distcp"
-        written, error = collective.attempt(self._write_data, name, todo, metas) if todo else ([], None)
-        try:
-            with gc_paused():  # rank 0 builds the Metadata, the others unpickle it
-                metadata, stale = collective.commit_on_rank0(comm, written, error,
-                                                             lambda parts: self._commit(leaves, parts))
-        except Exception:
-            if todo and os.path.exists(os.path.join(self.path, name)):
-                os.remove(os.path.join(self.path, name))  # no committed metadata names it
-            raise
-        collective.remove_stale(comm, self.path, stale)
-        return metadata
+    def leaves(self, state_dict: Any) -> list[Leaf]:
+        return torch_leaves(state_dict)
 
-    def _prepare(self) -> int:
-        """Rank 0: create the directory; the ``n`` of this save's data files (one the
-        committed checkpoint does not use)."""
+    def prepare(self, state_dict: Any) -> int:
+        """Create the directory; the ``n`` of this save's data files (one the committed
+        checkpoint does not use)."""
         os.makedirs(self.path, exist_ok=True)
         committed = os.path.join(self.path, METADATA)
         if not os.path.exists(committed):
@@ -134,19 +99,27 @@ class FileSystemWriter(StorageWriter):
             raise FileExistsError(f"{committed} exists and overwrite=False")
         try:
             used = {info.relative_path for info in _read_metadata(self.path).storage_data.values()}
-        except (fmt.CheckpointError, AttributeError):
+        except (CheckpointError, AttributeError):
             return 0  # a broken checkpoint is replaced, not preserved
         taken = {int(m.group(2)) for m in map(_DATA_FILE.fullmatch, used) if m}
         return next(n for n in range(len(taken) + 1) if n not in taken)
 
-    def _write_data(self, name: str, todo: list, metas: list) -> list[tuple]:
-        """Save ``todo``'s leaves (this rank's boxes; values) into the data file ``name``:
-        ``(flat key, box or None, _StorageInfo)`` of each."""
-        written = []
+    def own_files(self, job: Job) -> list[str]:
+        return [_data_name(job)] if job.writes() or job.rank == 0 else []
+
+    def write_boxes(self, job: Job, boxes: list[tuple[int, torch.Tensor]]) -> list[tuple]:
+        """This rank's boxes (rank 0: and the values, which torch keeps in data files too),
+        each ``torch.save``d into its data file: ``(flat key, box or None, _StorageInfo)``
+        of each."""
+        todo = boxes + [(i, leaf.value) for i, leaf in enumerate(job.leaves)
+                        if job.rank == 0 and not isinstance(leaf.value, torch.Tensor)]
+        if not todo:
+            return []
+        name, written = _data_name(job), []
         with open(os.path.join(self.path, name), "wb") as f:
-            for i, value in todo:
+            for i, value in sorted(todo, key=lambda item: item[0]):
                 offset = f.tell()
-                fqn, meta = metas[i]
+                fqn, meta = job.meta(i)
                 if meta is None:
                     buf = pyio.BytesIO()
                     torch.save(value, buf)
@@ -162,34 +135,42 @@ class FileSystemWriter(StorageWriter):
                 os.fsync(f.fileno())
         return written
 
-    def _commit(self, leaves: list[Leaf], written: list) -> tuple[Metadata, list[str]]:
-        """Rank 0: ``.metadata`` from every rank's writes, committed atomically; it and
-        the data files it supersedes."""
+    def commit(self, job: Job, parts: list[list[tuple]]) -> tuple[Metadata, list[str]]:
+        """``.metadata`` from every rank's writes, committed atomically; it and the data
+        files it supersedes."""
         chunks: dict[str, list] = {}
         values = {}
-        for fqn, box, info in (w for rank_written in written for w in rank_written):
+        for fqn, box, info in (w for rank_written in parts for w in rank_written):
             if box is None:
                 values[fqn] = info
             else:
                 chunks.setdefault(fqn, []).append((box, info))
-        metadata = describe(leaves, chunks, values, StorageMeta(checkpoint_id=self.path, save_id=str(uuid.uuid4())),
+        metadata = describe(job.leaves, chunks, values, StorageMeta(checkpoint_id=self.path, save_id=str(uuid.uuid4())),
                             version=DCP_VERSION)
-        tmp = os.path.join(self.path, f"{METADATA}.tmp-{fmt.new_token()}")
+        tmp = os.path.join(self.path, f"{METADATA}.tmp-{io.new_token()}")
         with open(tmp, "wb") as f:
             pickle.dump(metadata, f)
             f.flush()
             if self.sync_files:
                 os.fsync(f.fileno())
         if self.sync_files:
-            fmt.fsync_dir(self.path)  # the data files' names are durable before the commit
+            io.fsync_dir(self.path)  # the data files' names are durable before the commit
         os.replace(tmp, os.path.join(self.path, METADATA))
         if self.sync_files:
-            fmt.fsync_dir(self.path)
+            io.fsync_dir(self.path)
         used = {info.relative_path for info in metadata.storage_data.values()}
         stale = sorted(name for name in os.listdir(self.path)
                        if (_DATA_FILE.fullmatch(name) and name not in used) or name.startswith(f"{METADATA}.tmp-"))
         return metadata, stale
 
+    def metadata(self, job: Job, committed: Metadata) -> Metadata:
+        """The ``Metadata`` committed as ``.metadata`` (its ``storage_data``: each chunk's
+        and value's ``_StorageInfo``, a byte range of a data file holding its ``torch.save``)."""
+        return committed
+
+
+def _data_name(job: Job) -> str:
+    return f"__{job.rank}_{job.saved}.distcp"
 
 # --- reading ------------------------------------------------------------------------------------------
 def _read_metadata(directory: str) -> Metadata:
@@ -201,33 +182,13 @@ def _read_metadata(directory: str) -> Metadata:
         with open(path, "rb") as f:
             metadata = pickle.load(f)  # noqa: S301  (torch's format: a pickle; checkpoints are trusted)
     except Exception as err:  # noqa: BLE001
-        raise fmt.CheckpointError(f"{path} is corrupt or truncated: {type(err).__name__}: {err}") from None
+        raise CheckpointError(f"{path} is corrupt or truncated: {type(err).__name__}: {err}") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise fmt.CheckpointError(f"{path} does not hold torch.distributed.checkpoint Metadata with storage data")
+        raise CheckpointError(f"{path} does not hold torch.distributed.checkpoint Metadata with storage data")
     return metadata
 
 
-def _target_errors(metadata: Metadata, metas: list) -> list[str]:
-    """What keeps the leaves ``metas`` from being loaded from ``metadata``."""
-    errors = []
-    for key, meta in metas:
-        saved = metadata.state_dict_metadata.get(key)
-        if saved is None:
-            errors.append(f"missing key {key!r} in the checkpoint")
-        elif (meta is None) != isinstance(saved, BytesStorageMetadata):
-            kinds = ("a value", "a tensor")
-            errors.append(f"{key!r} is {kinds[meta is not None]} in the state dict but "
-                          f"{kinds[isinstance(saved, TensorStorageMetadata)]} in the checkpoint")
-        elif meta is not None:
-            if tuple(saved.size) != tuple(meta[0]):
-                errors.append(f"shape mismatch for {key!r}: checkpoint {tuple(saved.size)}, state dict {meta[0]}")
-            dtype = fmt.DTYPE_NAMES.get(saved.properties.dtype, str(saved.properties.dtype))
-            if dtype != meta[1]:
-                errors.append(f"dtype mismatch for {key!r}: checkpoint {dtype}, state dict {meta[1]}")
-    return errors
-
-
-class FileSystemReader(StorageReader):
+class FileSystemReader(LoadFormat):
     """Reads a checkpoint in torch DCP's layout (written by torch or by
     :class:`FileSystemWriter`) into any layout at any world size."""
 
@@ -235,48 +196,39 @@ class FileSystemReader(StorageReader):
     def recognizes(cls, path: str | os.PathLike) -> bool:
         return os.path.isfile(os.path.join(os.fspath(path), METADATA))
 
-    def read(self, state_dict: Any, comm: MPI.Intracomm) -> None:
-        leaves = torch_leaves(state_dict)
-        metadata = collective.on_rank0(comm, _read_metadata, self.path)
-        metas = [shards.leaf_meta(leaf.fqn, leaf.value) for leaf in leaves]
-        errors = _target_errors(metadata, metas)
-        for _, _, fqn, value in leaves:
+    def leaves(self, state_dict: Any) -> list[Leaf]:
+        return torch_leaves(state_dict)
+
+    def open(self) -> Metadata:
+        return _read_metadata(self.path)
+
+    def contents(self, job: Job) -> dict[str, SavedTensor | None]:
+        """The kind of a tensor's chunks (plain or a subclass) shows only when they are
+        read (``...``): the metadata does not say."""
+        return {key: SavedTensor(tuple(md.size), shards.DTYPE_NAMES.get(md.properties.dtype, str(md.properties.dtype)),
+                                 [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks], ...)
+                if isinstance(md, TensorStorageMetadata) else None
+                for key, md in job.saved.state_dict_metadata.items()}
+
+    def read_boxes(self, job: Job) -> tuple[list[str], dict[int, Any]]:
+        """Fill this rank's box of each tensor leaf from the files; each other leaf's value,
+        as saved."""
+        values = {}
+        for i, (_, _, fqn, value) in enumerate(job.leaves):
             if isinstance(value, torch.Tensor):
-                try:
-                    shards.check_loadable(fqn, value)
-                except fmt.CheckpointError as err:
-                    errors.append(str(err))
-                cls, saved = opaque.class_name(value), metadata.state_dict_metadata.get(fqn)
-                if cls is not None and isinstance(saved, TensorStorageMetadata):
-                    errors.append(opaque.layout_error(fqn, cls, [(c.offsets, c.sizes) for c in saved.chunks],
-                                                      [shards.box(value)]))
-        collective.raise_found(comm, [e for e in errors if e])
-
-        values, error = collective.attempt(_read_leaves, self.path, metadata, leaves)
-        collective.raise_agreed(comm, error)
-        for keys, value in values:
-            _set_leaf(state_dict, keys, value)
-
-
-def _read_leaves(directory: str, metadata: Metadata, leaves: list[Leaf]) -> list[tuple]:
-    """Fill this rank's box of each tensor leaf from the files; ``(keys, value)`` of
-    each other leaf, as saved."""
-    values = []
-    for keys, _, fqn, value in leaves:
-        if isinstance(value, torch.Tensor):
-            _read_tensor(directory, metadata, fqn, value)
-        else:
-            info = _storage_info(metadata, MetadataIndex(fqn), fqn)
-            values.append((keys, _load_saved(directory, info, fqn, weights_only=False)))
-    return values
+                _read_tensor(job.directory, job.saved, fqn, value)
+            else:
+                info = _storage_info(job.saved, MetadataIndex(fqn), fqn)
+                values[i] = _load_saved(job.directory, info, fqn, weights_only=False)
+        return [], values
 
 
 def _storage_info(metadata: Metadata, index: MetadataIndex, fqn: str) -> _StorageInfo:
     info = metadata.storage_data.get(index)
     if info is None:
-        raise fmt.CheckpointError(f"the checkpoint's metadata has no storage entry for {fqn!r} at {index.offset}")
+        raise CheckpointError(f"the checkpoint's metadata has no storage entry for {fqn!r} at {index.offset}")
     if getattr(info, "transform_descriptors", None):
-        raise fmt.CheckpointError(f"{fqn!r} is stored with stream transforms {info.transform_descriptors}, "
+        raise CheckpointError(f"{fqn!r} is stored with stream transforms {info.transform_descriptors}, "
                                   f"which this reader does not apply")
     return info
 
@@ -318,11 +270,11 @@ def _load_saved(directory: str, info: _StorageInfo, fqn: str, weights_only: bool
         raise FileNotFoundError(f"data file {path} of {fqn!r} is missing") from None
     try:
         if os.fstat(fd).st_size < info.offset + info.length:
-            raise fmt.CheckpointError(f"data file {path} ends before byte {info.offset + info.length} ({fqn!r})")
+            raise CheckpointError(f"data file {path} ends before byte {info.offset + info.length} ({fqn!r})")
         try:
             return torch.load(_FileRange(fd, info.offset, info.length), weights_only=weights_only)
         except Exception as err:  # noqa: BLE001
-            raise fmt.CheckpointError(f"data file {path} is corrupt: bytes {info.offset}+{info.length} of "
+            raise CheckpointError(f"data file {path} is corrupt: bytes {info.offset}+{info.length} of "
                                       f"{fqn!r} do not load ({type(err).__name__}: {err})") from None
     finally:
         os.close(fd)
@@ -334,7 +286,7 @@ def load_chunk(directory: str, metadata: Metadata, fqn: str, n: int, dtype: torc
     info = _storage_info(metadata, MetadataIndex(fqn, chunk.offsets, n), fqn)
     saved = _load_saved(directory, info, fqn, weights_only=True)
     if not isinstance(saved, torch.Tensor) or saved.shape != chunk.sizes or saved.dtype != dtype:
-        raise fmt.CheckpointError(f"data file {os.path.join(directory, info.relative_path)} is corrupt: "
+        raise CheckpointError(f"data file {os.path.join(directory, info.relative_path)} is corrupt: "
                                   f"the chunk of {fqn!r} at {tuple(chunk.offsets)} "
                                   f"is not a {dtype} tensor of shape {tuple(chunk.sizes)}")
     return saved
@@ -352,7 +304,7 @@ def _read_tensor(directory: str, metadata: Metadata, fqn: str, target: torch.Ten
         n = next(n for n, c in enumerate(saved_md.chunks) if (tuple(c.offsets), tuple(c.sizes)) == box)
         saved = load_chunk(directory, metadata, fqn, n, local.dtype)
         if opaque.class_name(saved) is None:
-            raise fmt.CheckpointError(opaque.kind_error(fqn, None, cls))
+            raise CheckpointError(opaque.kind_error(fqn, None, cls))
         local.copy_(saved)
         return
     staging = local if local.device.type == "cpu" else torch.empty(local.shape, dtype=local.dtype)
@@ -363,7 +315,7 @@ def _read_tensor(directory: str, metadata: Metadata, fqn: str, target: torch.Ten
             continue
         saved = load_chunk(directory, metadata, fqn, n, local.dtype)
         if opaque.class_name(saved) is not None:
-            raise fmt.CheckpointError(opaque.kind_error(fqn, opaque.class_name(saved), None))
+            raise CheckpointError(opaque.kind_error(fqn, opaque.class_name(saved), None))
         staging[io.relative(common, box)] = saved[io.relative(common, chunk_box)]
     if staging is not local:
         local.copy_(staging)

@@ -1,13 +1,15 @@
-"""The collective steps the checkpoint formats share (``mpidtensor.checkpoint.collective``):
-rank 0's result reaches every rank; an error met by rank 0, or by any rank before a
-commit, is raised on every rank with the same type and message, and the commit does
-not run; the superseded files are removed by all ranks together."""
+"""The collective steps of the checkpoint transaction (``mpidtensor.checkpoint.transaction``)
+and the agreement helper it uses (``mpidtensor.mesh.agreement``): rank 0's result reaches
+every rank; an error met by rank 0, or by any rank before a commit, is raised on every
+rank with the same type and message, and the commit does not run; the superseded files
+are removed by all ranks together."""
 import os
 
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, raises_everywhere
-from mpidtensor.checkpoint import CheckpointError, collective
+from mpidtensor.checkpoint import CheckpointError, transaction
+from mpidtensor.mesh import agreement
 
 WORLD = MPI.COMM_WORLD
 
@@ -19,7 +21,7 @@ def test_on_rank0_runs_once_and_shares_its_result():
         calls.append(x)
         return {"rank": WORLD.rank, "x": x}
 
-    result = collective.on_rank0(WORLD, look, 7)
+    result = agreement.on_rank0(WORLD, look, 7)
     assert_all_ranks(result == {"rank": 0, "x": 7}, f"{result}")
     assert_all_ranks(calls == ([7] if WORLD.rank == 0 else []), f"{calls}")
 
@@ -28,7 +30,7 @@ def test_on_rank0_error_is_raised_everywhere():
     def broken():
         raise FileNotFoundError("no checkpoint at 'x'")
 
-    raises_everywhere(FileNotFoundError, lambda: collective.on_rank0(WORLD, broken), "no checkpoint at 'x'")
+    raises_everywhere(FileNotFoundError, lambda: agreement.on_rank0(WORLD, broken), "no checkpoint at 'x'")
 
 
 def test_commit_sees_every_part_in_rank_order():
@@ -38,7 +40,7 @@ def test_commit_sees_every_part_in_rank_order():
         committed.append(parts)
         return sorted(parts, reverse=True)
 
-    result = collective.commit_on_rank0(WORLD, WORLD.rank * 10, None, commit)
+    result = transaction.commit_on_rank0(WORLD, WORLD.rank * 10, None, commit)
     assert_all_ranks(result == [r * 10 for r in reversed(range(WORLD.size))], f"{result}")
     assert_all_ranks(len(committed) == (WORLD.rank == 0), f"{committed}")
 
@@ -46,15 +48,16 @@ def test_commit_sees_every_part_in_rank_order():
 def test_an_error_on_the_last_rank_stops_the_commit_everywhere():
     committed = []
     last = WORLD.size - 1
-    part, error = collective.attempt(lambda: 1 / (WORLD.rank - last))  # ZeroDivisionError on the last rank
-    raises_everywhere(ZeroDivisionError, lambda: collective.commit_on_rank0(WORLD, part, error, committed.append),
+    part, error = agreement.attempt(lambda: 1 / (WORLD.rank - last))  # ZeroDivisionError on the last rank
+    raises_everywhere(ZeroDivisionError, lambda: transaction.commit_on_rank0(WORLD, part, error, committed.append),
                       "division by zero")
     assert_all_ranks(committed == [], "the commit ran")
 
 
 def test_problems_found_on_any_rank_are_named_everywhere():
     mine = [f"missing key 'k{WORLD.rank}'"] if WORLD.rank == WORLD.size - 1 else []
-    raises_everywhere(CheckpointError, lambda: collective.raise_found(WORLD, ["shared problem"] + mine),
+    raises_everywhere(CheckpointError,
+                      lambda: agreement.raise_found(WORLD, ["shared problem"] + mine, CheckpointError),
                       f"shared problem; missing key 'k{WORLD.size - 1}'")
 
 
@@ -65,6 +68,6 @@ def test_remove_stale_removes_every_named_file(ckpt_dir):
         for name in names + ["kept.bin"]:
             open(os.path.join(ckpt_dir, name), "w").close()
     WORLD.Barrier()
-    collective.remove_stale(WORLD, ckpt_dir, names)
+    transaction.remove_stale(WORLD, ckpt_dir, names)
     left = sorted(os.listdir(ckpt_dir))
     assert_all_ranks(left == ["kept.bin"], f"{left}")
