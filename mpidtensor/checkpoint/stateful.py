@@ -100,7 +100,7 @@ def agree(comm: MPI.Intracomm, failure: str | None, cause: BaseException | None 
     """When any rank's ``failure`` is set, raise ``CheckpointError`` on every rank naming
     each failure and the rank that met it (``cause``, this rank's error, chained)."""
     try:
-        raise_found(comm, [] if failure is None else [f"{failure} (on rank {comm.rank})"], CheckpointError)
+        raise_found(comm, [] if failure is None else [str(failure)], CheckpointError, name_ranks=True)
     except CheckpointError as err:
         raise err from cause
 

@@ -76,12 +76,21 @@ def agree(comm: MPI.Intracomm, errors: tuple[type[BaseException], ...] = (Except
     raise_agreed(comm, error)
 
 
-def raise_found(comm: MPI.Intracomm, problems: list[str], cls: type[Exception] = ValueError) -> None:
+def raise_found(comm: MPI.Intracomm, problems: list[str], cls: type[Exception] = ValueError,
+                name_ranks: bool = False) -> None:
     """Raise on every rank one ``cls`` naming every distinct problem any rank found (one
-    ``allgather`` of each rank's list of messages)."""
-    found = [msg for rank_problems in comm.allgather(problems) for msg in rank_problems]
-    if found:
-        raise cls("; ".join(dict.fromkeys(found)))
+    ``allgather`` of each rank's list of messages); ``name_ranks`` adds to each message the
+    ranks that found it (``"... (on ranks 0, 2)"``)."""
+    found: dict[str, list[int]] = {}
+    for rank, rank_problems in enumerate(comm.allgather(problems)):
+        for msg in rank_problems:
+            found.setdefault(msg, []).append(rank)
+    if not found:
+        return
+    if not name_ranks:
+        raise cls("; ".join(found))
+    raise cls("; ".join(f"{msg} (on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+                        for msg, ranks in found.items()))
 
 
 def on_rank0(comm: MPI.Intracomm, fn: Callable[..., Any], *args: Any) -> Any:
