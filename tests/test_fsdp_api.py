@@ -13,6 +13,7 @@ from mpidtensor import init_device_mesh
 from mpidtensor.fsdp import (
     CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard, register_fsdp_forward_method,
 )
+from mpidtensor.fsdp.group import ShardedState
 from mpidtensor.memory import memory_allocated
 from test_fsdp import TOL, assert_same_model, batch, make_net, reference, shard_net, train
 
@@ -131,9 +132,10 @@ def test_reshard_after_forward_int_matches_and_keeps_a_fraction():
     before = memory_allocated()
     loss = F.cross_entropy(net(x), target)
     kept = memory_allocated() - before
-    per_block = block._gather_nbytes * 2  # half of the 4 ranks' rows
+    per_block = block.gather_nbytes * 2  # half of the 4 ranks' rows
     assert_all_ranks(block._kept is not None and block._kept.numel() == per_block, "kept rows")
-    assert_all_ranks(isinstance(net.blocks[0].fc1.weight, torch.Tensor) and not block.is_unsharded)
+    assert_all_ranks(isinstance(net.blocks[0].fc1.weight, torch.Tensor)
+                     and block.sharded_state is ShardedState.SHARDED_POST_FORWARD)
     with CollectiveLog() as log:
         loss.backward()
     assert_all_ranks(block._kept is None and log.calls.count("all_gather") == 2, f"{log.calls}")
@@ -315,7 +317,8 @@ def test_reset_iter_state_after_an_exception(mesh1d):
     handle.remove()
     raises_everywhere(RuntimeError, lambda: net.blocks[0].reset_iter_state(), "root")
     net.reset_iter_state()
-    assert_all_ranks(not any(s.group.is_unsharded for s in net._fsdp_state.states if s.group is not None))
+    assert_all_ranks(all(s.group.sharded_state is ShardedState.SHARDED for s in net._fsdp_state.states
+                         if s.group is not None))
     losses, _ = train(net, x, target, steps=2, comm=WORLD)
     assert_close(losses, ref_losses, **TOL)
     assert_same_model(net, ref, **TOL)
