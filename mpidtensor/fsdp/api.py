@@ -64,7 +64,7 @@ def fully_shard(
     only (``1`` is ``False``, the group size is ``True``, as in torch). With ``True`` or an
     int the module holds the sharded parameters between forward and backward.
     ``offload_policy``: ``CPUOffloadPolicy()`` keeps the sharded state in host memory (see
-    ``offload.CPUOffloadPolicy``; on a CPU mesh it changes nothing).
+    ``policies.CPUOffloadPolicy``; on a CPU mesh it changes nothing).
     ``ignored_params``: parameters FSDP leaves as they are: not sharded, not gathered,
     their gradients not reduced (as torch's): e.g. experts that ``ExpertParallel``
     already split over the ranks.

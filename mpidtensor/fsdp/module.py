@@ -51,11 +51,11 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather ``modules``' groups (non-blocking) right after this module's, in forward."""
-        self._fsdp_state.forward_prefetch = [_state_of(m) for m in modules]
+        self._fsdp_state.forward_prefetch = [_prefetch_state(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather ``modules``' groups (non-blocking) when this module's backward starts."""
-        self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
+        self._fsdp_state.backward_prefetch = [_prefetch_state(m) for m in modules]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With ``False``, backward accumulates unsharded gradients locally (no reduce-scatter)
@@ -162,7 +162,8 @@ class FSDPModule:
         return [m._fsdp_state.group for m in modules if isinstance(m, FSDPModule) and m._fsdp_state.group is not None]
 
 
-def _state_of(module: nn.Module) -> FSDPState:
+def _prefetch_state(module: nn.Module) -> FSDPState:
+    """The state of a module named in a prefetch list, which must be ``fully_shard``-ed."""
     if not isinstance(module, FSDPModule):
         raise TypeError(f"expected a fully_shard-ed module, got {type(module).__name__}")
     return module._fsdp_state
