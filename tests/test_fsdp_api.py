@@ -116,6 +116,36 @@ def test_register_fsdp_forward_method(mesh1d):
     raises_everywhere(TypeError, lambda: register_fsdp_forward_method(model, "training"), "not a method")
 
 
+# --- the group's ShardedState ------------------------------------------------------------------------
+def test_sharded_state_follows_unshard_and_reshard(mesh1d):
+    """``unshard(async_op=True)`` leaves the all-gather in flight (``UNSHARDING``, the sharded
+    parameters still registered), ``wait()`` registers the unsharded ones (``UNSHARDED``);
+    a second unshard changes nothing; ``reshard`` goes back to ``SHARDED`` from either, a
+    prefetch nobody used included; forward then backward end ``SHARDED`` with the values right."""
+    net = shard_net(make_net(), mesh=mesh1d)
+    ref = make_net()
+    group = net.blocks[0]._fsdp_state.group
+    seen = [group.sharded_state]
+    handle = net.blocks[0].unshard(async_op=True)
+    seen.append((group.sharded_state, type(net.blocks[0].fc1.weight).__name__))
+    handle.wait()
+    net.blocks[0].unshard()
+    seen.append((group.sharded_state, type(net.blocks[0].fc1.weight).__name__))
+    assert_close(net.blocks[0].fc1.weight.detach(), ref.blocks[0].fc1.weight.detach())
+    net.blocks[0].reshard()
+    seen.append(group.sharded_state)
+    net.blocks[0].unshard(async_op=True)
+    net.blocks[0].reshard()
+    seen.append((group.sharded_state, type(net.blocks[0].fc1.weight).__name__))
+    _backward(net)
+    seen.append(group.sharded_state)
+    S = ShardedState
+    want = [S.SHARDED, (S.UNSHARDING, "DTensor"), (S.UNSHARDED, "Parameter"), S.SHARDED, (S.SHARDED, "DTensor"),
+            S.SHARDED]
+    assert_all_ranks(seen == want, f"{seen}")
+    _assert_grads(net, _ref_grads())
+
+
 # --- reshard_after_forward=int ---------------------------------------------------------------------
 def test_reshard_after_forward_int_matches_and_keeps_a_fraction():
     if WORLD.size != 4:
