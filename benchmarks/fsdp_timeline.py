@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE))
 import record_steps as rs  # noqa: E402
 
 import mpidtensor as md  # noqa: E402
+from mpidtensor.fsdp.group import ShardedState  # noqa: E402
 from mpidtensor.mesh import progress  # noqa: E402
 from mpidtensor.mesh.nonblocking import ireduce_scatter  # noqa: E402
 
@@ -66,14 +67,14 @@ class Recorder:
         start_reduce, finish_reduce = group._start_reduce, group.finish_reduce
 
         def start_gather():
-            idle = group._gather is None and not group.is_unsharded
+            idle = group.sharded_state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD)
             start_unshard()
-            if idle and group._gather is not None:
+            if idle and group.sharded_state is ShardedState.UNSHARDING:
                 self.span("ag start", label, self.now())
 
         def finish_gather():
             t = self.now()
-            waits = not group.is_unsharded
+            waits = group.sharded_state is not ShardedState.UNSHARDED
             finish_unshard()
             if waits:
                 self.span("ag wait", label, t)

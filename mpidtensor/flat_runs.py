@@ -1,7 +1,7 @@
 """Runs of DTensor parameters whose local tensors lie back to back in memory, stepped as
 one flat tensor by :mod:`mpidtensor.local_step`.
 
-FSDP keeps a group's shards in one flat buffer (``fsdp.param_group``'s ``shard_flat``)
+FSDP keeps a group's shards in one flat buffer (``fsdp.group``'s ``shard_flat``)
 and reduce-scatters its gradients into another in the same order; where no padding or
 alignment lies between two shards, their local tensors are adjacent in both. On CPU an
 elementwise optimizer pays per tensor for every op of every step (AdamW's foreach kernels

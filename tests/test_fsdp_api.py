@@ -13,6 +13,7 @@ from mpidtensor import init_device_mesh
 from mpidtensor.fsdp import (
     CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard, register_fsdp_forward_method,
 )
+from mpidtensor.fsdp.group import ShardedState
 from mpidtensor.memory import memory_allocated
 from test_fsdp import TOL, assert_same_model, batch, make_net, reference, shard_net, train
 
@@ -115,6 +116,36 @@ def test_register_fsdp_forward_method(mesh1d):
     raises_everywhere(TypeError, lambda: register_fsdp_forward_method(model, "training"), "not a method")
 
 
+# --- the group's ShardedState ------------------------------------------------------------------------
+def test_sharded_state_follows_unshard_and_reshard(mesh1d):
+    """``unshard(async_op=True)`` leaves the all-gather in flight (``UNSHARDING``, the sharded
+    parameters still registered), ``wait()`` registers the unsharded ones (``UNSHARDED``);
+    a second unshard changes nothing; ``reshard`` goes back to ``SHARDED`` from either, a
+    prefetch nobody used included; forward then backward end ``SHARDED`` with the values right."""
+    net = shard_net(make_net(), mesh=mesh1d)
+    ref = make_net()
+    group = net.blocks[0]._fsdp_state.group
+    seen = [group.sharded_state]
+    handle = net.blocks[0].unshard(async_op=True)
+    seen.append((group.sharded_state, type(net.blocks[0].fc1.weight).__name__))
+    handle.wait()
+    net.blocks[0].unshard()
+    seen.append((group.sharded_state, type(net.blocks[0].fc1.weight).__name__))
+    assert_close(net.blocks[0].fc1.weight.detach(), ref.blocks[0].fc1.weight.detach())
+    net.blocks[0].reshard()
+    seen.append(group.sharded_state)
+    net.blocks[0].unshard(async_op=True)
+    net.blocks[0].reshard()
+    seen.append((group.sharded_state, type(net.blocks[0].fc1.weight).__name__))
+    _backward(net)
+    seen.append(group.sharded_state)
+    S = ShardedState
+    want = [S.SHARDED, (S.UNSHARDING, "DTensor"), (S.UNSHARDED, "Parameter"), S.SHARDED, (S.SHARDED, "DTensor"),
+            S.SHARDED]
+    assert_all_ranks(seen == want, f"{seen}")
+    _assert_grads(net, _ref_grads())
+
+
 # --- reshard_after_forward=int ---------------------------------------------------------------------
 def test_reshard_after_forward_int_matches_and_keeps_a_fraction():
     if WORLD.size != 4:
@@ -131,9 +162,10 @@ def test_reshard_after_forward_int_matches_and_keeps_a_fraction():
     before = memory_allocated()
     loss = F.cross_entropy(net(x), target)
     kept = memory_allocated() - before
-    per_block = block._gather_nbytes * 2  # half of the 4 ranks' rows
+    per_block = block.gather_nbytes * 2  # half of the 4 ranks' rows
     assert_all_ranks(block._kept is not None and block._kept.numel() == per_block, "kept rows")
-    assert_all_ranks(isinstance(net.blocks[0].fc1.weight, torch.Tensor) and not block.is_unsharded)
+    assert_all_ranks(isinstance(net.blocks[0].fc1.weight, torch.Tensor)
+                     and block.sharded_state is ShardedState.SHARDED_POST_FORWARD)
     with CollectiveLog() as log:
         loss.backward()
     assert_all_ranks(block._kept is None and log.calls.count("all_gather") == 2, f"{log.calls}")
@@ -315,7 +347,8 @@ def test_reset_iter_state_after_an_exception(mesh1d):
     handle.remove()
     raises_everywhere(RuntimeError, lambda: net.blocks[0].reset_iter_state(), "root")
     net.reset_iter_state()
-    assert_all_ranks(not any(s.group.is_unsharded for s in net._fsdp_state.states if s.group is not None))
+    assert_all_ranks(all(s.group.sharded_state is ShardedState.SHARDED for s in net._fsdp_state.states
+                         if s.group is not None))
     losses, _ = train(net, x, target, steps=2, comm=WORLD)
     assert_close(losses, ref_losses, **TOL)
     assert_same_model(net, ref, **TOL)

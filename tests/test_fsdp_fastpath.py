@@ -1,4 +1,4 @@
-"""FSDP's strided copies between a parameter and its rank chunks (``param_group._chunk_layout``):
+"""FSDP's strided copies between a parameter and its rank chunks (``packing.chunk_layout``):
 the gradient pack for the reduce-scatter and its inverse, the all-gather's copy-out, checked
 against ``torch.chunk`` at world sizes 1-5 with uneven and empty chunks; and the copy-out of a
 group that mixes dim-0 and dim-1 sharding (FSDP x TP's layout) under a full step."""
@@ -11,7 +11,7 @@ from mpi4py import MPI
 from helpers import assert_all_ranks
 from mpidtensor import Shard
 from mpidtensor.fsdp import fully_shard
-from mpidtensor.fsdp.param_group import _chunk_views, _pack_ranks
+from mpidtensor.fsdp.packing import chunk_views, pack_ranks
 
 SHAPES = [(1, 8, 3), (2, 7, 3), (3, 2, 5), (1, 1, 4), (4, 9, 1), (2, 0, 3)]
 
@@ -40,7 +40,7 @@ def test_pack_ranks_is_torch_chunk_zero_padded(world):
     grads = [torch.randn(p.pre, p.rows, p.post, dtype=torch.float64) for p in params]
     total = sum(p.shard_numel for p in params)
     per_rank = torch.full((world, total), float("nan"))
-    _pack_ranks(per_rank, list(zip(params, grads)))
+    pack_ranks(per_rank, list(zip(params, grads)))
     col = 0
     for p, g in zip(params, grads):
         want = torch.stack(expected_rows(g, world, p.pad_rows)).float()
@@ -57,11 +57,11 @@ def test_chunk_views_invert_the_pack(world):
     total = sum(p.shard_numel for p in params)
     wide = torch.zeros(world, total + 6)
     per_rank = wide[:, 3:3 + total]  # a row stride longer than the row, a storage offset
-    _pack_ranks(per_rank, list(zip(params, grads)))
+    pack_ranks(per_rank, list(zip(params, grads)))
     col = 0
     for p, g in zip(params, grads):
         out = torch.full((p.pre, p.rows, p.post), float("nan"))
-        parts, places = _chunk_views((p.pre, p.rows, p.post), p.pad_rows, out, per_rank, col)
+        parts, places = chunk_views((p.pre, p.rows, p.post), p.pad_rows, out, per_rank, col)
         if parts:
             torch._foreach_copy_(parts, places)
         assert torch.equal(out, g)
@@ -75,7 +75,7 @@ def test_pack_ranks_even_dim0_is_one_cat():
     params = [stub(1, 4, 3, world), stub(1, 6, 1, world)]
     grads = [torch.randn(4, 3), torch.randn(6)]
     per_rank = torch.empty(world, sum(p.shard_numel for p in params))
-    _pack_ranks(per_rank, list(zip(params, grads)))
+    pack_ranks(per_rank, list(zip(params, grads)))
     want = torch.cat([torch.stack(expected_rows(g.reshape(1, p.rows, p.post), world, p.pad_rows))
                       for p, g in zip(params, grads)], dim=1)
     assert torch.equal(per_rank, want)

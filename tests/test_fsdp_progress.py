@@ -138,6 +138,6 @@ def test_even_and_uneven_groups_match_single_process(mesh1d, mode):
     _train_alongside(ref, net, seed=6, each_step=lambda log: assert_all_ranks(
         log.calls.count("reduce_scatter") == 2 and progress.in_flight() == 0, f"{log.calls}"))
     world = WORLD.size
-    first, last = net[0]._fsdp_state.group._split_sizes, net[2]._fsdp_state.group._split_sizes
+    first, last = net[0]._fsdp_state.group.split_sizes, net[2]._fsdp_state.group.split_sizes
     assert_all_ranks(first == [48 // world * 8 * 4, 48 // world * 4] and (last is not None) == (world <= 2),
                      f"one-copy layouts: {first}, {last}")

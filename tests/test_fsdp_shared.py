@@ -17,6 +17,7 @@ from helpers import assert_all_ranks, assert_close, global_tensor, raises_everyw
 from mpidtensor import DTensor
 from mpidtensor.debug import CommDebugMode
 from mpidtensor.fsdp import fully_shard
+from mpidtensor.fsdp.group import ShardedState
 from test_fsdp import TOL, Block, assert_same_model, batch, train
 
 WORLD = MPI.COMM_WORLD
@@ -115,7 +116,8 @@ def test_shared_block_collective_counts(mesh1d, reshard_after_forward):
         want = Counter(reduce_scatter=2, all_gather=1 if reshard_after_forward else 0)
         assert_all_ranks(Counter(bwd.get_comm_counts()) == +want, f"step {step} backward {bwd.get_comm_counts()}")
         block = net.block._fsdp_state.group
-        assert_all_ranks(not block.is_unsharded and not block.reducing, "block left gathered or reducing")
+        assert_all_ranks(block.sharded_state is ShardedState.SHARDED and not block.reducing,
+                         "block left gathered or reducing")
 
 
 class Switch(nn.Module):

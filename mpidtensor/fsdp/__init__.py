@@ -2,11 +2,11 @@
 module group with non-blocking collectives; HSDP on 2-D meshes; FSDP x TP and HSDP x TP;
 ``clip_grad_norm_`` over gradients on several meshes; offload policies, extra forward
 methods and the ``FSDPModule`` settings frameworks call."""
-from .api import FSDPModule, UnshardHandle, fully_shard
+from .api import fully_shard
 from .clip import clip_grad_norm_
 from .forward_method import register_fsdp_forward_method
-from .mixed_precision import MixedPrecisionPolicy
-from .offload import CPUOffloadPolicy, OffloadPolicy
+from .module import FSDPModule, UnshardHandle
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle",

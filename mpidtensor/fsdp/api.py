@@ -1,16 +1,16 @@
-"""``fully_shard`` and ``FSDPModule``: the public face of FSDP2 on MPI.
+"""``fully_shard``: FSDP2's entry point on MPI.
 
 ``fully_shard(module)`` turns the parameters that ``module`` owns (those not already
 owned by a ``fully_shard``-ed descendant) into ``Shard(d)`` DTensors (``d`` from
 ``shard_placement_fn``, else 0, else under TP the first dim TP leaves whole), gathers them
-as one group around the module's forward and backward, and swaps the module's class
-for ``FSDP<Cls>`` so that it gains the ``FSDPModule`` methods. Every argument check
-happens before anything changes, and depends only on what all ranks share, so bad
-input raises the same error on every rank and leaves the module untouched.
+as one group (``group.ParamGroup``) around the module's forward and backward (the hooks of
+``state.FSDPState``), and swaps the module's class for ``FSDP<Cls>`` so that it gains the
+``module.FSDPModule`` methods. Every argument check happens before anything changes, and
+depends only on what all ranks share, so bad input raises the same error on every rank
+and leaves the module untouched.
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 from functools import cache
 from typing import Callable, Iterable
@@ -24,165 +24,16 @@ from ..mesh import DeviceMesh, init_device_mesh
 from ..mesh.agreement import attempt, raise_agreed
 from ..mesh.device_mesh import joint_mesh
 from ..placements import Shard
-from .comms import check_comm
-from .mixed_precision import MixedPrecisionPolicy
-from .offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
+from .group import ParamGroup
+from .module import FSDPModule
 from .param import FSDPParam, MeshInfo
-from .param_group import ParamGroup
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_offload_policy
 from .state import FSDPState
 
 # Parameters that a fully_shard call replaced by its sharded DTensors: another module that
 # still refers to one (a tie across groups) would otherwise be sharded as a separate copy.
 # (Keyed by id: a WeakSet would compare tensors with ``==``.)
 _REPLACED: dict[int, weakref.ref] = {}
-
-
-class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``: ``wait()`` completes the all-gather and
-    puts the unsharded parameters on the module."""
-
-    def __init__(self, group: ParamGroup | None) -> None:
-        self._group = group
-
-    def wait(self) -> None:
-        if self._group is not None:
-            self._group.finish_unshard()
-            self._group = None
-
-
-class FSDPModule:
-    """Mixed into the class of every ``fully_shard``-ed module (as torch's ``FSDPModule``)."""
-
-    _fsdp_state: FSDPState
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters now (the handle's ``wait()`` finishes it if
-        ``async_op``); forward will then find them gathered."""
-        group = self._fsdp_state.group
-        if group is not None:
-            group.start_unshard()
-        handle = UnshardHandle(group)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Free the unsharded parameters and register the sharded ones."""
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.reshard()
-
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """All-gather ``modules``' groups (non-blocking) right after this module's, in forward."""
-        self._fsdp_state.forward_prefetch = [_state_of(m) for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """All-gather ``modules``' groups (non-blocking) when this module's backward starts."""
-        self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """With ``False``, backward accumulates unsharded gradients locally (no reduce-scatter)
-        until a backward with ``True`` reduces the sum."""
-        for group in self._groups(recurse):
-            group.requires_gradient_sync = requires_gradient_sync
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Whether backward frees the unsharded parameters (``False`` keeps them for the next forward)."""
-        for group in self._groups(recurse):
-            group.reshard_after_backward = reshard_after_backward
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Whether forward frees the unsharded parameters (then backward gathers them again);
-        replaces an int ``reshard_after_forward`` given to ``fully_shard``."""
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}")
-        for group in self._groups(recurse):
-            group.reshard_after_forward, group.post_forward_comm = reshard_after_forward, None
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: with ``False``, gradients are reduce-scattered but not all-reduced over the
-        replicate dim; the reduce-scattered sums are kept (summed over backwards) and
-        all-reduced, then added to ``.grad``, by the next backward with ``True`` (gradient
-        accumulation that communicates within the shard group only). No effect on FSDP."""
-        for group in self._groups(recurse):
-            group.requires_all_reduce = requires_all_reduce
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last of the iteration (default ``True``). With
-        ``False`` its end does not wait for the last reduce-scatter (it completes during
-        the next backward, or its end); read ``.grad`` or step after a last backward."""
-        self._fsdp_state.root.is_last_backward = is_last_backward
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """With ``False``, backward does not all-gather this module's parameters (an expert
-        setting for groups whose backward needs no parameter values, e.g. an embedding);
-        their gradients are still reduce-scattered."""
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.unshard_in_backward = unshard_in_backward
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide the summed gradients by ``factor`` instead of the data-parallel size, split
-        as torch's FSDP2 splits it (``comms.divide_factors``)."""
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.gradient_divide_factor = factor
-
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Deprecated in torch: use ``set_gradient_divide_factor``."""
-        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
-                      FutureWarning, stacklevel=2)
-        self.set_gradient_divide_factor(factor)
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """With ``True`` the collectives only sum; the division by the divide factor runs
-        after the all-reduce hook (in float32/bfloat16; other dtypes split it around the
-        sum either way). MPI reductions here always sum: this moves where FSDP divides."""
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.force_sum_reduction = enable
-
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: object | None = None) -> None:
-        """``hook(reduced)`` runs on each reduced flat gradient buffer of this module's group
-        before it becomes ``.grad`` (in ``reduce_dtype``): the reduce-scatter output (after
-        the replicate all-reduce under HSDP), and the all-reduced gradients of parameters
-        FSDP leaves replicated (TP-sharded on every dim). It may change them in place.
-        ``stream``: accepted as in torch; there are no streams on MPI, the hook runs inline."""
-        if not callable(hook):
-            raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.all_reduce_hook = hook
-
-    def set_post_optim_event(self, event: object) -> None:
-        """torch: the root's all-gathers wait on ``event`` (recorded after the optimizer step)
-        instead of the whole current stream. mpidtensor issues its collectives from the host
-        after the step returned, so there is nothing to wait for on CPU: the root's next
-        forward calls ``event.synchronize()`` (a no-op for a finished step) and drops it."""
-        if not callable(getattr(event, "synchronize", None)):
-            raise TypeError(f"set_post_optim_event expects an event with synchronize(), got {type(event).__name__}")
-        self._fsdp_state.root.post_optim_event = event
-
-    def set_custom_all_gather(self, comm: object) -> None:
-        """Run this group's all-gathers through ``comm`` (torch's ``AllGather`` shape; its
-        ``group`` is the mpi4py communicator of the shard dim: see ``fsdp.comms``)."""
-        check_comm(comm, "AllGather")
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.custom_all_gather = comm
-
-    def set_custom_reduce_scatter(self, comm: object) -> None:
-        """Run this group's gradient reduce-scatters through ``comm`` (torch's
-        ``ReduceScatter`` shape, ``op="sum"``: see ``fsdp.comms``)."""
-        check_comm(comm, "ReduceScatter")
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.custom_reduce_scatter = comm
-
-    def reset_iter_state(self) -> None:
-        """After an exception interrupted forward or backward: finish and drop every
-        collective in flight, reshard every group and clear the iteration's bookkeeping, so
-        that the next iteration runs normally. The interrupted iteration's gradients
-        (including no_sync and HSDP partial sums) are lost. Call it on the root module."""
-        self._fsdp_state.reset_iter_state()
-
-    def _groups(self, recurse: bool) -> list[ParamGroup]:
-        modules = self.modules() if recurse else [self]
-        return [m._fsdp_state.group for m in modules if isinstance(m, FSDPModule) and m._fsdp_state.group is not None]
 
 
 def fully_shard(
@@ -213,7 +64,7 @@ def fully_shard(
     only (``1`` is ``False``, the group size is ``True``, as in torch). With ``True`` or an
     int the module holds the sharded parameters between forward and backward.
     ``offload_policy``: ``CPUOffloadPolicy()`` keeps the sharded state in host memory (see
-    ``offload.CPUOffloadPolicy``; on a CPU mesh it changes nothing).
+    ``policies.CPUOffloadPolicy``; on a CPU mesh it changes nothing).
     ``ignored_params``: parameters FSDP leaves as they are: not sharded, not gathered,
     their gradients not reduced (as torch's): e.g. experts that ``ExpertParallel``
     already split over the ranks.
@@ -238,6 +89,7 @@ def fully_shard(
     check_offload_policy(offload_policy, {p.device for _, p in managed}, mesh)
     _check_params(managed, mesh, mp_policy, offload_policy)
     _check_not_tied_across_groups(managed)
+    cls = _fsdp_class(type(module))  # (before any change: a class that cannot be subclassed raises here)
     dims = [_shard_dim(param, shard_placement_fn) for _, param in managed]
     info = MeshInfo(mesh)
     params, error = attempt(lambda: [FSDPParam(users, param, info, mp_policy, dim)
@@ -250,7 +102,7 @@ def fully_shard(
     for _, param in managed:
         _REPLACED[id(param)] = weakref.ref(param, lambda _, key=id(param): _REPLACED.pop(key, None))
     module._fsdp_state = FSDPState(module, group, mp_policy)
-    module.__class__ = _fsdp_class(type(module))
+    module.__class__ = cls
     return module
 
 
@@ -262,12 +114,6 @@ def _fsdp_class(cls: type) -> type:
 @cache
 def _default_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (MPI.COMM_WORLD.size,))
-
-
-def _state_of(module: nn.Module) -> FSDPState:
-    if not isinstance(module, FSDPModule):
-        raise TypeError(f"expected a fully_shard-ed module, got {type(module).__name__}")
-    return module._fsdp_state
 
 
 def _ignored_ids(ignored_params: Iterable[nn.Parameter] | None) -> set[int]:

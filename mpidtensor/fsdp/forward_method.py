@@ -5,6 +5,8 @@ import functools
 
 from torch import nn
 
+from .module import FSDPModule
+
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` run FSDP's pre- and post-forward around it, as
@@ -14,8 +16,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     the method find the parameters gathered and leave them so (sub-modules gather and
     free as usual). As in torch, a no-op if ``module`` is not an ``FSDPModule``;
     a missing or non-callable method raises on every rank, before anything changes."""
-    from .api import FSDPModule
-
     if not isinstance(method_name, str):
         raise TypeError(f"method_name must be a str, got {type(method_name).__name__}")
     method = getattr(module, method_name, None)

@@ -27,7 +27,7 @@ from ..mesh import DeviceMesh, accounting
 from ..mesh.device_mesh import joint_mesh
 from ..placements import Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .mixed_precision import MixedPrecisionPolicy
+from .policies import MixedPrecisionPolicy
 
 
 class MeshInfo:

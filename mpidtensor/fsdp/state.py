@@ -29,8 +29,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..mesh import progress
-from .mixed_precision import MixedPrecisionPolicy, cast_floats
-from .param_group import ParamGroup
+from .group import UNSHARDED, ParamGroup
+from .policies import MixedPrecisionPolicy, cast_floats
 
 
 class FSDPState:
@@ -66,10 +66,8 @@ class FSDPState:
     # --- root -------------------------------------------------------------------------------------
     def _lazy_init(self) -> None:
         """The first state to run forward becomes the root of every state below it."""
-        from .api import FSDPModule
-
         self.is_root = True
-        self.states = [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
+        self.states = [state for state in map(state_of, self.module.modules()) if state is not None]
         for state in self.states[1:]:
             state.is_root, state.root = False, self
 
@@ -166,7 +164,7 @@ class FSDPState:
         root.post_forward_order.append(self)
         if self.is_root:
             for state in root._kept:  # a later call the recorded order promised did not come
-                if state.group.is_unsharded:
+                if state.group.sharded_state is UNSHARDED:
                     state.group.reshard()
             root._kept = []
             if root._recording:
@@ -224,6 +222,11 @@ class FSDPState:
             if target.group.unshard_in_backward:
                 target.group.start_unshard()
         progress.poke()
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The ``FSDPState`` that ``fully_shard`` gave ``module`` (kept in its ``__dict__``), if any."""
+    return module.__dict__.get("_fsdp_state")
 
 
 class _PostBackward(torch.autograd.Function):

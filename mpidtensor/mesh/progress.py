@@ -6,7 +6,7 @@ something calls MPI. Modes (``settings.progress``, from ``MPIDTENSOR_PROGRESS``;
 is ``settings.update(progress=...)``):
 
 * ``"off"`` (default): data moves only inside the waits; FSDP then issues its
-  reduce-scatters blocking (``fsdp.comms.start_reduce_scatter``), which costs less CPU.
+  reduce-scatters blocking (``fsdp.collectives.start_reduce_scatter``), which costs less CPU.
 * ``"hooks"``: ``poke()`` makes one ``MPI_Test`` on the oldest in-flight
   collective, which runs the progress engine for all of them. FSDP calls it from its
   module hooks, so a collective started for the next module moves between modules.

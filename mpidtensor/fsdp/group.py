@@ -1,0 +1,534 @@
+"""The parameters of one ``fully_shard`` call, communicated together: the group's state
+machine (``ShardedState``) and its collectives.
+
+Which form of the parameters the modules hold is ``ParamGroup.sharded_state``; each
+transition is one method that checks the state it leaves:
+
+* ``start_unshard``: ``SHARDED`` or ``SHARDED_POST_FORWARD`` -> ``UNSHARDING``: one
+  ``Iallgather`` of every rank's send buffer (``packing``), in rank order, into a pooled
+  buffer (``mesh.pool``); from ``SHARDED_POST_FORWARD`` over the subgroup of
+  ``reshard_after_forward=k`` ranks only, from the rows each rank kept. A group of one
+  plain parameter split evenly along dim 0 on the host is gathered straight into
+  ``unsharded_flat`` (the ranks' shards back to back are the parameter). Contiguous
+  ``Iallgather`` rather than an ``Ialltoallw`` whose datatypes place each rank's rows (no
+  copy out): the derived-datatype transfer took 2-3x as long on ranks that share cores
+  (docs/performance.md, "FSDP step").
+* ``finish_unshard``: ``UNSHARDING`` -> ``UNSHARDED``: wait, copy the rows into
+  ``unsharded_flat`` (or an extension's outputs, then its ``fsdp_post_all_gather``) and
+  register the unsharded parameters on the modules.
+* ``reshard_post_forward``: ``UNSHARDED`` -> ``SHARDED_POST_FORWARD`` (keep this rank's
+  ``world / k`` rows of the all-gather input) or ``SHARDED``.
+* ``reshard``: any state -> ``SHARDED``: register the sharded parameters, free
+  ``unsharded_flat``'s storage (``resize_(0)``: the next all-gather refills the same
+  tensors, so autograd's saved references stay valid) and drop a prefetch nobody used.
+
+Gradients (``post_backward`` then ``finish_reduce``): packed in ``reduce_dtype``, one
+reduce-scatter (blocking unless MPI progress is on, see
+``collectives.start_reduce_scatter``; then an all-reduce over the replicate dim for HSDP)
+and a division by the data-parallel size (or ``set_gradient_divide_factor``'s, split as
+``collectives.divide_factors`` says around the all-reduce hook); the sharded ``.grad``s
+are made from the result. Replicated parameters (TP-sharded on every dim) are neither
+gathered nor scattered: their unsharded form is their local block, their gradients are
+all-reduced over the data-parallel mesh.
+
+``CPUOffloadPolicy`` on a non-CPU mesh: ``shard_flat`` and the ``.grad`` shards on the
+host, copied to the device for the all-gather and back after the reduce-scatter.
+``shard_flat`` and ``unsharded_flat`` are registered with ``mesh.accounting`` (and every
+resize reported), so ``memory_allocated()`` shows sharded + currently gathered bytes.
+"""
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Callable
+
+import torch
+from mpi4py import MPI
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..dtensor import DTensor
+from ..mesh import accounting
+from ..mesh.agreement import attempt, portable, raise_first
+from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
+from ..mesh.pool import advise_huge_pages, tracked_empty
+from ..mesh.prepared import Prepared
+from . import collectives, packing
+from .float8 import whole_weight_scales
+from .packing import FromRanks, Piece
+from .param import FSDPParam, MeshInfo
+from .policies import MixedPrecisionPolicy, OffloadPolicy, compute_device, host_device, pinned
+
+
+class ShardedState(Enum):
+    """Which form of a group's parameters its modules hold (torch's FSDP2 ``ShardedState``,
+    plus the all-gather in flight)."""
+
+    SHARDED = auto()  # the sharded parameters; nothing gathered
+    SHARDED_POST_FORWARD = auto()  # the sharded ones; this rank keeps its subgroup rows of the last gather
+    UNSHARDING = auto()  # the sharded ones; an all-gather in flight (a prefetch, unshard(async_op=True))
+    UNSHARDED = auto()  # the unsharded parameters, gathered
+
+
+# The members as module constants: reading an Enum member off its class costs ~10x a
+# global lookup in Python 3.11, and these are compared on every hook of every step.
+SHARDED, SHARDED_POST_FORWARD = ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD
+UNSHARDING, UNSHARDED = ShardedState.UNSHARDING, ShardedState.UNSHARDED
+
+
+class ParamGroup:
+    """Flat buffers, all-gather, reshard and gradient reduce-scatter of one group."""
+
+    def __init__(self, params: list[FSDPParam], info: MeshInfo, mp: MixedPrecisionPolicy,
+                 reshard_after_forward: bool | int, offload: OffloadPolicy = OffloadPolicy()) -> None:
+        self.params = params
+        self.info = info
+        self.mp = mp
+        # int: after forward keep the parameters gathered over a subgroup of that many ranks
+        self.post_forward_comm = info.subgroup(reshard_after_forward) if type(reshard_after_forward) is int else None
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        # settings of FSDPModule's set_* methods (torch's defaults)
+        self.requires_all_reduce = True
+        self.unshard_in_backward = True
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.custom_all_gather = self.custom_reduce_scatter = None
+        trainable = [p for p in params if p.requires_grad]
+        self.reduce_dtype = mp.reduce_dtype or mp.param_dtype or (trainable[0].orig_dtype if trainable else None)
+        self.gathered = [p for p in params if not p.replicated]
+        self._plain = [p for p in self.gathered if not p.extension]
+        self._extensions = [(i, p) for i, p in enumerate(self.gathered) if p.extension]
+        self._replicated = [p for p in params if p.replicated]
+        self._users = [(module, name, p) for p in params for module, name in p.users]
+        self.direct = all(not p.extension and p.param_dtype == p.orig_dtype for p in self.gathered)
+        shard_total, self.unsharded_nbytes = packing.place(self.gathered)
+        # one parameter, even dim-0 shards: a plain Iallgather lays it out (2x faster than
+        # Ialltoallw at 4 MiB with one rank per core; docs/performance.md "FSDP step")
+        only = self.gathered[0] if len(self.gathered) == 1 else None
+        self._rank_major = only is not None and only.pre == 1 and only.rows % info.shard_size == 0
+        built_on = params[0].initial_local.device
+        self.offload_to = host_device(offload, info.mesh, built_on)  # where sharded state lives, if moved
+        self.device = compute_device(info.mesh) if self.offload_to else built_on  # gathered params, gradients
+        self.shard_flat = accounting.track_buffer(pinned(offload, torch.zeros(
+            shard_total, dtype=torch.uint8, device=self.offload_to or self.device)))
+        with torch.no_grad():
+            for p in params:
+                if p.extension or p.replicated:
+                    local = p.initial_local if self.offload_to is None else p.initial_local.to(self.offload_to)
+                else:
+                    local = packing.shard_slot(self.shard_flat, p).copy_(p.initial_local)
+                p.make_sharded(local)
+                p.initial_local = None
+        self.sharded_state = SHARDED
+        self.unsharded_flat: torch.Tensor | None = None
+        # the all-gather input's layout, made by the first all-gather (extensions' inputs decide it)
+        self.pieces: list[list[Piece]] | None = None
+        self.gather_nbytes = 0
+        self.split_sizes: list[int] | None = None  # packing.split_sizes
+        self._split_views: tuple[torch.Tensor | None, list[torch.Tensor]] = (None, [])
+        self._from_ranks: FromRanks | None = None
+        self._input_kinds: dict[int, list[tuple[torch.dtype, tuple[int, ...]]]] = {}  # first extension inputs
+        # UNSHARDING: the all-gather and whether it writes into unsharded_flat itself
+        self._gather: tuple[Handle | _NoGather, bool] | None = None
+        self._meta: dict[int, object] = {}  # extensions' fsdp_pre_all_gather metadata, for the post hook
+        self._kept: torch.Tensor | None = None  # SHARDED_POST_FORWARD: this rank's rows of a gather
+        self._kept_meta: dict[int, object] = {}
+        self._pending: tuple[Handle | None, list[FSDPParam], Handle | None, list[FSDPParam]] | None = None
+        self._scatters: dict[tuple[int, torch.dtype], Prepared] = {}  # see collectives.start_reduce_scatter
+        self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced (summed)
+
+    # --- sharded storage -----------------------------------------------------------------------
+    def sync(self) -> None:
+        """Make every sharded parameter a view into ``shard_flat`` again, after
+        ``load_state_dict(assign=True)``, ``to_empty`` or a moved module replaced it."""
+        for p in self.params:
+            module, name = p.users[0]
+            current = module._parameters[name]
+            if current is not p.sharded and current is not p.unsharded:
+                p.adopt(current)
+        plain = self._plain
+        if not plain:
+            return
+        device = plain[0].sharded._local_tensor.device
+        if device != self.shard_flat.device:
+            if self.offload_to is None:
+                self.device = device
+            self.shard_flat = accounting.track_buffer(torch.zeros(self.shard_flat.numel(), dtype=torch.uint8, device=device))
+            self.unsharded_flat = None
+            for p in self.params:
+                p.forget_gathered()
+        base = self.shard_flat.data_ptr()
+        moved = [p for p in plain if p.sharded._local_tensor.data_ptr() != base + p.shard_offset]
+        if moved:  # (the common case: nothing moved, no view built)
+            with torch.no_grad():
+                for p in moved:
+                    slot = packing.shard_slot(self.shard_flat, p)
+                    slot.copy_(p.sharded._local_tensor)
+                    p.sharded._local_tensor = slot
+
+    # --- SHARDED / SHARDED_POST_FORWARD -> UNSHARDING -------------------------------------------------
+    def start_unshard(self) -> None:
+        """Issue this group's all-gather (non-blocking); ``finish_unshard`` completes it.
+        Nothing to do once it is in flight or done."""
+        state = self.sharded_state
+        if state is UNSHARDING or state is UNSHARDED:
+            return
+        if state is SHARDED_POST_FORWARD:  # gather the rows kept after forward over the subgroup
+            kept, self._kept = self._kept, None
+            self._meta = dict(self._kept_meta)
+            self._start_gather(kept, self.post_forward_comm)
+            return
+        self.sync()
+        inputs, error = attempt(self._pre_all_gather)
+        if self.pieces is None:  # the first gather: the subclasses' hooks ran alike on all ranks, or all raise
+            self._make_layout(inputs, error)
+        elif error is not None:
+            raise error
+        if not self.gathered:
+            self._gather, self.sharded_state = (_NO_GATHER, False), UNSHARDING
+            return
+        if self._placeable():  # the unsharded parameter is the ranks' shards back to back
+            self._ensure_unsharded_storage()
+            comm = self.info.shard_comm
+            nbytes = self.gathered[0].local_numel * self.gathered[0].orig_dtype.itemsize
+            handle = iall_gather(self.shard_flat[:nbytes], comm, out=self.unsharded_flat[:nbytes * comm.size])
+            self._gather, self.sharded_state = (handle, True), UNSHARDING
+            return
+        if self.direct:
+            send = self.shard_flat.to(self.device, non_blocking=True)  # itself unless offloaded
+        else:
+            for i, p in self._extensions:
+                self._check_inputs(i, p, inputs[i])
+            send = torch.zeros(self.gather_nbytes, dtype=torch.uint8, device=self.device)
+            with torch.no_grad():
+                packing.pack_send(send, self.gathered, self.pieces, inputs)
+        self._start_gather(send, self.info.shard_comm)
+
+    def _start_gather(self, send: torch.Tensor, comm: MPI.Comm) -> None:
+        """Start gathering ``send`` over ``comm`` into a buffer of every shard rank's rows."""
+        nbytes = self.gather_nbytes * self.info.shard_size
+        out = collectives.allocate(self.custom_all_gather, (nbytes,), torch.uint8, self.device, reusable=True)
+        handle = collectives.start_all_gather(self.custom_all_gather, send, comm, out)
+        self._gather, self.sharded_state = (handle, False), UNSHARDING
+
+    def _placeable(self) -> bool:
+        """Whether the all-gather can write straight into ``unsharded_flat``: one plain
+        parameter in its own dtype, split evenly along dim 0 (its ranks' shards back to
+        back), on the host, with torch's default collective."""
+        return (self._rank_major and self.direct and self.custom_all_gather is None
+                and self.offload_to is None and self.shard_flat.device.type == "cpu")
+
+    def _ensure_unsharded_storage(self) -> None:
+        """Allocate ``unsharded_flat`` (first gather) or give back its freed storage."""
+        if self.unsharded_flat is None:
+            self.unsharded_flat = tracked_empty(self.unsharded_nbytes, torch.uint8, self.device)
+        elif self.unsharded_flat.untyped_storage().nbytes() == 0:
+            self.unsharded_flat.untyped_storage().resize_(self.unsharded_nbytes)  # new memory: advise it again
+            accounting.track_resize(advise_huge_pages(self.unsharded_flat))
+
+    def _free_unsharded_storage(self) -> None:
+        if self.unsharded_flat is not None and self.unsharded_flat.untyped_storage().nbytes():
+            self.unsharded_flat.untyped_storage().resize_(0)
+            accounting.track_resize(self.unsharded_flat)
+
+    # --- all-gather extensions (fsdp_pre_all_gather / fsdp_post_all_gather) ---------------------------
+    def _pre_all_gather(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        """The extension parameters' all-gather inputs (their metadata kept for the post hook)."""
+        inputs = {}
+        if not self._extensions:
+            return inputs
+        with whole_weight_scales([p.sharded._local_tensor for _, p in self._extensions], self.info.shard_comm):
+            for i, p in self._extensions:
+                inputs[i], self._meta[i] = p.pre_all_gather(self.info.mesh, self.mp)
+        return inputs
+
+    def _make_layout(self, inputs: dict[int, tuple[torch.Tensor, ...]] | None, error: Exception | None) -> None:
+        """The all-gather input's layout (``packing.gather_pieces``). Extension inputs are laid
+        out from every rank's input shapes (``_input_rows``: one small collective, first
+        all-gather only), which also carries ``error``, a rank's failure to make its inputs."""
+        rows = self._input_rows(inputs, error) if self._extensions else {}
+        self._input_kinds = {i: [(t.dtype, tuple(t.shape)) for t in inputs[i]] for i, _ in self._extensions}
+        self.pieces, self.gather_nbytes = packing.gather_pieces(self.gathered, inputs, rows)
+        self.split_sizes = packing.split_sizes(self.gathered, self.pieces, self.info.shard_size)
+
+    def _input_rows(self, inputs: dict[int, tuple[torch.Tensor, ...]] | None,
+                    error: Exception | None) -> dict[int, list[tuple[int, int]]]:
+        """Per extension parameter and all-gather input, (gathered rows on dim 0, rows per
+        rank in the send buffer), from every shard rank's input shapes (one ``allgather``),
+        so that all ranks lay out, or refuse (``FSDPParam.input_rows``, a rank's ``error``), alike."""
+        mine = portable(error) if error is not None else {i: [tuple(t.shape) for t in inputs[i]]
+                                                          for i, _ in self._extensions}
+        every = self.info.shard_comm.allgather(mine)
+        raise_first([e for e in every if isinstance(e, BaseException)])
+        return {i: p.input_rows([shapes[i] for shapes in every]) for i, p in self._extensions}
+
+    def _check_inputs(self, i: int, p: FSDPParam, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Each all-gather keeps the count, dtypes and shapes of the first."""
+        kinds = [(t.dtype, tuple(t.shape)) for t in inputs]
+        first = self._input_kinds[i]
+        if kinds != first:
+            raise ValueError(f"fsdp_pre_all_gather of {p.users[0][1]!r} returned inputs {kinds}, "
+                             f"unlike the first all-gather's {first}")
+
+    def _post_all_gather(self, i: int, p: FSDPParam, rows_of_ranks: torch.Tensor) -> None:
+        """Copy an extension parameter's gathered pieces (padding dropped) into its
+        persistent outputs and let the subclass build (or refresh) its unsharded tensor."""
+        pieces = self.pieces[i]
+        outputs = p.gather_outputs([(piece.dtype, (piece.rows, *piece.rest), self.device) for piece in pieces])
+        packing.unpack_pieces(outputs, pieces, rows_of_ranks)
+        self._kept_meta[i] = self._meta.pop(i)
+        p.post_all_gather(self._kept_meta[i])
+
+    # --- UNSHARDING -> UNSHARDED ------------------------------------------------------------------
+    def finish_unshard(self) -> None:
+        """Wait for the all-gather (starting it first if need be) and put the unsharded
+        parameters on the modules."""
+        if self.sharded_state is UNSHARDED:
+            return
+        self.start_unshard()
+        handle, placed = self._gather
+        out = handle.wait()
+        self._gather = None
+        self._ensure_unsharded_storage()
+        existing = [p.unsharded for p in self.params if p.unsharded is not None]
+        versions = [t._version for t in existing]
+        with torch.no_grad():
+            if not placed and out is not None:  # (placed: the all-gather wrote the parameters in place)
+                rows_of_ranks = out.view(self.info.shard_size, self.gather_nbytes)
+                if self.split_sizes is not None:  # every parameter in one copy
+                    torch.split_with_sizes_copy(rows_of_ranks, self.split_sizes, dim=1, out=self._split_outputs())
+                else:
+                    self._copy_from_ranks(rows_of_ranks)
+                for i, p in self._extensions:
+                    self._post_all_gather(i, p, rows_of_ranks)
+            if placed or out is not None:
+                for p in self._plain:
+                    if p.unsharded is None:
+                        p.unsharded = p.wrap_unsharded(packing.unsharded_view(self.unsharded_flat, p).view(p.shape))
+            for p in self._replicated:
+                self._unshard_replica(p)
+        torch._C._autograd._unsafe_set_version_counter(existing, versions)
+        self.sharded_state = UNSHARDED
+        self._install(unsharded=True)
+
+    def _split_outputs(self) -> list[torch.Tensor]:
+        """``packing.split_views`` of ``unsharded_flat``, made once per buffer (a view
+        follows its storage through the resizes)."""
+        flat, views = self._split_views
+        if flat is not self.unsharded_flat:
+            views = packing.split_views(self.unsharded_flat, self.gathered, self.split_sizes, self.info.shard_size)
+            self._split_views = (self.unsharded_flat, views)
+        return views
+
+    def _copy_from_ranks(self, rows_of_ranks: torch.Tensor) -> None:
+        """``packing.FromRanks``'s copy, its views made once per ``unsharded_flat``."""
+        if self._from_ranks is None or self._from_ranks.unsharded_flat is not self.unsharded_flat:
+            self._from_ranks = FromRanks(self.unsharded_flat, self.gathered, self.pieces, self.gather_nbytes)
+        self._from_ranks.copy(rows_of_ranks)
+
+    def _install(self, unsharded: bool) -> None:
+        """Put every parameter's unsharded (else sharded) form on its user modules."""
+        for module, name, p in self._users:
+            module._parameters[name] = p.unsharded if unsharded else p.sharded
+
+    def _unshard_replica(self, p: FSDPParam) -> None:
+        """A replicated parameter's unsharded form: its local block itself (a copy in
+        ``param_dtype``, or on the compute device when offloaded), rebuilt only when the
+        local block was replaced."""
+        local = p.sharded._local_tensor
+        if p.unsharded is None or p.replica_src is not local:
+            p.replica_src = local
+            p.unsharded = p.wrap_unsharded(local.to(device=self.device, dtype=p.param_dtype))
+        elif local.dtype != p.param_dtype or local.device != self.device:  # a copy: refresh it
+            p.unsharded._local_tensor.copy_(local)  # (replicated parameters are TP DTensors)
+
+    # --- UNSHARDED -> SHARDED_POST_FORWARD, any -> SHARDED ------------------------------------------
+    def reshard_post_forward(self) -> None:
+        """Reshard after forward: fully, or (``reshard_after_forward=k``) keeping this rank's
+        ``world / k`` rows of the all-gather so that backward gathers over the k ranks of
+        its subgroup only; the kept rows are rebuilt from the unsharded parameters."""
+        if self.post_forward_comm is None or self.sharded_state is not UNSHARDED or not self.gathered:
+            self.reshard()
+            return
+        k, world = self.post_forward_comm.size, self.info.shard_size
+        kept = tracked_empty((world // k, self.gather_nbytes), torch.uint8, self.device)
+        with torch.no_grad():
+            packing.keep_rows(kept, self.gathered, self.pieces, self.unsharded_flat,
+                              self.post_forward_comm.rank * (world // k))
+        self.reshard()
+        self._kept, self.sharded_state = kept.view(-1), SHARDED_POST_FORWARD
+
+    def reshard(self) -> None:
+        """Put the sharded parameters back and free the unsharded storage: from
+        ``UNSHARDED``; from ``UNSHARDING`` (a prefetch nobody used) once its all-gather is
+        done; from ``SHARDED_POST_FORWARD`` by dropping the kept rows."""
+        state = self.sharded_state
+        if state is SHARDED:
+            return
+        if state is SHARDED_POST_FORWARD:
+            self._kept = None
+        elif state is UNSHARDING:
+            self._gather[0].wait()
+            self._gather = None
+            self._meta.clear()
+            self._free_unsharded_storage()
+        else:
+            self._install(unsharded=False)
+            for _, p in self._extensions:
+                p.free_gathered()
+            self._free_unsharded_storage()
+        self.sharded_state = SHARDED
+
+    # --- gradients -------------------------------------------------------------------------------
+    def post_backward(self) -> None:
+        """Start reduce-scattering the unsharded gradients (or keep them while gradient
+        sync is off); reshard if ``reshard_after_backward``."""
+        params, grads = [], []
+        for p in self.params:
+            unsharded = p.unsharded
+            g = unsharded.grad if unsharded is not None and p.requires_grad else None
+            if g is None:
+                continue
+            params.append(p)
+            unsharded.grad = None
+            if isinstance(g, DTensor):
+                if g._spec.placements != p.tp_spec.placements:
+                    g = g.redistribute(p.tp_spec.mesh, p.tp_spec.placements)
+                g = g._local_tensor
+            if type(g) is not torch.Tensor:
+                g = _plain_grad(g, p)
+            if p.grad_acc is not None:
+                g, p.grad_acc = g + p.grad_acc, None
+            grads.append(g)
+        # HSDP without the all-reduce: replicated parameters' gradients wait unreduced
+        skip_all_reduce = not self.requires_all_reduce and self.info.replicate_comm is not None
+        hold = not self.requires_gradient_sync or skip_all_reduce
+        if hold:
+            for p, g in zip(params, grads):
+                if p.replicated or not self.requires_gradient_sync:
+                    p.grad_acc = g
+        if self.requires_gradient_sync and params:
+            self.finish_reduce()  # a reduction left running (set_is_last_backward(False)) ends first
+            self._start_reduce([(p, g) for p, g in zip(params, grads) if not (p.replicated and hold)])
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _start_reduce(self, params: list[tuple[FSDPParam, torch.Tensor]]) -> None:
+        """One reduce-scatter for the sharded parameters' gradients, one all-reduce for
+        the replicated ones'."""
+        world = self.info.shard_size
+        sharded, replicated = params, []
+        if self._replicated:
+            sharded = [(p, g) for p, g in params if not p.replicated]
+            replicated = [(p, g) for p, g in params if p.replicated]
+        pre, _, _ = self._factors()
+        scatter = reduce = None
+        with torch.no_grad():
+            if sharded:
+                total = sum(p.shard_numel for p, _ in sharded)
+                device = sharded[0][1].device
+                send = collectives.allocate(self.custom_reduce_scatter, (world * total,), self.reduce_dtype, device,
+                                            reusable=True)
+                packing.pack_ranks(send.view(world, total), sharded)
+                collectives.divide(send, pre)
+                scatter = collectives.start_reduce_scatter(self.custom_reduce_scatter, send, self.info.shard_comm,
+                                                           self._scatters)
+            if replicated:
+                flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for _, g in replicated])
+                collectives.divide(flat, pre)
+                reduce = iall_reduce(flat, self.info.mesh.comm_for(tuple(range(self.info.mesh.ndim))), "sum", inplace=True)
+        self._pending = (scatter, [p for p, _ in sharded], reduce, [p for p, _ in replicated])
+
+    def _factors(self) -> tuple[float | None, float | None, float | None]:
+        return collectives.divide_factors(self.info.dp_size, self.gradient_divide_factor, self.reduce_dtype,
+                                          self.force_sum_reduction)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter and (HSDP) the all-reduce over the replicate dim,
+        scale, run the all-reduce hook, and add the shards to the parameters' ``.grad``.
+        Under HSDP with ``requires_all_reduce`` off, the reduce-scattered sum is kept
+        (summed over backwards) and all-reduced by the next backward that has it on."""
+        if self._pending is None:
+            return
+        scatter, sharded, reduce, replicated = self._pending
+        self._pending = None
+        _, with_comm, post = self._factors()
+        outputs: list[tuple[torch.Tensor, list[FSDPParam], list[int]]] = []
+        if scatter is not None:
+            out = scatter.wait()
+            if self.info.replicate_comm is not None and not self.requires_all_reduce:
+                self._partial = out if self._partial is None else self._partial.add_(out)
+            else:
+                if self._partial is not None:
+                    out, self._partial = out.add_(self._partial), None
+                if self.info.replicate_comm is not None:
+                    iall_reduce(out, self.info.replicate_comm, "sum", inplace=True).wait()
+                outputs.append((out, sharded, [p.shard_numel for p in sharded]))
+        if reduce is not None:
+            outputs.append((reduce.wait(), replicated, [p.numel for p in replicated]))
+        for flat, params, sizes in outputs:
+            collectives.divide(flat, with_comm)
+            if self.all_reduce_hook is not None:
+                self.all_reduce_hook(flat)
+            collectives.divide(flat, post)
+            to_device = self.offload_to or flat.device
+            flat = flat.contiguous()  # (a custom collective's output may be strided)
+            at = flat.storage_offset()
+            for p, size in zip(params, sizes):
+                local = flat.as_strided(p.local_shape, p.local_stride, at)
+                at += size
+                if local.dtype != p.orig_dtype or local.device != to_device:
+                    local = local.to(device=to_device, dtype=p.orig_dtype)
+                if p.sharded.grad is None:
+                    p.sharded.grad = DTensor(local, p.spec, requires_grad=False)
+                else:
+                    p.sharded.grad._local_tensor.add_(local)
+
+    def reset(self) -> None:
+        """Back to the state between iterations, after an exception: finish and drop any
+        collective in flight, drop held gradients (no_sync and HSDP partial sums), reshard."""
+        if self._pending is not None:
+            for handle in (self._pending[0], self._pending[2]):
+                if handle is not None:
+                    handle.wait()
+            self._pending = None
+        self._partial = None
+        for p in self.params:
+            p.grad_acc = None
+            if p.unsharded is not None:
+                p.unsharded.grad = None
+        self.reshard()
+
+    @property
+    def reducing(self) -> bool:
+        """A reduce-scatter has started and ``finish_reduce`` has not run yet."""
+        return self._pending is not None
+
+    @property
+    def has_pending_grads(self) -> bool:
+        """Some unsharded gradients arrived that ``post_backward`` has not taken yet."""
+        return any(p.unsharded is not None and p.unsharded.grad is not None for p in self.params)
+
+
+def _plain_grad(grad: torch.Tensor, p: FSDPParam) -> torch.Tensor:
+    """``grad``, not a plain tensor, as one: a gradient that came back as a tensor subclass
+    (a quantized weight's autograd may return its own type) is dequantized, or unwrapped
+    if it is a plain tensor underneath; the reduce-scatter packs plain values."""
+    if hasattr(grad, "dequantize"):
+        return grad.dequantize()
+    if not is_traceable_wrapper_subclass(grad):
+        return grad.as_subclass(torch.Tensor)
+    raise TypeError(f"the gradient of {p.users[0][1]!r} is a {type(grad).__name__} without dequantize(): "
+                    "FSDP cannot reduce-scatter it; return a plain gradient from the subclass's backward")
+
+
+class _NoGather:
+    """The all-gather of a group with nothing to gather (only replicated parameters)."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_NO_GATHER = _NoGather()
