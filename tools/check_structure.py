@@ -228,12 +228,23 @@ def _stem(name: str) -> str:
     return stem.rstrip("e")
 
 
+# Module paths that torch's API fixes (code ports by changing ``torch.distributed`` to
+# ``mpidtensor``), so a pair with one of them is not renamed away.
+TORCH_PATHS = {
+    "mpidtensor.checkpoint.format_utils": "torch.distributed.checkpoint.format_utils",
+    "mpidtensor.parallel.loss": "torch.distributed.tensor.parallel.loss",
+}
+
+
 def suffix_pairs(found: dict[str, Path]) -> list[tuple[str, str]]:
-    """Pairs of modules (anywhere in the package) whose names differ only by a suffix."""
+    """Pairs of modules (anywhere in the package) whose names differ only by a suffix,
+    except pairs with a module whose path torch fixes (``TORCH_PATHS``)."""
     leaves = {name: name.rpartition(".")[2] for name in found if not name.endswith("__main__")}
     pairs = []
     for a, b in combinations(sorted(leaves), 2):
         la, lb = leaves[a].strip("_"), leaves[b].strip("_")
+        if a in TORCH_PATHS or b in TORCH_PATHS:
+            continue
         if la != lb and _stem(la) == _stem(lb):
             pairs.append((a, b))
     return pairs

@@ -8,7 +8,7 @@ from typing import Iterator
 
 from ._context_parallel import context_parallel, context_parallel_unshard, set_rotate_method
 from .local_map import local_map
-from .sharding import register_sharding
+from ._register_sharding import register_sharding
 
 __all__ = [
     "context_parallel",
