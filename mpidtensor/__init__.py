@@ -6,6 +6,7 @@ import torch as _torch
 
 from .api import distribute_module, distribute_tensor
 from .dtensor import DTensor, to_dtensor as _to_dtensor
+from . import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
 from .factories import empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, init_device_mesh
 from .placements import Partial, Placement, Replicate, Shard
@@ -13,15 +14,10 @@ from . import ops  # noqa: F401  (registers the sharding rules)
 
 _torch.Tensor.to_dtensor = _to_dtensor  # local_tensor.to_dtensor(device_mesh=..., placements=...)
 
-# Optimizers and gradient clipping take their multi-tensor (foreach) kernels for DTensor
-# parameters, on CPU too (one dispatch per op for all parameters, not one per parameter).
-# Elementwise torch.optim optimizers step DTensor parameters on their local tensors
-# (no dispatch per op) when gradients and state share the parameter's spec.
-from . import foreach as _foreach  # noqa: E402
-from . import local_step as _local_step  # noqa: E402
-
-_foreach.install()
-_local_step.install()
+# The optimizer fast paths register their hooks as effects installed at the first mesh:
+# multi-tensor (foreach) kernels for DTensor parameters on CPU too, and elementwise
+# optimizers stepping DTensor parameters on their local tensors.
+from .fast import foreach as _foreach, optim_step as _optim_step  # noqa: E402,F401
 
 __all__ = [
     "DTensor",

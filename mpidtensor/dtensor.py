@@ -1,9 +1,10 @@
 """``DTensor``: a ``torch.Tensor`` subclass whose shape, stride and dtype are global.
 
 It holds this rank's local tensor and a :class:`DTensorSpec`. Every aten op on it
-goes through :func:`mpidtensor.dispatch.dispatch`. The conversions to and from
-local tensors and between placements are autograd functions, so gradients flow
-through them with the placements PyTorch documents.
+goes through :func:`mpidtensor.dispatch.dispatch`, which that package installs as
+``DTensor._op_dispatch`` when imported (this module does not import it). The conversions
+to and from local tensors and between placements are autograd functions, so gradients
+flow through them with the placements PyTorch documents.
 
 Under ``torch.compile`` a DTensor is a traceable wrapper subclass (``__tensor_flatten__``
 / ``__tensor_unflatten__``; the spec is interned and copies to itself); the collectives
@@ -64,7 +65,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+        return cls._op_dispatch(func, args, kwargs or {})
 
     def __repr__(self) -> str:
         return (
@@ -321,7 +322,6 @@ class _Redistribute(torch.autograd.Function):
         return DTensor(local, out_spec, requires_grad=False), None
 
 
-from .dispatch import dispatch as _dispatch  # noqa: E402  (dispatch imports DTensor)
 from . import traceable  # noqa: E402  (collectives torch.compile can trace)
 
 

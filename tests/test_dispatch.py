@@ -7,8 +7,9 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from mpidtensor import dispatch
+from mpidtensor.dispatch import key
 from mpidtensor.debug import CommDebugMode
+from mpidtensor.runtime.settings import settings
 
 WORLD = MPI.COMM_WORLD
 
@@ -17,8 +18,8 @@ def test_cache_hit_does_not_replan(mesh1d, monkeypatch):
     x = distribute_tensor(global_tensor((5, 3)), mesh1d, [Shard(0)])
     y = x * 2.0
     calls = []
-    real = dispatch._make_plan
-    monkeypatch.setattr(dispatch, "_make_plan", lambda *a: calls.append(a[0]) or real(*a))
+    real = key.make_plan
+    monkeypatch.setattr(key, "make_plan", lambda *a: calls.append(a[0]) or real(*a))
     for scale in (3.0, 4.0, 5.0):  # a changing float scalar must not re-plan a pointwise op
         y = x * scale
     assert_all_ranks(calls == [], f"re-planned {calls}")
@@ -76,7 +77,7 @@ def test_shape_errors_raise_everywhere(mesh1d):
 
 
 def test_unknown_op_falls_back_with_one_warning(mesh1d, monkeypatch):
-    monkeypatch.delenv("MPIDTENSOR_STRICT", raising=False)
+    monkeypatch.setattr(settings, "strict", False)
     full = global_tensor((6, 6), torch.float64)
     spd = full @ full.T + 6 * torch.eye(6, dtype=torch.float64)
     a = distribute_tensor(spd, mesh1d, [Shard(0)])
@@ -91,7 +92,7 @@ def test_unknown_op_falls_back_with_one_warning(mesh1d, monkeypatch):
 
 
 def test_strict_mode_raises(mesh1d, monkeypatch):
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
+    monkeypatch.setattr(settings, "strict", True)
     a = distribute_tensor(global_tensor((5,)), mesh1d, [Shard(0)])
     with pytest.raises(NotImplementedError, match="histc"):
         torch.histc(a, bins=4)
@@ -118,7 +119,7 @@ def test_copy_into_plain_tensor(mesh1d):
 
 
 def test_fallback_inplace_updates_the_dtensor(mesh1d, monkeypatch):
-    monkeypatch.delenv("MPIDTENSOR_STRICT", raising=False)
+    monkeypatch.setattr(settings, "strict", False)
     full = global_tensor((5, 4), torch.float64)
     index, source = torch.tensor([0, 7, 19]), torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
     x = distribute_tensor(full.clone(), mesh1d, [Shard(0)])
@@ -136,7 +137,7 @@ def test_fallback_inplace_updates_the_dtensor(mesh1d, monkeypatch):
 
 
 def test_untagged_elementwise_ops(mesh1d, monkeypatch):
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
+    monkeypatch.setattr(settings, "strict", True)
     full = global_tensor((5, 3), torch.complex64)
     z = distribute_tensor(full, mesh1d, [Shard(0)])
     assert_close(z.real.full_tensor(), full.real)

@@ -1,5 +1,5 @@
 """Elementwise torch.optim steps on the local tensors of DTensor parameters
-(``mpidtensor.local_step``): bit for bit the DTensor path's values, the state kept as
+(``mpidtensor.fast.optim_step``): bit for bit the DTensor path's values, the state kept as
 DTensors of the parameters' specs, the DTensor path for what does not qualify, and the
 optimizer whole again after a step that raised."""
 import importlib
@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from helpers import assert_all_ranks, assert_close, global_tensor
-from mpidtensor import DTensor, Replicate, Shard, distribute_tensor, local_step
+from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
+from mpidtensor.fast import optim_step
 from mpidtensor.fsdp import fully_shard
+from mpidtensor.runtime.settings import settings
 from test_tp_local_linear import DispatchLog
 
 SGD = importlib.import_module("torch.optim.sgd")  # torch.optim deletes its submodules' names
@@ -53,7 +55,7 @@ def test_fsdp_step_on_local_tensors_matches_dispatch_bit_for_bit(mesh1d, monkeyp
     _train(ref, ref_opt, 3)
     results = {}
     for path in ("dispatch", "local"):
-        monkeypatch.setattr(local_step, "ENABLED", path == "local")
+        monkeypatch.setattr(settings, "local_optim_step", path == "local")
         model = _fsdp_model(mesh1d)
         opt = cls(model.parameters(), **kwargs)
         _train(model, opt, 2)
@@ -78,9 +80,9 @@ def test_fsdp_step_on_local_tensors_matches_dispatch_bit_for_bit(mesh1d, monkeyp
     assert_all_ranks(lcalls == 0 and dcalls > 0, f"DTensor ops in the step: local {lcalls}, dispatch {dcalls}")
     # and the state_dict round trip keeps stepping as the DTensor path does
     lopt.load_state_dict(lopt.state_dict())
-    monkeypatch.setattr(local_step, "ENABLED", False)
+    monkeypatch.setattr(settings, "local_optim_step", False)
     _train(dmodel, dopt, 1, start=5)
-    monkeypatch.setattr(local_step, "ENABLED", True)
+    monkeypatch.setattr(settings, "local_optim_step", True)
     _train(lmodel, lopt, 1, start=5)
     same = all(torch.equal(a._local_tensor, b._local_tensor) for a, b in zip(dmodel.parameters(), lmodel.parameters()))
     assert_all_ranks(same, "after load_state_dict the local step differs from the DTensor path")
@@ -172,7 +174,7 @@ def test_back_to_back_shards_step_as_one_tensor(mesh1d, monkeypatch, name):
     monkeypatch.setattr(module, fn, recorded)
     models = {}
     for coalesce in (False, True):
-        monkeypatch.setattr(local_step, "COALESCE", coalesce)
+        monkeypatch.setattr(optim_step, "COALESCE", coalesce)
         model = _even_model(mesh1d)
         opt = cls(model.parameters(), **kwargs)
         seen.clear()
