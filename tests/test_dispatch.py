@@ -99,6 +99,21 @@ def test_strict_mode_raises(mesh1d, monkeypatch):
     assert_close((a * 2).full_tensor(), global_tensor((5,)) * 2)
 
 
+def test_inplace_foreach_op_writes_back_what_it_moved(mesh1d):
+    """A ``_foreach_*_`` op that must move an element of the list it writes (a Partial
+    tensor reduced before a nonlinear op) writes into the moved copy: the caller's tensor
+    takes it (values and placements), the others stay in place."""
+    n = WORLD.size
+    p = DTensor.from_local(torch.ones(4), mesh1d, [Partial()])
+    s = distribute_tensor(global_tensor((6,)), mesh1d, [Shard(0)])
+    torch._foreach_exp_([p, s])
+    torch._foreach_addcmul_([p, s], [p, s], [p, s], value=0.5)
+    assert_all_ranks(not p.placements[0].is_partial() and s.placements == (Shard(0),), f"{p.placements} {s.placements}")
+    whole, full = torch.full((4,), float(n)).exp(), global_tensor((6,)).exp()
+    assert_close(p.full_tensor(), whole + 0.5 * whole * whole)
+    assert_close(s.full_tensor(), full + 0.5 * full * full)
+
+
 def test_inplace_view_changes_the_wrapper(mesh1d):
     full = global_tensor((1, 7))
     x = distribute_tensor(full.clone(), mesh1d, [Shard(1)])

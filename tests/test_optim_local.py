@@ -6,15 +6,17 @@ import importlib
 
 import pytest
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from helpers import assert_all_ranks, assert_close, global_tensor
-from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
+from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from mpidtensor.fast import optim_step
 from mpidtensor.fsdp import fully_shard
 from mpidtensor.runtime.settings import settings
 from test_tp_local_linear import DispatchLog
 
+WORLD = MPI.COMM_WORLD
 SGD = importlib.import_module("torch.optim.sgd")  # torch.optim deletes its submodules' names
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
@@ -113,6 +115,27 @@ def test_a_gradient_of_another_spec_takes_the_dtensor_path(mesh1d, monkeypatch):
         opt.step()
     ref_opt.step()
     assert_all_ranks(len(log.ops) > 0, "a group with a Replicate gradient was swapped")
+    assert_close(p.full_tensor(), ref.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [dict(foreach=False), {}, dict(fused=True)], ids=["loop", "foreach", "fused"])
+def test_a_partial_parameter_takes_the_dtensor_path(mesh1d, monkeypatch, mode):
+    """Adam's update is not linear: on a Partial parameter (and gradient) the dispatcher
+    reduces before its ops, so the step is not the local one. The local step asks the
+    dispatcher and declines; the step (its in-place foreach and fused ops written back
+    into the reduced parameter) matches one process."""
+    full, grad = global_tensor((7, 5), seed=1), global_tensor((7, 5), seed=2)
+    share = torch.full((), float(WORLD.size))
+    p = nn.Parameter(DTensor.from_local(full / share, mesh1d, [Partial()]))
+    p.grad = DTensor.from_local(grad / share, mesh1d, [Partial()])
+    ref = nn.Parameter(full.clone())
+    ref.grad = grad.clone()
+    opt, ref_opt = torch.optim.Adam([p], lr=0.01, **mode), torch.optim.Adam([ref], lr=0.01)
+    with monkeypatch.context() as patch:
+        log = DispatchLog(patch)
+        opt.step()
+    ref_opt.step()
+    assert_all_ranks(len(log.ops) > 0, "a group with a Partial parameter was swapped")
     assert_close(p.full_tensor(), ref.detach(), atol=1e-6, rtol=1e-5)
 
 

@@ -18,7 +18,7 @@ from ..runtime.settings import settings
 from ..spec import DTensorSpec
 from .args import common_mesh, converter, make_unwrap, mutated_inputs, replace_tensors, spec_of, tensors
 from .plans import LocalPlan, PerMeshPlan, Plan, per_mesh_groups
-from .writeback import make_inplace_wrap, mark_broken_views, rebase_viewed
+from .writeback import list_writeback, make_inplace_wrap, mark_broken_views, rebase_viewed
 
 __all__ = ["make_plan"]
 
@@ -113,6 +113,10 @@ def _build_plan(func, args, kwargs, found, specs, mesh, out_meta, sharding) -> C
     out_specs = [
         DTensorSpec(mesh, placements, m.shape, m.stride(), m.dtype) for m, placements in zip(metas, sharding.outputs)
     ]
+    if out_meta is None:
+        written_lists = list_writeback(func, args, specs, sharding.inputs)
+        if written_lists is not None:
+            return Plan(make_unwrap(args, kwargs, converters), *written_lists)
     wrap = mark_broken_views(func, converters, _make_wrap(func, out_meta, out_specs, args), rebased)
     if rebased is None and fast_paths.enabled():
         fast = LocalPlan.make(func, args, kwargs, converters, out_meta, out_specs, sharding, wrap)
