@@ -17,8 +17,8 @@ from torch import nn
 from helpers import assert_all_ranks, global_tensor
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from mpidtensor.fast import registry
-from mpidtensor.fsdp import fully_shard
 from mpidtensor.runtime.settings import settings
+from test_optim_local import _even_model
 
 WORLD = MPI.COMM_WORLD
 
@@ -117,21 +117,11 @@ def test_optimizer_fast_paths_equal_the_general_path(request, layout, name, mode
     _check(run, foreach | {"optim.local_step"}, local_optim_step=True)
 
 
-def _even_model(mesh) -> nn.Module:
-    """Two Linear(12, 12) layers, each fully_shard-ed: each layer's weight and bias shards
-    lie back to back in its flat buffers at 1-4 ranks (one flat run per layer)."""
-    with torch.random.fork_rng():
-        torch.manual_seed(3)
-        model = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
 def test_fsdp_flat_runs_equal_the_general_path(mesh1d, name):
-    """FSDP's back-to-back shards step as flat runs from the second step on: bit-equal to
-    the per-parameter DTensor step (forward, backward and the gradients' detach too)."""
+    """FSDP's back-to-back shards (two fully_shard-ed Linear(12, 12)) step as flat runs
+    from the second step on: bit-equal to the per-parameter DTensor step (forward,
+    backward and the gradients' detach too)."""
     cls, kwargs = OPTIMIZERS[name]
 
     def run():

@@ -101,41 +101,39 @@ def test_sharded_model_matches_one_process(mesh1d):
         assert_close(p.full_tensor(), q.detach(), atol=1e-6, rtol=1e-5)
 
 
-def test_a_gradient_of_another_spec_takes_the_dtensor_path(mesh1d, monkeypatch):
-    """A Replicate gradient on a Shard parameter: the group is not swapped, and the step
-    still matches the same step on full tensors."""
+def _partial(full: torch.Tensor, mesh) -> DTensor:
+    """``full`` as a Partial DTensor (each rank holds its share of the sum)."""
+    return DTensor.from_local(full / WORLD.size, mesh, [Partial()])
+
+
+# (parameter, gradient) placements the dispatcher does not step locally, and the optimizer
+PLACED_ELSEWHERE = {
+    "replicate_grad": ([Shard(0)], [Replicate()], torch.optim.AdamW, {}),
+    "partial_loop": ("partial", "partial", torch.optim.Adam, dict(foreach=False)),
+    "partial_foreach": ("partial", "partial", torch.optim.Adam, {}),
+    "partial_fused": ("partial", "partial", torch.optim.Adam, dict(fused=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLACED_ELSEWHERE))
+def test_specs_the_dispatcher_moves_take_the_dtensor_path(mesh1d, monkeypatch, case):
+    """A Replicate gradient on a Shard parameter, or a Partial parameter under Adam (not
+    linear: the dispatcher reduces before its ops): the local step asks the dispatcher and
+    leaves the group alone, and the step (in-place foreach and fused ops written back
+    into the moved parameter) matches the same step on full tensors."""
+    placed, grad_placed, cls, mode = PLACED_ELSEWHERE[case]
     full, grad = global_tensor((7, 5), seed=1), global_tensor((7, 5), seed=2)
-    p = nn.Parameter(distribute_tensor(full, mesh1d, [Shard(0)]))
-    p.grad = distribute_tensor(grad, mesh1d, [Replicate()])
+    place = lambda t, where: _partial(t, mesh1d) if where == "partial" else distribute_tensor(t, mesh1d, where)  # noqa: E731
+    p = nn.Parameter(place(full, placed))
+    p.grad = place(grad, grad_placed)
     ref = nn.Parameter(full.clone())
     ref.grad = grad.clone()
-    opt, ref_opt = torch.optim.AdamW([p], lr=0.01), torch.optim.AdamW([ref], lr=0.01)
+    opt, ref_opt = cls([p], lr=0.01, **mode), cls([ref], lr=0.01)
     with monkeypatch.context() as patch:
         log = DispatchLog(patch)
         opt.step()
     ref_opt.step()
-    assert_all_ranks(len(log.ops) > 0, "a group with a Replicate gradient was swapped")
-    assert_close(p.full_tensor(), ref.detach(), atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("mode", [dict(foreach=False), {}, dict(fused=True)], ids=["loop", "foreach", "fused"])
-def test_a_partial_parameter_takes_the_dtensor_path(mesh1d, monkeypatch, mode):
-    """Adam's update is not linear: on a Partial parameter (and gradient) the dispatcher
-    reduces before its ops, so the step is not the local one. The local step asks the
-    dispatcher and declines; the step (its in-place foreach and fused ops written back
-    into the reduced parameter) matches one process."""
-    full, grad = global_tensor((7, 5), seed=1), global_tensor((7, 5), seed=2)
-    share = torch.full((), float(WORLD.size))
-    p = nn.Parameter(DTensor.from_local(full / share, mesh1d, [Partial()]))
-    p.grad = DTensor.from_local(grad / share, mesh1d, [Partial()])
-    ref = nn.Parameter(full.clone())
-    ref.grad = grad.clone()
-    opt, ref_opt = torch.optim.Adam([p], lr=0.01, **mode), torch.optim.Adam([ref], lr=0.01)
-    with monkeypatch.context() as patch:
-        log = DispatchLog(patch)
-        opt.step()
-    ref_opt.step()
-    assert_all_ranks(len(log.ops) > 0, "a group with a Partial parameter was swapped")
+    assert_all_ranks(len(log.ops) > 0, f"the group was swapped ({case})")
     assert_close(p.full_tensor(), ref.detach(), atol=1e-6, rtol=1e-5)
 
 

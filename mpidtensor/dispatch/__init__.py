@@ -3,8 +3,8 @@
 - :mod:`.key`: the entry point, :func:`dispatch`: the call's cache key and the plan cache;
 - :mod:`.planner`: a new signature's plan: output metadata from meta tensors, the op's
   sharding rule (:mod:`mpidtensor.ops`), torch's decomposition, the replicated fallback;
-- :mod:`.plans`: the plan kinds: the general :class:`~.plans.Plan` and two registered
-  fast paths, :class:`~.plans.LocalPlan` (moves nothing) and :class:`~.plans.PerMeshPlan`;
+- :mod:`.kinds`: the plan kinds: the general :class:`~.kinds.Plan` and two registered
+  fast paths, :class:`~.kinds.LocalPlan` (moves nothing) and :class:`~.kinds.PerMeshPlan`;
 - :mod:`.writeback`: in-place and out= results written back, views that cannot alias;
 - :mod:`.args`: the call's tensors, specs and converters to local tensors.
 

@@ -20,7 +20,7 @@ from ..redistribute import clear_plans as clear_redistribution_plans
 from ..runtime import caches
 from ..runtime.settings import settings
 from .planner import make_plan
-from .plans import LocalPlan
+from .kinds import LocalPlan
 
 __all__ = ["dispatch", "plan_for", "moves_nothing", "clear_cache"]
 

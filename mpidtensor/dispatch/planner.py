@@ -1,7 +1,7 @@
 """Making a plan for one op signature: output metadata from meta tensors, the placements
 from the op's rule (:mod:`mpidtensor.ops`), the redistribution of every input; an op
 without a rule runs torch's decomposition on the DTensors, else (``settings.strict``
-off) on replicated inputs. The plan kind is chosen here (:mod:`.plans`)."""
+off) on replicated inputs. The plan kind is chosen here (:mod:`.kinds`)."""
 from __future__ import annotations
 
 import warnings
@@ -17,7 +17,7 @@ from ..runtime.caches import cache
 from ..runtime.settings import settings
 from ..spec import DTensorSpec
 from .args import common_mesh, converter, make_unwrap, mutated_inputs, replace_tensors, spec_of, tensors
-from .plans import LocalPlan, PerMeshPlan, Plan, per_mesh_groups
+from .kinds import LocalPlan, PerMeshPlan, Plan, per_mesh_groups
 from .writeback import list_writeback, make_inplace_wrap, mark_broken_views, rebase_viewed
 
 __all__ = ["make_plan"]

@@ -4,7 +4,7 @@
 An elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam)
 updates each element of a parameter from the same element of its gradient and state,
 so where the dispatcher would run every op of the step as the local op on the local
-tensors (a :class:`~mpidtensor.dispatch.plans.LocalPlan`: nothing moves, the results
+tensors (a :class:`~mpidtensor.dispatch.kinds.LocalPlan`: nothing moves, the results
 keep the parameter's spec) the update is the local update of every rank, and dispatch
 would only unwrap every list and wrap every result. On CPU that cost 0.5-0.7 ms of a
 2-2.5 ms AdamW step over the demo's 21 FSDP parameters (docs/performance.md, "the
