@@ -1,8 +1,8 @@
 """``DTensor``: a ``torch.Tensor`` subclass whose shape, stride and dtype are global.
 
 It holds this rank's local tensor and a :class:`DTensorSpec`. Every aten op on it
-goes through :func:`mpidtensor.dispatch.dispatch`, which that package installs as
-``DTensor._op_dispatch`` when imported (this module does not import it). The conversions
+goes through :func:`mpidtensor.dispatch.dispatch`: that package installs the class's
+``__torch_dispatch__`` when imported (this module does not import it). The conversions
 to and from local tensors and between placements are autograd functions, so gradients
 flow through them with the placements PyTorch documents.
 
@@ -62,10 +62,7 @@ class DTensor(torch.Tensor):
         return r.requires_grad_() if requires_grad else r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return cls._op_dispatch(func, args, kwargs or {})
+    # __torch_dispatch__: set by mpidtensor.dispatch (which imports this module)
 
     def __repr__(self) -> str:
         return (

@@ -24,12 +24,12 @@ class DispatchLog:
 
     def __init__(self, monkeypatch) -> None:
         self.ops: list[str] = []
-        inner = DTensor._op_dispatch
+        inner = DTensor.__torch_dispatch__
 
-        def counting(func, args, kwargs):
+        def counting(cls, func, types, args=(), kwargs=None):
             self.ops.append(str(func))
-            return inner(func, args, kwargs)
-        monkeypatch.setattr(DTensor, "_op_dispatch", staticmethod(counting))
+            return inner(func, types, args, kwargs)
+        monkeypatch.setattr(DTensor, "__torch_dispatch__", classmethod(counting))
 
 
 def mlp(bias: bool = True, hidden: int = 11) -> nn.Sequential:

@@ -22,7 +22,7 @@ from ..runtime.settings import settings
 from .planner import make_plan
 from .kinds import LocalPlan
 
-__all__ = ["dispatch", "plan_for", "moves_nothing", "clear_cache"]
+__all__ = ["dispatch", "torch_dispatch", "plan_for", "moves_nothing", "clear_cache"]
 
 _PLANS = caches.cache("dispatch.plans", maxsize=16384)  # key -> Plan, LocalPlan or PerMeshPlan
 _FLOAT_BY_VALUE = caches.cache("dispatch.float_by_value", maxsize=None, holds_meshes=False)  # id(op) -> bool
@@ -66,6 +66,11 @@ def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     if plan is None:
         plan = _PLANS[key] = make_plan(func, args, kwargs)
     return plan(args, kwargs)
+
+
+def torch_dispatch(cls, func, types, args=(), kwargs=None):
+    """``DTensor.__torch_dispatch__`` (installed by :mod:`mpidtensor.dispatch`)."""
+    return dispatch(func, args, kwargs or {})
 
 
 def plan_for(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None = None) -> Callable:
