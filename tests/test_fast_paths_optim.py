@@ -68,7 +68,8 @@ def _differences(general, fast) -> list[str]:
     bad = []
     for i, ((pa, sa, ta), (pb, sb, tb)) in enumerate(zip(a, b)):
         if isinstance(ta, torch.Tensor):
-            same = pa == pb and sa == sb and isinstance(tb, torch.Tensor) and ta.dtype == tb.dtype and torch.equal(ta, tb)
+            same = (pa == pb and sa == sb and isinstance(tb, torch.Tensor) and ta.dtype == tb.dtype
+                    and torch.equal(ta, tb))
         else:
             same = ta == tb
         if not same:

@@ -123,7 +123,9 @@ def test_specs_the_dispatcher_moves_take_the_dtensor_path(mesh1d, monkeypatch, c
     into the moved parameter) matches the same step on full tensors."""
     placed, grad_placed, cls, mode = PLACED_ELSEWHERE[case]
     full, grad = global_tensor((7, 5), seed=1), global_tensor((7, 5), seed=2)
-    place = lambda t, where: _partial(t, mesh1d) if where == "partial" else distribute_tensor(t, mesh1d, where)  # noqa: E731
+    def place(t, where):
+        return _partial(t, mesh1d) if where == "partial" else distribute_tensor(t, mesh1d, where)
+
     p = nn.Parameter(place(full, placed))
     p.grad = place(grad, grad_placed)
     ref = nn.Parameter(full.clone())

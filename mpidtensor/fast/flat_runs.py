@@ -10,9 +10,9 @@ on their local tensors against 0.3-0.5 ms on 3 flat ones (docs/performance.md, "
 optimizer on local tensors and flat runs"). A run steps as one tensor when, across it,
 the parameters, the gradients and every DTensor state are each contiguous and back to
 back in one storage (so each flat tensor covers exactly the run's elements, no one
-else's) and the scalar states (step counts) agree; each element then gets the update it would get alone. :func:`rehome` puts
-the states of a run back to back (states just created, or loaded as separate tensors), so
-that the next step takes the flat path.
+else's) and the scalar states (step counts) agree; each element then gets the update it
+would get alone. :func:`rehome` puts the states of a run back to back (states just
+created, or loaded as separate tensors), so that the next step takes the flat path.
 
 A run is made only of parameters the local step already takes (the dispatcher moves
 nothing for their ops), and an elementwise optimizer updates each element alone: what is
