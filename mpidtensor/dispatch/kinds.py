@@ -8,7 +8,9 @@
 
 Both fast paths are chosen by the planner from the rule's decision and registered in
 :mod:`mpidtensor.fast.registry`; with ``settings.fast_paths`` off the planner makes
-plain plans and per-position calls instead.
+plain plans and per-position calls instead (changing the setting through
+``settings.update``/``override`` drops every cached plan, so the choice is made at plan
+time and costs nothing per call).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from ..dtensor import DTensor
 from ..fast import registry
 from .args import is_view_op, local_of, mutated_inputs, tensors
 
-__all__ = ["Plan", "LocalPlan", "PerMeshPlan", "local_plan", "per_mesh_groups", "LOCAL", "PER_MESH"]
+__all__ = ["Plan", "LocalPlan", "PerMeshPlan", "per_mesh_groups", "LOCAL", "PER_MESH"]
 
 LOCAL = registry.register(
     "dispatch.local_plan",
