@@ -1,9 +1,10 @@
 """``DTensor``: a ``torch.Tensor`` subclass whose shape, stride and dtype are global.
 
 It holds this rank's local tensor and a :class:`DTensorSpec`. Every aten op on it
-goes through :func:`mpidtensor.dispatch.dispatch`. The conversions to and from
-local tensors and between placements are autograd functions, so gradients flow
-through them with the placements PyTorch documents.
+goes through :func:`mpidtensor.dispatch.dispatch`: that package installs the class's
+``__torch_dispatch__`` when imported (this module does not import it). The conversions
+to and from local tensors and between placements are autograd functions, so gradients
+flow through them with the placements PyTorch documents.
 
 Under ``torch.compile`` a DTensor is a traceable wrapper subclass (``__tensor_flatten__``
 / ``__tensor_unflatten__``; the spec is interned and copies to itself); the collectives
@@ -63,10 +64,7 @@ class DTensor(torch.Tensor):
         return r.requires_grad_() if requires_grad else r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+    # __torch_dispatch__: set by mpidtensor.dispatch (which imports this module)
 
     def __repr__(self) -> str:
         return (
@@ -327,7 +325,6 @@ class _Redistribute(torch.autograd.Function):
         return DTensor(local, out_spec, requires_grad=False), None
 
 
-from .dispatch import dispatch as _dispatch  # noqa: E402  (dispatch imports DTensor)
 from . import traceable  # noqa: E402  (collectives torch.compile can trace)
 
 

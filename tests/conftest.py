@@ -106,9 +106,12 @@ def _seed() -> None:
 
 @pytest.fixture(autouse=True)
 def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test runs with MPIDTENSOR_STRICT=1: an op without a sharding rule fails the
-    test instead of quietly replicating. Tests of the fallback unset it themselves."""
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
+    """Every test runs with ``settings.strict`` (MPIDTENSOR_STRICT=1): an op without a
+    sharding rule fails the test instead of quietly replicating. Tests of the fallback
+    unset it themselves."""
+    from mpidtensor.runtime.settings import settings
+
+    monkeypatch.setattr(settings, "strict", True)
 
 
 @pytest.fixture(scope="session")

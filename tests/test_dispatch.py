@@ -7,8 +7,9 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from mpidtensor import dispatch
+from mpidtensor.dispatch import key
 from mpidtensor.debug import CommDebugMode
+from mpidtensor.runtime.settings import settings
 
 WORLD = MPI.COMM_WORLD
 
@@ -17,8 +18,8 @@ def test_cache_hit_does_not_replan(mesh1d, monkeypatch):
     x = distribute_tensor(global_tensor((5, 3)), mesh1d, [Shard(0)])
     y = x * 2.0
     calls = []
-    real = dispatch._make_plan
-    monkeypatch.setattr(dispatch, "_make_plan", lambda *a: calls.append(a[0]) or real(*a))
+    real = key.make_plan
+    monkeypatch.setattr(key, "make_plan", lambda *a: calls.append(a[0]) or real(*a))
     for scale in (3.0, 4.0, 5.0):  # a changing float scalar must not re-plan a pointwise op
         y = x * scale
     assert_all_ranks(calls == [], f"re-planned {calls}")
@@ -76,7 +77,7 @@ def test_shape_errors_raise_everywhere(mesh1d):
 
 
 def test_unknown_op_falls_back_with_one_warning(mesh1d, monkeypatch):
-    monkeypatch.delenv("MPIDTENSOR_STRICT", raising=False)
+    monkeypatch.setattr(settings, "strict", False)
     full = global_tensor((6, 6), torch.float64)
     spd = full @ full.T + 6 * torch.eye(6, dtype=torch.float64)
     a = distribute_tensor(spd, mesh1d, [Shard(0)])
@@ -91,11 +92,26 @@ def test_unknown_op_falls_back_with_one_warning(mesh1d, monkeypatch):
 
 
 def test_strict_mode_raises(mesh1d, monkeypatch):
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
+    monkeypatch.setattr(settings, "strict", True)
     a = distribute_tensor(global_tensor((5,)), mesh1d, [Shard(0)])
     with pytest.raises(NotImplementedError, match="histc"):
         torch.histc(a, bins=4)
     assert_close((a * 2).full_tensor(), global_tensor((5,)) * 2)
+
+
+def test_inplace_foreach_op_writes_back_what_it_moved(mesh1d):
+    """A ``_foreach_*_`` op that must move an element of the list it writes (a Partial
+    tensor reduced before a nonlinear op) writes into the moved copy: the caller's tensor
+    takes it (values and placements), the others stay in place."""
+    n = WORLD.size
+    p = DTensor.from_local(torch.ones(4), mesh1d, [Partial()])
+    s = distribute_tensor(global_tensor((6,)), mesh1d, [Shard(0)])
+    torch._foreach_exp_([p, s])
+    torch._foreach_addcmul_([p, s], [p, s], [p, s], value=0.5)
+    assert_all_ranks(not p.placements[0].is_partial() and s.placements == (Shard(0),), f"{p.placements} {s.placements}")
+    whole, full = torch.full((4,), float(n)).exp(), global_tensor((6,)).exp()
+    assert_close(p.full_tensor(), whole + 0.5 * whole * whole)
+    assert_close(s.full_tensor(), full + 0.5 * full * full)
 
 
 def test_inplace_view_changes_the_wrapper(mesh1d):
@@ -118,7 +134,7 @@ def test_copy_into_plain_tensor(mesh1d):
 
 
 def test_fallback_inplace_updates_the_dtensor(mesh1d, monkeypatch):
-    monkeypatch.delenv("MPIDTENSOR_STRICT", raising=False)
+    monkeypatch.setattr(settings, "strict", False)
     full = global_tensor((5, 4), torch.float64)
     index, source = torch.tensor([0, 7, 19]), torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
     x = distribute_tensor(full.clone(), mesh1d, [Shard(0)])
@@ -136,7 +152,7 @@ def test_fallback_inplace_updates_the_dtensor(mesh1d, monkeypatch):
 
 
 def test_untagged_elementwise_ops(mesh1d, monkeypatch):
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
+    monkeypatch.setattr(settings, "strict", True)
     full = global_tensor((5, 3), torch.complex64)
     z = distribute_tensor(full, mesh1d, [Shard(0)])
     assert_close(z.real.full_tensor(), full.real)

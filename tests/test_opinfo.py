@@ -30,7 +30,9 @@ from mpi4py import MPI
 import opinfo_support as S
 import tier
 from helpers import assert_all_ranks
-from mpidtensor import dispatch, init_device_mesh
+from mpidtensor import init_device_mesh
+from mpidtensor.dispatch import planner
+from mpidtensor.runtime.settings import settings
 
 WORLD = MPI.COMM_WORLD
 
@@ -83,7 +85,7 @@ def meshes():
 
 @pytest.fixture
 def fallback_allowed(monkeypatch):
-    monkeypatch.delenv("MPIDTENSOR_STRICT", raising=False)
+    monkeypatch.setattr(settings, "strict", False)
 
 
 _COUNTS: dict[str, dict] = {}
@@ -100,7 +102,7 @@ def test_opinfo(layout, part, meshes, fallback_allowed):
     cases = _cases_for(layout, part)
     for op, n, positions in cases:
         key = S.op_key(op)
-        warned = len(dispatch._WARNED)
+        warned = len(planner._WARNED)
         drawn = S.samples(key, n)
         for j in (j for j in positions if j < len(drawn)):
             sample, ref_out, ref_grads = drawn[j]
@@ -109,7 +111,7 @@ def test_opinfo(layout, part, meshes, fallback_allowed):
             if message:
                 failures.append(f"{key} (sample {j}): {message[:500]}")
                 break
-        if len(dispatch._WARNED) > warned:
+        if len(planner._WARNED) > warned:
             via_fallback.append(key)
     counts = _COUNTS.setdefault(layout, dict(ops=0, samples=0, failed=0, fallback=0))
     for name, value in (("ops", len(cases)), ("samples", checked), ("failed", len(failures)),
@@ -118,7 +120,7 @@ def test_opinfo(layout, part, meshes, fallback_allowed):
     report = os.environ.get("OPINFO_REPORT")
     if report and WORLD.rank == 0:
         with open(f"{report}.{WORLD.size}.json", "w") as f:
-            json.dump(dict(_COUNTS, not_checked=len(NOT_CHECKED), fallback_aten=sorted(map(str, dispatch._WARNED))), f)
+            json.dump(dict(_COUNTS, not_checked=len(NOT_CHECKED), fallback_aten=sorted(map(str, planner._WARNED))), f)
     assert_all_ranks(not failures, f"{len(failures)} ops differ from torch:\n" + "\n".join(failures))
 
 

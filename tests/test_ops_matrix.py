@@ -15,6 +15,7 @@ import torch
 from helpers import assert_all_ranks, global_tensor
 from helpers import CollectiveLog as _Traffic
 from mpidtensor import Partial, Replicate, Shard, distribute_tensor
+from mpidtensor.runtime.settings import settings
 from op_check import check_op
 
 S0, S1, S2, R, P = Shard(0), Shard(1), Shard(2), Replicate(), Partial()
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:mpidtensor. no sharding rule")
 
 @pytest.fixture
 def strict(monkeypatch):
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
+    monkeypatch.setattr(settings, "strict", True)
 
 
 def _t(*shape, seed=0):

@@ -9,13 +9,14 @@ import torch
 
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import Replicate, Shard, distribute_tensor
+from mpidtensor.runtime.settings import settings
 from op_check import check_op
 
 
 @pytest.fixture(autouse=True)
 def _lenient(monkeypatch):
     """Ops with no rule (``put`` in take's backward...) run through the replicated fallback here."""
-    monkeypatch.delenv("MPIDTENSOR_STRICT")
+    monkeypatch.setattr(settings, "strict", False)
 
 
 def _polar(r: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
@@ -58,10 +59,10 @@ def test_zero_dim_tensor_arguments(mesh1d):
 def test_declined_decomposition_falls_back(mesh1d, monkeypatch):
     x = global_tensor((2, 3, 7, 5))
     d = distribute_tensor(x, mesh1d, [Shard(0)])
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
+    monkeypatch.setattr(settings, "strict", True)
     with pytest.raises(NotImplementedError, match=r"adaptive_max_pool2d.*S\(0\)"):
         torch.nn.functional.adaptive_max_pool2d(d, (3, 2))
-    monkeypatch.delenv("MPIDTENSOR_STRICT")
+    monkeypatch.setattr(settings, "strict", False)
     check_op(lambda t: torch.nn.functional.adaptive_max_pool2d(t, (3, 2)), [x], [[Shard(0)]], mesh1d)
 
 

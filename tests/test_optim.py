@@ -1,5 +1,5 @@
 """torch.optim on sharded parameters: no communication, the same numbers as on full tensors;
-the multi-tensor (foreach) path by default for CPU DTensor parameters (mpidtensor.foreach)."""
+the multi-tensor (foreach) path by default for CPU DTensor parameters (mpidtensor.fast.foreach)."""
 import importlib
 
 import pytest
@@ -8,6 +8,7 @@ import torch
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import Replicate, Shard, distribute_tensor
 from mpidtensor.debug import CommDebugMode
+from mpidtensor.runtime.settings import settings
 
 ADAM = importlib.import_module("torch.optim.adam")  # torch.optim deletes its submodules' names
 
@@ -21,7 +22,7 @@ OPTIMIZERS = [
 @pytest.mark.parametrize("foreach", [None, False, True])
 @pytest.mark.parametrize("cls,kwargs", OPTIMIZERS)
 def test_optimizer_steps(mesh1d, cls, kwargs, foreach, monkeypatch):
-    monkeypatch.setenv("MPIDTENSOR_STRICT", "1")
+    monkeypatch.setattr(settings, "strict", True)
     shapes_placements = [((7, 5), [Shard(0)]), ((5, 3), [Shard(1)]), ((9,), [Replicate()])]
     ref = [torch.nn.Parameter(global_tensor(s, seed=i)) for i, (s, _) in enumerate(shapes_placements)]
     dist = [torch.nn.Parameter(distribute_tensor(global_tensor(s, seed=i), mesh1d, p))

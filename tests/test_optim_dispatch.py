@@ -1,7 +1,7 @@
 """Optimizer steps on DTensor parameters through dispatch's paths: the single-tensor loop
 (one pointwise op per call, the no-move ``_LocalPlan``), ``foreach=True`` (``_foreach_*``
 ops with per-parameter scalar lists) and ``fused=True`` (``_fused_adamw_``...), and the
-same steps on the local tensors (``mpidtensor.local_step``, on by default). Each is
+same steps on the local tensors (``mpidtensor.fast.optim_step``, on by default). Each is
 checked against one process after 3 steps, bit for bit against the same optimizer on
 the local tensors, for no communication, and for a plan cache that stops growing once
 the optimizer state exists (scalars that change every step must not re-plan)."""
@@ -10,7 +10,8 @@ import torch
 
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import Replicate, Shard, distribute_tensor
-from mpidtensor import dispatch, local_step
+from mpidtensor.dispatch import key
+from mpidtensor.runtime.settings import settings
 from mpidtensor.debug import CommDebugMode
 
 OPTIMIZERS = {
@@ -37,7 +38,7 @@ def _train(params, opt, mesh, steps: int) -> tuple[int, list[int]]:
         with CommDebugMode() as comm:
             opt.step()
         collectives += comm.get_total_counts()
-        plans.append(len(dispatch._PLANS))
+        plans.append(len(key._PLANS))
     return collectives, plans
 
 
@@ -46,7 +47,7 @@ def _train(params, opt, mesh, steps: int) -> tuple[int, list[int]]:
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("layout", ["1d", "2d"])
 def test_optimizer_on_dtensors(request, monkeypatch, layout, name, mode, path):
-    monkeypatch.setattr(local_step, "ENABLED", path == "local")
+    monkeypatch.setattr(settings, "local_optim_step", path == "local")
     mesh = request.getfixturevalue("mesh1d" if layout == "1d" else "mesh2d")
     cls, kwargs = OPTIMIZERS[name]
     kwargs = {**kwargs, **MODES[mode]}

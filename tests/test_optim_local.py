@@ -1,18 +1,22 @@
 """Elementwise torch.optim steps on the local tensors of DTensor parameters
-(``mpidtensor.local_step``): bit for bit the DTensor path's values, the state kept as
+(``mpidtensor.fast.optim_step``): bit for bit the DTensor path's values, the state kept as
 DTensors of the parameters' specs, the DTensor path for what does not qualify, and the
 optimizer whole again after a step that raised."""
 import importlib
 
 import pytest
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from helpers import assert_all_ranks, assert_close, global_tensor
-from mpidtensor import DTensor, Replicate, Shard, distribute_tensor, local_step
+from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from mpidtensor.fast import optim_step
 from mpidtensor.fsdp import fully_shard
+from mpidtensor.runtime.settings import settings
 from test_tp_local_linear import DispatchLog
 
+WORLD = MPI.COMM_WORLD
 SGD = importlib.import_module("torch.optim.sgd")  # torch.optim deletes its submodules' names
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
@@ -53,7 +57,7 @@ def test_fsdp_step_on_local_tensors_matches_dispatch_bit_for_bit(mesh1d, monkeyp
     _train(ref, ref_opt, 3)
     results = {}
     for path in ("dispatch", "local"):
-        monkeypatch.setattr(local_step, "ENABLED", path == "local")
+        monkeypatch.setattr(settings, "local_optim_step", path == "local")
         model = _fsdp_model(mesh1d)
         opt = cls(model.parameters(), **kwargs)
         _train(model, opt, 2)
@@ -78,9 +82,9 @@ def test_fsdp_step_on_local_tensors_matches_dispatch_bit_for_bit(mesh1d, monkeyp
     assert_all_ranks(lcalls == 0 and dcalls > 0, f"DTensor ops in the step: local {lcalls}, dispatch {dcalls}")
     # and the state_dict round trip keeps stepping as the DTensor path does
     lopt.load_state_dict(lopt.state_dict())
-    monkeypatch.setattr(local_step, "ENABLED", False)
+    monkeypatch.setattr(settings, "local_optim_step", False)
     _train(dmodel, dopt, 1, start=5)
-    monkeypatch.setattr(local_step, "ENABLED", True)
+    monkeypatch.setattr(settings, "local_optim_step", True)
     _train(lmodel, lopt, 1, start=5)
     same = all(torch.equal(a._local_tensor, b._local_tensor) for a, b in zip(dmodel.parameters(), lmodel.parameters()))
     assert_all_ranks(same, "after load_state_dict the local step differs from the DTensor path")
@@ -97,20 +101,41 @@ def test_sharded_model_matches_one_process(mesh1d):
         assert_close(p.full_tensor(), q.detach(), atol=1e-6, rtol=1e-5)
 
 
-def test_a_gradient_of_another_spec_takes_the_dtensor_path(mesh1d, monkeypatch):
-    """A Replicate gradient on a Shard parameter: the group is not swapped, and the step
-    still matches the same step on full tensors."""
+def _partial(full: torch.Tensor, mesh) -> DTensor:
+    """``full`` as a Partial DTensor (each rank holds its share of the sum)."""
+    return DTensor.from_local(full / WORLD.size, mesh, [Partial()])
+
+
+# (parameter, gradient) placements the dispatcher does not step locally, and the optimizer
+PLACED_ELSEWHERE = {
+    "replicate_grad": ([Shard(0)], [Replicate()], torch.optim.AdamW, {}),
+    "partial_loop": ("partial", "partial", torch.optim.Adam, dict(foreach=False)),
+    "partial_foreach": ("partial", "partial", torch.optim.Adam, {}),
+    "partial_fused": ("partial", "partial", torch.optim.Adam, dict(fused=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLACED_ELSEWHERE))
+def test_specs_the_dispatcher_moves_take_the_dtensor_path(mesh1d, monkeypatch, case):
+    """A Replicate gradient on a Shard parameter, or a Partial parameter under Adam (not
+    linear: the dispatcher reduces before its ops): the local step asks the dispatcher and
+    leaves the group alone, and the step (in-place foreach and fused ops written back
+    into the moved parameter) matches the same step on full tensors."""
+    placed, grad_placed, cls, mode = PLACED_ELSEWHERE[case]
     full, grad = global_tensor((7, 5), seed=1), global_tensor((7, 5), seed=2)
-    p = nn.Parameter(distribute_tensor(full, mesh1d, [Shard(0)]))
-    p.grad = distribute_tensor(grad, mesh1d, [Replicate()])
+    def place(t, where):
+        return _partial(t, mesh1d) if where == "partial" else distribute_tensor(t, mesh1d, where)
+
+    p = nn.Parameter(place(full, placed))
+    p.grad = place(grad, grad_placed)
     ref = nn.Parameter(full.clone())
     ref.grad = grad.clone()
-    opt, ref_opt = torch.optim.AdamW([p], lr=0.01), torch.optim.AdamW([ref], lr=0.01)
+    opt, ref_opt = cls([p], lr=0.01, **mode), cls([ref], lr=0.01)
     with monkeypatch.context() as patch:
         log = DispatchLog(patch)
         opt.step()
     ref_opt.step()
-    assert_all_ranks(len(log.ops) > 0, "a group with a Replicate gradient was swapped")
+    assert_all_ranks(len(log.ops) > 0, f"the group was swapped ({case})")
     assert_close(p.full_tensor(), ref.detach(), atol=1e-6, rtol=1e-5)
 
 
@@ -172,7 +197,7 @@ def test_back_to_back_shards_step_as_one_tensor(mesh1d, monkeypatch, name):
     monkeypatch.setattr(module, fn, recorded)
     models = {}
     for coalesce in (False, True):
-        monkeypatch.setattr(local_step, "COALESCE", coalesce)
+        monkeypatch.setattr(optim_step, "COALESCE", coalesce)
         model = _even_model(mesh1d)
         opt = cls(model.parameters(), **kwargs)
         seen.clear()

@@ -10,7 +10,6 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-import mpidtensor.dtensor as dtensor_module
 from helpers import CollectiveLog, assert_all_ranks, assert_close
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -25,12 +24,12 @@ class DispatchLog:
 
     def __init__(self, monkeypatch) -> None:
         self.ops: list[str] = []
-        inner = dtensor_module._dispatch
+        inner = DTensor.__torch_dispatch__
 
-        def counting(func, args, kwargs):
+        def counting(cls, func, types, args=(), kwargs=None):
             self.ops.append(str(func))
-            return inner(func, args, kwargs)
-        monkeypatch.setattr(dtensor_module, "_dispatch", counting)
+            return inner(func, types, args, kwargs)
+        monkeypatch.setattr(DTensor, "__torch_dispatch__", classmethod(counting))
 
 
 def mlp(bias: bool = True, hidden: int = 11) -> nn.Sequential:

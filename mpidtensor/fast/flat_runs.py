@@ -1,5 +1,5 @@
 """Runs of DTensor parameters whose local tensors lie back to back in memory, stepped as
-one flat tensor by :mod:`mpidtensor.local_step`.
+one flat tensor by :mod:`mpidtensor.fast.optim_step` (the fast path ``optim.flat_runs``).
 
 FSDP keeps a group's shards in one flat buffer (``fsdp.group``'s ``shard_flat``)
 and reduce-scatters its gradients into another in the same order; where no padding or
@@ -7,12 +7,17 @@ alignment lies between two shards, their local tensors are adjacent in both. On 
 elementwise optimizer pays per tensor for every op of every step (AdamW's foreach kernels
 loop over the tensors): over the demo's 21 FSDP x TP parameters its step took 0.8-1.5 ms
 on their local tensors against 0.3-0.5 ms on 3 flat ones (docs/performance.md, "the
-optimizer on local tensors and flat runs"). A run steps as one tensor when, across it, the parameters, the gradients and
-every DTensor state are each contiguous and back to back in one storage (so each flat
-tensor covers exactly the run's elements, no one else's) and the scalar states (step
-counts) agree; each element then gets the update it would get alone. :func:`rehome` puts
-the states of a run back to back (states just created, or loaded as separate tensors), so
-that the next step takes the flat path.
+optimizer on local tensors and flat runs"). A run steps as one tensor when, across it,
+the parameters, the gradients and every DTensor state are each contiguous and back to
+back in one storage (so each flat tensor covers exactly the run's elements, no one
+else's) and the scalar states (step counts) agree; each element then gets the update it
+would get alone. :func:`rehome` puts the states of a run back to back (states just
+created, or loaded as separate tensors), so that the next step takes the flat path.
+
+A run is made only of parameters the local step already takes (the dispatcher moves
+nothing for their ops), and an elementwise optimizer updates each element alone: what is
+checked here is memory (adjacency, one storage, the gradients laid out as the
+parameters) and equal scalar states, nothing about placements.
 """
 from __future__ import annotations
 
@@ -20,7 +25,17 @@ from typing import Sequence
 
 import torch
 
-from .dtensor import DTensor
+from ..dtensor import DTensor
+from . import registry
+
+__all__ = ["Run", "candidate_runs", "rehome", "PATH"]
+
+PATH = registry.register(
+    "optim.flat_runs",
+    shortcuts="the local step's per-parameter kernels over parameters whose local tensors, gradients and "
+              "states lie back to back (FSDP's flat shards): one flat tensor per run",
+    decided_by="optim.local_step's verdict for each parameter of the run (the dispatcher's plan moves "
+               "nothing), the elementwise update, and the tensors' memory layout (Run.make, Run.grad)")
 
 _storage_address = torch._C._storage_address  # an address, without making a storage object
 

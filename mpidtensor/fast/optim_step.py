@@ -1,40 +1,48 @@
-"""torch.optim steps on the local tensors of DTensor parameters.
+"""torch.optim steps on the local tensors of DTensor parameters (the fast path
+``optim.local_step``).
 
 An elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam)
 updates each element of a parameter from the same element of its gradient and state,
-so on a DTensor whose gradient and state share its spec the update is the local update
-of every rank: dispatch would plan each op, unwrap every list and wrap every result for
-no communication. On CPU that cost 0.5-0.7 ms of a 2-2.5 ms AdamW step over the demo's
-21 FSDP parameters (docs/performance.md, "the optimizer on local tensors and flat runs").
-A global step pre-hook therefore
-runs such a step on the local tensors themselves: for the step, each qualifying
-parameter group holds the parameters' local tensors (their ``.grad`` the gradients'
-local tensors) and ``optimizer.state`` a shadow whose entries hold the states' local
-tensors; the post-hook puts the groups and the state back and wraps any state the step
-created (first step, SGD's momentum buffer) as DTensors of the parameter's spec. Same
-ops on the same values, so bit for bit the DTensor path's result. The choice of kernels
-(``foreach``) is left to ``mpidtensor.foreach``, whose pre-hook, registered first, sees
-the DTensor parameters. Parameters whose local tensors, gradients and states lie back to
-back step as one tensor (:mod:`mpidtensor.flat_runs`; ``COALESCE``). How each group
-steps is cached (``_Layout``) while its parameters, local tensors and state objects stay
-the same, so a step checks identities and gradient offsets, not every layout.
+so where the dispatcher would run every op of the step as the local op on the local
+tensors (a :class:`~mpidtensor.dispatch.kinds.LocalPlan`: nothing moves, the results
+keep the parameter's spec) the update is the local update of every rank, and dispatch
+would only unwrap every list and wrap every result. On CPU that cost 0.5-0.7 ms of a
+2-2.5 ms AdamW step over the demo's 21 FSDP parameters (docs/performance.md, "the
+optimizer on local tensors and flat runs"). A global step pre-hook therefore runs such a
+step on the local tensors themselves: for the step, each qualifying parameter group
+holds the parameters' local tensors (their ``.grad`` the gradients' local tensors) and
+``optimizer.state`` a shadow whose entries hold the states' local tensors; the post-hook
+puts the groups and the state back and wraps any state the step created (first step,
+SGD's momentum buffer) as DTensors of the parameter's spec. Same ops on the same values,
+so bit for bit the DTensor path's result. The choice of kernels (``foreach``) is left to
+:mod:`mpidtensor.fast.foreach`, whose pre-hook is installed first and sees the DTensor
+parameters. Parameters whose local tensors, gradients and states lie back to back step
+as one tensor (:mod:`mpidtensor.fast.flat_runs`; ``COALESCE``). How each group steps is
+cached (``_Layout``) while its parameters, local tensors and state objects stay the
+same, so a step checks identities and gradient specs, not every layout.
 
-A group qualifies when ``differentiable`` and ``capturable`` are off, it holds a DTensor
-parameter, and every DTensor parameter's local tensor is a plain tensor and its gradient
-and tensor states are DTensors of its own spec (or the states are 0-d step counts).
-Anything else (a Replicate gradient of a Shard parameter, a quantized local tensor, a
+What decides it: per parameter spec, the dispatcher's plans for an in-place elementwise
+op and a ``_foreach_`` op whose operands all have that spec (the pointwise and foreach
+rules every op of these optimizers uses, fused ones included) are LocalPlans
+(:func:`_steps_locally`, asked once per spec); the step then checks that the gradient
+and every tensor state are DTensors of that very spec (or 0-d step counts), so the
+verdict applies to them. Beyond that a group needs ``differentiable`` and ``capturable``
+off and plain local tensors (a quantized local tensor steps through its own ops).
+Anything else (a Replicate gradient of a Shard parameter, a Partial parameter, a
 subclass of these optimizers, ``torch.compile``, ``step(closure)``, whose closure makes
 the gradients inside the step, an optimizer with step hooks of its own or a global step
 pre-hook registered after this one, which would see the local tensors) takes the
-DTensor path as before.
+DTensor path.
 
 A step that raises leaves the swap in place until the next step, ``state_dict()`` or
 ``load_state_dict()``, which restore it first (and a ``zero_grad()`` run in between
-reaches the parameters). ``MPIDTENSOR_LOCAL_OPTIM_STEP=0`` turns the path off.
+reaches the parameters). ``settings.local_optim_step = False``
+(``MPIDTENSOR_LOCAL_OPTIM_STEP=0``) or ``settings.fast_paths = False`` turns the path off.
+The hooks are the process-wide effect ``"optimizer local step"``, installed at the first
+mesh.
 """
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from operator import is_
 
@@ -45,11 +53,23 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from .dtensor import DTensor
+from ..dispatch import moves_nothing
+from ..dtensor import DTensor
+from ..runtime import caches, effects
+from ..runtime.settings import settings
+from . import flat_runs, foreach, registry
 from .flat_runs import Run, candidate_runs, rehome
 
-ENABLED = os.environ.get("MPIDTENSOR_LOCAL_OPTIM_STEP", "1") != "0"
-COALESCE = True  # step runs of back-to-back parameters as one tensor (mpidtensor.flat_runs)
+__all__ = ["ELEMENTWISE", "COALESCE", "PATH", "restore"]
+
+PATH = registry.register(
+    "optim.local_step",
+    shortcuts="an elementwise torch.optim step through DTensor dispatch (a plan lookup, unwrap and wrap "
+              "per op and parameter): the same step on the local tensors",
+    decided_by="the dispatcher's plans for an in-place pointwise op and a _foreach_ op on operands of the "
+               "parameter's spec are LocalPlans (_steps_locally, once per spec); gradient and states "
+               "checked to have that spec each step")
+COALESCE = True  # step runs of back-to-back parameters as one tensor (fast.flat_runs): a measuring knob
 
 # torch's elementwise optimizers, by exact type: a subclass may add non-elementwise work
 ELEMENTWISE: frozenset[type] = frozenset({
@@ -57,10 +77,11 @@ ELEMENTWISE: frozenset[type] = frozenset({
     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
 })
 
+_aten = torch.ops.aten
+_VERDICTS = caches.cache("fast.optim_step.specs", maxsize=16384)  # spec -> the dispatcher moves nothing
 _SWAP = "_mpidtensor_local_step"  # optimizer attribute: the _Swap in place
 _HOOKED = "_mpidtensor_local_step_hooks"  # optimizer attribute: its state_dict hooks are registered
 _LAYOUTS = "_mpidtensor_local_step_layouts"  # optimizer attribute: id(group) -> _Layout or None
-_handles = None
 
 
 class _Layout:
@@ -107,17 +128,31 @@ def _state_values(params: list, locals_: tuple, state) -> list:
     return values
 
 
+def _steps_locally(p: DTensor) -> bool:
+    """Whether the dispatcher runs an optimizer's elementwise ops on operands of ``p``'s
+    spec without moving anything: its plans for ``addcmul_`` (the pointwise rule) and
+    ``_foreach_addcmul_`` (the foreach rule, also the fused steps') are LocalPlans.
+    Asked once per spec."""
+    spec = p._spec
+    verdict = _VERDICTS.get(spec)
+    if verdict is None:
+        verdict = _VERDICTS[spec] = (moves_nothing(_aten.addcmul_.default, (p, p, p))
+                                     and moves_nothing(_aten._foreach_addcmul_.Scalar, ([p], [p], [p])))
+    return verdict
+
+
 def _static_ok(group: dict, state) -> bool:
     """What qualifies a group while its layout holds: ``differentiable`` and ``capturable``
-    off, plain local tensors, DTensor states of the parameter's spec, other tensor states
-    0-d, and some DTensor parameter."""
+    off, some DTensor parameter, and for each: a plain local tensor, a spec the dispatcher
+    steps locally (:func:`_steps_locally`), DTensor states of that spec, other tensor
+    states 0-d."""
     if group.get("differentiable") or group.get("capturable"):
         return False
     found = False
     for p in group["params"]:
         if type(p) is not DTensor:
             continue
-        if type(p._local_tensor) is not torch.Tensor:
+        if type(p._local_tensor) is not torch.Tensor or not _steps_locally(p):
             return False
         for v in state.get(p, {}).values():
             if type(v) is DTensor:
@@ -130,7 +165,8 @@ def _static_ok(group: dict, state) -> bool:
 
 
 def _grads_ok(params: list) -> bool:
-    """Every DTensor parameter's gradient is None or a DTensor of its spec (checked each step)."""
+    """Every DTensor parameter's gradient is None or a DTensor of its spec, the spec
+    :func:`_steps_locally` vouched for (checked each step)."""
     for p in params:
         if type(p) is DTensor:
             g = p.grad
@@ -167,7 +203,8 @@ class _Swap:
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     restore(optimizer)  # a step that raised left its swap in place
-    if not ENABLED or type(optimizer) not in ELEMENTWISE or torch.compiler.is_compiling():
+    if (not registry.enabled() or not settings.local_optim_step or type(optimizer) not in ELEMENTWISE
+            or torch.compiler.is_compiling()):
         return
     if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: the optimizer
         return  # a closure makes the gradients inside the step, on the DTensor parameters
@@ -189,6 +226,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             shadow = _Shadow(state)
         swap.groups.append((group, params))
         group["params"] = _swap_group(layout, params, state, shadow, swap)
+        PATH.hits += 1
     if shadow is None:
         return
     if not getattr(optimizer, _HOOKED, False):
@@ -213,6 +251,7 @@ def _swap_group(layout: _Layout, params: list, state, shadow: _Shadow, swap: _Sw
                 run.flat.grad = grad
                 shadow[run.flat] = entry
                 swap.flat.append(run)
+                flat_runs.PATH.hits += 1
                 out.append(run.flat)
                 i = end
                 continue
@@ -267,8 +306,9 @@ def restore(optimizer: torch.optim.Optimizer, *_) -> None:
     optimizer.state = state
 
 
-def install() -> None:
-    """Register the step hooks (once per process)."""
-    global _handles
-    if _handles is None:
-        _handles = (register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(restore))
+@effects.effect("optimizer local step", "first mesh",
+                "a global optimizer step pre-hook and post-hook: elementwise torch.optim optimizers step "
+                "DTensor parameters on their local tensors (mpidtensor.fast.optim_step)")
+def _install_hooks() -> tuple:
+    effects.install(foreach.HOOKS)  # its pre-hook must run first, on the DTensor parameters
+    return register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(restore)

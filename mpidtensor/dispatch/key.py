@@ -1,0 +1,129 @@
+"""The dispatcher's entry point: each call's cache key, and the plan cache it looks up.
+
+The key is the op, the specs of the DTensor arguments, the shape and dtype of plain
+tensors (taken as ``Replicate()``) and the non-tensor arguments (floats of pointwise,
+``_foreach_*`` and fused optimizer ops by type only, so a changing scalar such as a
+learning rate or an optimizer's per-parameter step sizes does not re-plan). A miss makes
+a plan (:mod:`.planner`); a hit runs it. ``detach`` of a DTensor (AccumulateGrad detaches
+every gradient) skips the key when the plan for its spec is known to keep the spec.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..dtensor import DTensor
+from ..fast import registry as fast_paths
+from ..ops.pointwise import placement_ignores_scalars
+from ..redistribute import clear_plans as clear_redistribution_plans
+from ..runtime import caches
+from ..runtime.settings import settings
+from .planner import make_plan
+from .kinds import LocalPlan
+
+__all__ = ["dispatch", "torch_dispatch", "plan_for", "moves_nothing", "clear_cache"]
+
+_PLANS = caches.cache("dispatch.plans", maxsize=16384)  # key -> Plan, LocalPlan or PerMeshPlan
+_FLOAT_BY_VALUE = caches.cache("dispatch.float_by_value", maxsize=None, holds_meshes=False)  # id(op) -> bool
+_DETACH_KEEPS = caches.cache("dispatch.detach_keeps_spec", maxsize=16384)  # spec -> bool
+_DETACH = torch.ops.aten.detach.default
+DETACH = fast_paths.register(
+    "dispatch.detach",
+    shortcuts="the cache key and plan of aten.detach on a DTensor (AccumulateGrad detaches every gradient)",
+    decided_by="the dispatcher's plan for detach on the tensor's spec: a LocalPlan whose output keeps "
+               "that spec (asked once per spec)")
+
+
+def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on DTensor arguments: the cached plan for the call's key, made on a miss."""
+    if func is _DETACH:
+        x = args[0]
+        if x.__class__ is DTensor and getattr(x, "_not_a_view_of", None) is None:
+            keeps = _DETACH_KEEPS.get(x._spec)
+            if keeps is None:
+                keeps = _DETACH_KEEPS[x._spec] = _detach_keeps_spec(x)
+            if keeps:
+                DETACH.hits += 1
+                return DTensor(x._local_tensor.detach(), x._spec)
+    fid = id(func)  # op overloads live for the whole process
+    by_value = _FLOAT_BY_VALUE.get(fid)
+    if by_value is None:
+        by_value = _FLOAT_BY_VALUE[fid] = not placement_ignores_scalars(func)
+    key = [fid]
+    for a in args:  # _key's cases, the common ones first without a call (plan_for: the same key)
+        kind = a.__class__
+        if kind is DTensor:
+            key.append(a._spec)
+        elif kind is float and not by_value:
+            key.append(float)
+        else:
+            key.append(_key(a, by_value))
+    if kwargs:
+        key.append(_key(kwargs, by_value))
+    key = tuple(key)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = make_plan(func, args, kwargs)
+    return plan(args, kwargs)
+
+
+def torch_dispatch(cls, func, types, args=(), kwargs=None):
+    """``DTensor.__torch_dispatch__`` (installed by :mod:`mpidtensor.dispatch`)."""
+    return dispatch(func, args, kwargs or {})
+
+
+def plan_for(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None = None) -> Callable:
+    """The plan :func:`dispatch` runs for this call (made and cached if new); nothing runs."""
+    kwargs = kwargs or {}
+    fid = id(func)
+    by_value = _FLOAT_BY_VALUE.get(fid)
+    if by_value is None:
+        by_value = _FLOAT_BY_VALUE[fid] = not placement_ignores_scalars(func)
+    key = (fid, *(_key(a, by_value) for a in args), *((_key(kwargs, by_value),) if kwargs else ()))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = make_plan(func, args, kwargs)
+    return plan
+
+
+def moves_nothing(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None = None) -> bool:
+    """Whether the dispatcher runs this call as a :class:`LocalPlan`: the local op on the
+    local tensors, no input moved, outputs of the rule's specs. Fast paths decide from
+    this; with ``settings.fast_paths`` off it is always False."""
+    return plan_for(func, args, kwargs).__class__ is LocalPlan
+
+
+def clear_cache() -> None:
+    """Forget every cached plan (dispatch, redistribution, and every registered cache), so
+    the next calls plan anew."""
+    caches.clear_all()
+    clear_redistribution_plans()
+
+
+def _key(obj, floats_by_value: bool):
+    if isinstance(obj, DTensor):
+        return obj._spec
+    if isinstance(obj, torch.Tensor):
+        return ("T", obj.shape, obj.dtype, obj.device)
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), *[x._spec if x.__class__ is DTensor else _key(x, floats_by_value) for x in obj])
+    if isinstance(obj, dict):
+        return tuple((k, _key(v, floats_by_value)) for k, v in obj.items())
+    if isinstance(obj, (float, complex)) and not floats_by_value:
+        return type(obj)
+    return obj
+
+
+def _detach_keeps_spec(x: DTensor) -> bool:
+    plan = plan_for(_DETACH, (x,))
+    return plan.__class__ is LocalPlan and plan.specs[0] is x._spec
+
+
+def _forget_plans(_: bool) -> None:
+    """Plans made with fast paths on hold LocalPlans: switching them drops every plan."""
+    _PLANS.clear()
+    _DETACH_KEEPS.clear()
+
+
+settings.on_change("fast_paths", _forget_plans)
