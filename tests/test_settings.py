@@ -79,6 +79,22 @@ def test_update_and_override():
     assert settings.strict is before
 
 
+def test_assignment_is_an_update():
+    """``settings.x = v`` tells the listeners (the dispatcher drops plans made under the old
+    fast-path switch); a misspelt name is a TypeError, not a silently ignored attribute."""
+    heard = []
+    forget = settings.on_change("strict", heard.append)
+    before = settings.strict
+    try:
+        settings.strict = not before
+        assert settings.strict is (not before) and heard == [not before]
+    finally:
+        settings.strict = before
+        forget()
+    with pytest.raises(TypeError, match="unknown mpidtensor setting 'fast_path'"):
+        settings.fast_path = False
+
+
 def test_listeners_follow_updates_and_a_refusal_restores():
     seen = []
     remove = settings.on_change("strict", seen.append)

@@ -130,6 +130,16 @@ class Settings:
                     listener(before)
                 raise
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``settings.x = v`` is ``settings.update(x=v)``: checked, and heard by listeners
+        (a fast-path switch set by assignment must drop the plans made under the old one)."""
+        if name not in _NAMES:
+            raise TypeError(f"unknown mpidtensor setting {name!r}; known: {sorted(_NAMES)}")
+        if name in self.__dict__:
+            self.update(**{name: value})
+        else:  # the dataclass's __init__
+            object.__setattr__(self, name, value)
+
     @contextmanager
     def override(self, **changes: Any) -> Iterator["Settings"]:
         """Settings changed inside a ``with`` block and restored after it."""
@@ -151,6 +161,7 @@ class Settings:
 
 
 _LISTENERS: dict[str, list[Callable[[Any], None]]] = {}
+_NAMES = frozenset(f.name for f in fields(Settings))
 
 # (variable, field, default, meaning) for the README's table and the environment report
 ENVIRONMENT: tuple[tuple[str, str, Any, str], ...] = tuple(
