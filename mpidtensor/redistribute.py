@@ -194,12 +194,6 @@ def _memory_order(shape, stride) -> tuple[int, ...]:
     return tuple(order)
 
 
-def clear_plans() -> None:
-    """Forget every cached redistribution plan (``mpidtensor.clear_cache()`` does this too)."""
-    _PLANS.clear()
-    _PREPARED.clear()
-
-
 _MAKES_BUFFER = (AllGather, AllToAll, AllReduce, ReduceScatter)  # steps whose result is a new buffer
 
 # Plans of one collective, by (source spec, target spec): the collective as prepared on the

@@ -14,7 +14,7 @@ from helpers import assert_all_ranks, assert_close, global_tensor
 from helpers import CollectiveLog as Collectives
 from op_check import check_op
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from mpidtensor.dispatch import clear_cache
+from mpidtensor import clear_cache
 from mpidtensor.ops import reductions
 
 P1 = [[Shard(0)], [Shard(1)], [Replicate()]]

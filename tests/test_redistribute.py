@@ -8,7 +8,7 @@ from mpi4py import MPI
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from mpidtensor.debug import CommDebugMode
-from mpidtensor.redistribute import clear_plans
+from mpidtensor import clear_cache
 
 WORLD = MPI.COMM_WORLD
 ONE_D = [Shard(0), Shard(1), Shard(-1), Replicate()]
@@ -202,7 +202,7 @@ def test_2d_all_reduce_of_a_gathered_buffer_is_in_place(mesh2d, monkeypatch):
         return real(comm, datatype, mpi_op, op, inplace, host)
 
     monkeypatch.setattr(reduce, "_all_reduce_runner", spy)
-    clear_plans()  # the step prepares its all-reduce in this test (an earlier one may have)
+    clear_cache()  # the step prepares its all-reduce in this test (an earlier one may have)
     out = d.redistribute(mesh2d, [Replicate(), Replicate()]).to_local()
     assert_close(out, parts[0] + parts[1])
     assert_all_ranks(torch.equal(local, kept) and calls == [True], f"input changed or calls {calls}")

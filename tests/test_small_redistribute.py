@@ -16,7 +16,7 @@ from mpi4py import MPI
 from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from mpidtensor.mesh import alltoall, buffers, collectives, guard
-from mpidtensor.redistribute import clear_plans
+from mpidtensor import clear_cache
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank
@@ -148,14 +148,14 @@ def test_prepared_packed_all_to_all(mesh1d, monkeypatch, shape, src, dst):
     (empty ones at 4 ranks), the split and the concatenated dim leading or not, size-1 dims."""
     monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
     monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", ((1, 0),))
-    clear_plans()  # plans prepared under the default thresholds
+    clear_cache()  # plans prepared under the default thresholds
     try:
         x = source(global_tensor(shape), mesh1d, src)
         check_repeated(x, mesh1d, dst, calls=1)  # prepares the collective
         refuse(monkeypatch, "all_to_all", lambda *a, **k: pytest.fail("the general all_to_all ran"))
         check_repeated(x, mesh1d, dst)
     finally:
-        clear_plans()
+        clear_cache()
 
 
 def test_non_contiguous_input_is_staged(mesh1d):

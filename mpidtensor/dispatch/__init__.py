@@ -13,8 +13,8 @@ sets ``DTensor._op_dispatcher``; a method set here, not an attribute looked up p
 which cost 0.1 µs of a DTensor add's 8); ``mpidtensor`` imports it with ``DTensor``.
 """
 from ..dtensor import DTensor
-from .key import clear_cache, dispatch, moves_nothing, plan_for, torch_dispatch
+from .key import dispatch, moves_nothing, plan_for, torch_dispatch
 
 DTensor.__torch_dispatch__ = classmethod(torch_dispatch)
 
-__all__ = ["dispatch", "clear_cache", "plan_for", "moves_nothing"]
+__all__ = ["dispatch", "plan_for", "moves_nothing"]

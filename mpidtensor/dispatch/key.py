@@ -16,13 +16,12 @@ import torch
 from ..dtensor import DTensor
 from ..fast import registry as fast_paths
 from ..ops.pointwise import placement_ignores_scalars
-from ..redistribute import clear_plans as clear_redistribution_plans
 from ..runtime import caches
 from ..runtime.settings import settings
 from .planner import make_plan
 from .kinds import LocalPlan
 
-__all__ = ["dispatch", "torch_dispatch", "plan_for", "moves_nothing", "clear_cache"]
+__all__ = ["dispatch", "torch_dispatch", "plan_for", "moves_nothing"]
 
 _PLANS = caches.cache("dispatch.plans", maxsize=16384)  # key -> Plan, LocalPlan or PerMeshPlan
 _FLOAT_BY_VALUE = caches.cache("dispatch.float_by_value", maxsize=None, holds_meshes=False)  # id(op) -> bool
@@ -92,13 +91,6 @@ def moves_nothing(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None 
     local tensors, no input moved, outputs of the rule's specs. Fast paths decide from
     this; with ``settings.fast_paths`` off it is always False."""
     return plan_for(func, args, kwargs).__class__ is LocalPlan
-
-
-def clear_cache() -> None:
-    """Forget every cached plan (dispatch, redistribution, and every registered cache), so
-    the next calls plan anew."""
-    caches.clear_all()
-    clear_redistribution_plans()
 
 
 def _key(obj, floats_by_value: bool):

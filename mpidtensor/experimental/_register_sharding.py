@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .. import dispatch
 from ..ops import registry
+from ..runtime import caches
 from ..placements import Placement, normalize_placements
 from ..spec import DTensorSpec
 
@@ -37,7 +37,7 @@ def register_sharding(op) -> Callable[[StrategyFn], StrategyFn]:
 
     def decorate(fn: StrategyFn) -> StrategyFn:
         registry.register(*ops)(_strategy_rule(fn))
-        dispatch.clear_cache()  # plans made before hold the old rule's decision
+        caches.clear_all()  # plans made before hold the old rule's decision
         return fn
 
     return decorate
