@@ -1,4 +1,4 @@
-"""The local path of ColwiseParallel / RowwiseParallel ``nn.Linear`` (parallel/local_linear.py):
+"""The local path of ColwiseParallel / RowwiseParallel ``nn.Linear`` (fast/linear.py):
 a step does Megatron's work only (no aten op through DTensor dispatch but the ``detach``
 of AccumulateGrad, and exactly Megatron's collectives), equals one process (uneven shards
 at 3 ranks, 3-D inputs, sequence parallelism), and hands over to the general path where
@@ -14,7 +14,7 @@ import mpidtensor.dtensor as dtensor_module
 from helpers import CollectiveLog, assert_all_ranks, assert_close
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from mpidtensor.parallel.local_linear import LocalLinearForward
+from mpidtensor.fast.linear import LocalLinearForward
 from test_parallel import check_against, full_of, tp_mesh  # noqa: F401 (a fixture)
 
 WORLD = MPI.COMM_WORLD
@@ -47,7 +47,7 @@ def test_step_is_megatrons_work(tp_mesh, monkeypatch, bias):
     AccumulateGrad's ``detach`` of each parameter gradient (hidden 11: uneven shards)."""
     ref = mlp(bias)
     model = parallelize_module(copy.deepcopy(ref), tp_mesh, MEGATRON)
-    assert_all_ranks(all(isinstance(m.forward, LocalLinearForward) for m in (model[0], model[2])))
+    assert_all_ranks(all(isinstance(m._parallel_forward, LocalLinearForward) for m in (model[0], model[2])))
     x = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(2)).requires_grad_()
     log = DispatchLog(monkeypatch)
     with CollectiveLog() as comms:
@@ -123,7 +123,7 @@ def test_deepcopy_rebinds_forward(tp_mesh):
     ref = mlp()
     model = parallelize_module(copy.deepcopy(ref), tp_mesh, MEGATRON)
     twin = copy.deepcopy(model)
-    assert_all_ranks(twin[0].forward.module is twin[0])
+    assert_all_ranks(type(twin[0]) is type(model[0]) and twin[0]._parallel_forward is not model[0]._parallel_forward)
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(5))
     check_against(ref, twin, ref(x), twin(x))
     assert_all_ranks(all(p.grad is None for p in model.parameters()), "the original got gradients")
@@ -188,7 +188,7 @@ def test_dtensor_output_takes_any_gradient_layout(tp_mesh, case, downstream):
     body = model if "2" in DTENSOR_OUTPUTS[case] else model[0]
     ref_body = ref if "2" in DTENSOR_OUTPUTS[case] else ref[0]
     x = torch.randn(2, 7, 6, generator=torch.Generator().manual_seed(9))
-    given = body[0].forward.given if isinstance(body, nn.Sequential) else body.forward.given
+    given = body[0]._parallel_forward.given if isinstance(body, nn.Sequential) else body._parallel_forward.given
     xs = distribute_tensor(x, tp_mesh, [given]).requires_grad_()
     out = body(xs)
     ref_x = x.clone().requires_grad_()

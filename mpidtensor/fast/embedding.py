@@ -32,11 +32,15 @@ from torch import nn
 from .._layout import contiguous_strides
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import Placement, Replicate, Shard, normalize_placements
+from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..spec import DTensorSpec
-from .direct_apply import direct_apply
-from .local_gather import Route, shard_route
-from .local_linear import gather_reduced_grad, local_grad, reduce_partial, wrap_output
+from .functions import direct_apply
+from .gather import Route, shard_route
+from .linear import gather_reduced_grad, local_grad, reduce_partial, wrap_output
+from .registry import enabled, register
+from .rules import keeps_layout
+
+aten = torch.ops.aten
 
 _REPLICATE = (Replicate(),)
 _VOCAB = (Shard(0),)
@@ -81,34 +85,43 @@ class _VocabParallelEmbedding(torch.autograd.Function):
 _vocab_parallel_embedding = direct_apply(_VocabParallelEmbedding)
 
 
-class LocalEmbeddingForward:
-    """``forward`` of a ``RowwiseParallel`` ``nn.Embedding``: the local path when it applies
-    (see the module docstring), else the style's general one. An object, not a closure,
-    so that ``copy.deepcopy`` of the model rebinds it to the copy."""
+EMBEDDING = register(
+    "tp.embedding",
+    shortcuts="RowwiseParallel nn.Embedding (vocabulary-parallel): the input hook, nn.Embedding.forward on "
+              "DTensors (aten.embedding and embedding_dense_backward through dispatch), the output hook",
+    decided_by="ops.nn's rule for aten.embedding of (weight, replicated tokens) keeps both in place and gives "
+               "Partial (a masked lookup of this rank's rows)",
+)
 
-    def __init__(self, module: nn.Embedding, mesh: DeviceMesh, given: Placement, wanted: Placement,
-                 local_out: bool, prepare_input: Callable, prepare_output: Callable) -> None:
-        self.module, self.mesh, self.comm = module, mesh, mesh.comm_for((0,))
+
+class LocalEmbeddingForward:
+    """``forward`` of a ``RowwiseParallel`` ``nn.Embedding`` (installed by the style,
+    ``parallel.install``): the local path when it applies (see the module docstring), else
+    the style's general one."""
+
+    def __init__(self, mesh: DeviceMesh, given: Placement, wanted: Placement, local_out: bool,
+                 prepare_input: Callable, prepare_output: Callable) -> None:
+        self.mesh, self.comm = mesh, mesh.comm_for((0,))
         self.given, self.wanted, self.local_out = given, wanted, local_out
         self.prepare_input, self.prepare_output = prepare_input, prepare_output
         self.starts: dict[DTensorSpec, int | None] = {}  # weight spec -> this rank's first row, or None: unfit
-        self.outputs: dict[tuple, tuple | None] = {}  # tokens' shape -> (dim, out spec), or None: general path
+        self.outputs: dict[tuple, tuple | None] = {}  # tokens' shape and dtype -> (route, out spec), or None
 
     def __deepcopy__(self, memo: dict) -> "LocalEmbeddingForward":
-        twin = copy.copy(self)
-        twin.module = copy.deepcopy(self.module, memo)
+        twin = copy.copy(self)  # the mesh and the style's conversions are shared, as the DTensors' specs are
         twin.starts, twin.outputs = {}, {}
         return twin
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, module: nn.Embedding, args: tuple, kwargs: dict) -> Any:
         x = args[0] if len(args) == 1 and not kwargs else None
-        route = None if x is None else self._route(x)
+        route = self._route(module, x) if x is not None and enabled() else None
         if route is None:
-            inputs = self.prepare_input(self.module, args, self.mesh)
-            return self.prepare_output(self.module, nn.Embedding.forward(self.module, *inputs, **kwargs), self.mesh)
+            inputs = self.prepare_input(module, args, self.mesh)
+            return self.prepare_output(module, nn.Embedding.forward(module, *inputs, **kwargs), self.mesh)
+        EMBEDDING.hits += 1
         start, reduce_route, out_spec = route
         tokens = x._local_tensor if isinstance(x, DTensor) else x
-        weight, padding = self.module.weight, self.module.padding_idx
+        weight, padding = module.weight, module.padding_idx
         if padding is not None:  # nn.Embedding keeps it non-negative
             padding -= start
             if not 0 <= padding < weight._local_tensor.shape[0]:
@@ -116,7 +129,7 @@ class LocalEmbeddingForward:
         return _vocab_parallel_embedding(tokens, weight, start, self.comm, reduce_route,
                                          None if self.local_out else out_spec, -1 if padding is None else padding)
 
-    def _route(self, x: Any) -> tuple | None:
+    def _route(self, module: nn.Embedding, x: Any) -> tuple | None:
         """(first row, reduce-scatter route or None for an all-reduce, out spec) when this call
         takes the local path, else None."""
         if isinstance(x, DTensor):
@@ -126,7 +139,7 @@ class LocalEmbeddingForward:
             return None
         if x.dtype not in (torch.int64, torch.int32) or torch.compiler.is_compiling():
             return None
-        module, weight = self.module, self.module.weight
+        weight = module.weight
         if not isinstance(weight, DTensor) or module.max_norm is not None or module.scale_grad_by_freq \
                 or module.sparse:
             return None
@@ -135,28 +148,33 @@ class LocalEmbeddingForward:
             start = self.starts[weight._spec] = self._first_row(weight._spec)
         if start is None:
             return None
-        key = (x.shape, weight.dtype)
+        key = (x.shape, x.dtype, weight._spec)
         out = self.outputs.get(key, False)
         if out is False:
-            out = self.outputs[key] = self._output(x.shape, weight._spec)
+            out = self.outputs[key] = self._output(x.shape, x.dtype, weight._spec)
         return None if out is None else (start, *out)
 
     def _first_row(self, spec: DTensorSpec) -> int | None:
-        """This rank's first vocabulary row for a fitting weight spec, else None."""
+        """This rank's first vocabulary row for a weight on the style's mesh, C-contiguous
+        (its gradient takes the spec), else None."""
         on_mesh = spec.mesh is self.mesh or spec.mesh == self.mesh
         if not on_mesh or spec.placements != _VOCAB or spec.stride != contiguous_strides(spec.shape):
             return None
         return spec.local_shape_and_offset()[1][0]
 
-    def _output(self, tokens_shape: torch.Size, weight_spec: DTensorSpec) -> tuple | None:
+    def _output(self, tokens_shape: torch.Size, tokens_dtype: torch.dtype, weight_spec: DTensorSpec) -> tuple | None:
         """(reduce-scatter route or None for an all-reduce, out spec) for tokens of this shape,
-        or None where the output is wanted sharded on the embedding dim (general path)."""
+        or None where the output is wanted sharded on the embedding dim (general path) or the
+        dispatcher's rule would not look the replicated tokens up in place to a Partial sum."""
         shape = (*tokens_shape, weight_spec.shape[1])
         try:
             (wanted,) = normalize_placements((self.wanted,), 1, len(shape))
         except ValueError:
             return None  # out of range: the general path says why
         if wanted == Shard(len(shape) - 1):
+            return None
+        tokens = DTensorSpec(self.mesh, _REPLICATE, tokens_shape, contiguous_strides(tokens_shape), tokens_dtype)
+        if not keeps_layout(aten.embedding.default, (weight_spec, tokens), self.mesh, [(Partial(),)]):
             return None
         spec = DTensorSpec(self.mesh, (wanted,), shape, contiguous_strides(shape), weight_spec.dtype)
         return (shard_route(spec) if isinstance(wanted, Shard) else None), spec
