@@ -4,6 +4,7 @@ of AccumulateGrad, and exactly Megatron's collectives), equals one process (unev
 at 3 ranks, 3-D inputs, sequence parallelism), and hands over to the general path where
 it does not apply (autocast, a Linear subclass with its own forward, changed parameters)."""
 import copy
+import pickle
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from helpers import CollectiveLog, assert_all_ranks, assert_close
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from mpidtensor.fast.linear import LocalLinearForward
+from mpidtensor.parallel.install import install, own_forward
 from test_parallel import check_against, full_of, tp_mesh  # noqa: F401 (a fixture)
 
 WORLD = MPI.COMM_WORLD
@@ -127,6 +129,34 @@ def test_deepcopy_rebinds_forward(tp_mesh):
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(5))
     check_against(ref, twin, ref(x), twin(x))
     assert_all_ranks(all(p.grad is None for p in model.parameters()), "the original got gradients")
+
+
+class Doubled:
+    """A picklable installed forward: twice the module's own."""
+
+    def __call__(self, module, args, kwargs):
+        return 2 * nn.Linear.forward(module, *args, **kwargs)
+
+
+def test_class_swap_keeps_the_module(tp_mesh):
+    """The styles install their forward by a cached class swap: the module stays a Linear
+    with the same state_dict and parameter names, its own class's forward is known
+    (``own_forward``), and a swapped module pickles by its base class (a TP model does
+    not pickle: its communicators cannot)."""
+    ref = mlp()
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, MEGATRON)
+    same = (isinstance(model[0], nn.Linear) and type(model[0]) is type(model[2])
+            and type(model[0]).__mro__[2] is nn.Linear and own_forward(model[0]) is nn.Linear.forward
+            and list(model.state_dict()) == list(ref.state_dict())
+            and [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()])
+    assert_all_ranks(same, f"{type(model[0]).__mro__}")
+    plain = install(nn.Linear(3, 2), Doubled())
+    twin = pickle.loads(pickle.dumps(plain))
+    x = torch.randn(4, 3)
+    assert_all_ranks(type(twin) is type(plain) and torch.equal(twin(x), 2 * nn.Linear.forward(plain, x))
+                     and torch.equal(copy.deepcopy(plain)(x), plain(x)), "a swapped module does not round-trip")
+    with pytest.raises(Exception):  # mpi4py's: a communicator cannot be pickled
+        pickle.dumps(model)
 
 
 def test_general_path_where_local_does_not_apply(tp_mesh, monkeypatch):

@@ -188,7 +188,3 @@ class LocalNormForward:
     def _on_mesh(self, mesh: DeviceMesh) -> bool:
         return mesh is self.mesh or mesh == self.mesh
 
-
-def local_norm_supported(module: nn.Module) -> bool:
-    """Whether ``module`` runs the stock forward of a norm the local path implements."""
-    return type(module).forward in (nn.RMSNorm.forward, nn.LayerNorm.forward)

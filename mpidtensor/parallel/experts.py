@@ -35,7 +35,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh, collectives
 from ..mesh.exchange import exchange_rows
 from ..placements import Shard
-from .install import install
+from .install import install, own_forward
 from .style import ParallelStyle, require_1d_mesh, require_plain_parameters
 
 __all__ = ["ExpertParallel"]
@@ -79,7 +79,7 @@ class ExpertParallel(ParallelStyle):
             module._parameters[name] = nn.Parameter(shard, requires_grad=param.requires_grad)
         module.num_experts //= device_mesh.size()
         module._is_expert_parallel = True  # transformers' batched / grouped experts then skip foreign routes
-        return install(module, ExpertsForward(device_mesh, self.dispatch, type(module).forward))
+        return install(module, ExpertsForward(device_mesh, self.dispatch, own_forward(module)))
 
     def __repr__(self) -> str:
         return f"ExpertParallel(dispatch={self.dispatch!r})"

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-__all__ = ["ParallelForwardModule", "install", "swapped_class"]
+__all__ = ["ParallelForwardModule", "install", "own_forward", "swapped_class"]
 
 _CLASSES: dict[type, type] = {}  # a module class -> its swapped subclass
 
@@ -60,3 +60,10 @@ def install(module: nn.Module, forward: Callable[[nn.Module, tuple, dict], Any])
         module.__class__ = swapped_class(type(module))
     return module
 
+
+
+def own_forward(module: nn.Module) -> Callable:
+    """The forward of the module's own class, under any swap by :func:`install` (a style
+    applied again replaces the installed forward and wraps the same one)."""
+    cls = type(module)
+    return cls._parallel_base.forward if issubclass(cls, ParallelForwardModule) else cls.forward

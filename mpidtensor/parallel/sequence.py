@@ -11,8 +11,8 @@ from ..api import distribute_module
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placements import Replicate, Shard
-from ..fast.norm import LocalNormForward, local_norm_supported
-from .install import install
+from ..fast.norm import LocalNormForward
+from .install import install, own_forward
 from .style import ParallelStyle, as_dtensor, require_1d_mesh, require_plain_parameters, to_layout
 
 
@@ -85,14 +85,14 @@ class SequenceParallel(ParallelStyle):
         # A DTensor output is handed on as it is: no output conversion. A norm's forward
         # (``fast.norm``, installed by a class swap) converts its input and output itself: no hooks.
         finish = prepare_output if local_out else None
-        local = local_norm_supported(module)
+        local = own_forward(module) in (nn.RMSNorm.forward, nn.LayerNorm.forward)
         module = distribute_module(module, device_mesh, None, None if local else prepare_input,
                                    None if local else finish, src_data_rank=self.src_data_rank)
         for param in module.parameters():
             if param.requires_grad:
                 param.register_hook(_settle_partial_grad)
         if local:
-            install(module, LocalNormForward(device_mesh, type(module).forward, prepare_input, finish))
+            install(module, LocalNormForward(device_mesh, own_forward(module), prepare_input, finish))
         return module
 
     def __repr__(self) -> str:

@@ -27,7 +27,7 @@ from ..placements import Partial, Placement, Replicate, Shard, normalize_placeme
 from ..fast.embedding import LocalEmbeddingForward
 from ..fast.gather import gather_shards
 from ..fast.linear import LocalLinearForward
-from .install import install
+from .install import install, own_forward
 
 
 class ParallelStyle(ABC):
@@ -184,9 +184,10 @@ class _MatmulStyle(ParallelStyle):
             out = to_layout(out, wanted)
             return out.to_local() if local_out else out
 
-        linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+        forward = own_forward(module)
+        linear = isinstance(module, nn.Linear) and forward is nn.Linear.forward
         vocab = (isinstance(self, RowwiseParallel) and isinstance(module, nn.Embedding)
-                 and type(module).forward is nn.Embedding.forward)
+                 and forward is nn.Embedding.forward)
         if not (linear or vocab):
             return distribute_module(
                 module, device_mesh, partition, prepare_input, prepare_output, src_data_rank=self.src_data_rank
