@@ -101,7 +101,7 @@ def test_zoo_llama(plan, mesh1d):
     with sequence parallelism (the sequence all-gather, reduce-scattering Linears)."""
     zoo = ZOO["llama"]
     parallelize = zoo.tensor_parallel if plan == "tp" else zoo.sequence_parallel
-    paths = {"tp.linear", "tp.embedding"} | ({"tp.gather"} if plan == "tp+sp" and mesh1d.size() > 1 else set())
+    paths = {"tp.linear", "tp.embedding"} | ({"tp.gather"} if plan == "tp+sp" else set())
 
     def build_parallel(model):
         parallelize(model, mesh1d)
@@ -150,7 +150,7 @@ def test_llama_tp_sp_block(mesh1d):
             loss.backward()
         return loss.full_tensor().item()
 
-    paths = {"tp.linear", "sp.norm", "loss.cross_entropy"} | ({"tp.gather"} if mesh1d.size() > 1 else set())
+    paths = {"tp.linear", "tp.gather", "sp.norm", "loss.cross_entropy"}
     compare(lambda: build_model(cfg, seed=3), lambda m: parallelize_llama(m, mesh1d), step, batches, paths,
             exact=False)
 

@@ -102,8 +102,8 @@ def gather_route(x: DTensor) -> Route | None:
 def shard_route(spec: DTensorSpec) -> Route | None:
     """The ``Route`` between ``spec`` and its replicated whole, with its collectives prepared,
     where ``spec`` is C-contiguous on a 1-D mesh holding this rank and the redistribution
-    planner turns it into ``Replicate`` by one all-gather (``Shard(d)``); None for any other
-    spec. A row-parallel Linear's reduce-scatter is its ``reduce``, the gradient's
+    planner turns it into ``Replicate`` by one all-gather (``Shard(d)``; on one rank, by
+    nothing); None for any other spec. A row-parallel Linear's reduce-scatter is its ``reduce``, the gradient's
     all-gather its ``gather``."""
     route = _ROUTES.get(spec, False)
     if route is False:
@@ -113,6 +113,8 @@ def shard_route(spec: DTensorSpec) -> Route | None:
             steps = plan(spec, spec.with_placements((Replicate(),)))
             if len(steps) == 1 and isinstance(steps[0], AllGather):
                 route = Route(spec, steps[0].dim)
+            elif not steps and isinstance(spec.placements[0], Shard):  # one rank: the block is the whole
+                route = Route(spec, spec.placements[0].dim)
         _ROUTES[spec] = route
     return route
 

@@ -125,7 +125,7 @@ def _weight_grads(ctx, gy: torch.Tensor, x: torch.Tensor, weight: DTensor, bias:
 class _ColwiseLinear(torch.autograd.Function):
     """y = x W_r^T + b_r on this rank's output features; the input gradient is a partial sum.
     The output is local, or the DTensor of ``out_spec`` (one autograd node, not two). With a
-    ``gather`` route (``local_gather``), ``x`` is a sharded DTensor all-gathered first and its
+    ``gather`` route (``fast.gather``), ``x`` is a sharded DTensor all-gathered first and its
     gradient reduce-scattered back (Megatron's sequence-parallel column Linear)."""
 
     @staticmethod
