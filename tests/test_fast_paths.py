@@ -110,7 +110,6 @@ def test_zoo_llama(plan, mesh1d):
     compare(zoo.build, build_parallel, zoo_step(), zoo.batches(STEPS), paths)
 
 
-@pytest.mark.exhaustive
 def test_zoo_fsdp_tp():
     """FSDP over "dp" of the TP + SP Llama over "tp" (a 2x2 mesh at 4 ranks, 1 x n below)."""
     zoo = ZOO["llama"]
@@ -124,7 +123,6 @@ def test_zoo_fsdp_tp():
     compare(zoo.build, build_parallel, zoo_step(dp.rank, dp.size), zoo.batches(STEPS), {"tp.linear", "tp.embedding"})
 
 
-@pytest.mark.exhaustive
 def test_zoo_moe_expert_parallel(mesh1d):
     """Mixtral: the dense TP plan plus ExpertParallel (all-reduce dispatch) on its experts."""
     from test_zoo_moe import batches, moe_model, tensor_parallel_plan
