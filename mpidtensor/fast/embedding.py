@@ -14,11 +14,13 @@ as in one process. (torch 2.13's DTensor gives a vocabulary-parallel embedding a
 ``Replicate`` gradient of the whole vocabulary on every rank, with or without
 ``padding_idx``; so does the general path here.)
 
-Taken per call when nothing needs the general path: a plain ``nn.Embedding`` without
-``max_norm``, ``scale_grad_by_freq`` or ``sparse``, its weight still
-``Shard(0)`` on the style's mesh, the tokens a plain integer tensor read as replicated (or
-a replicated DTensor on that mesh), the output wanted replicated or sharded on a token
-dim, not under ``torch.compile``. These facts are shared by all ranks.
+Taken per call when nothing needs the general path: fast paths on (``fast.registry``), a
+plain ``nn.Embedding`` without ``max_norm``, ``scale_grad_by_freq`` or ``sparse``, its
+weight on the style's mesh, C-contiguous, laid out so that the dispatcher's rule for
+``aten.embedding`` looks replicated tokens up in place to a ``Partial`` sum (``Shard(0)``;
+asked once per weight spec, ``fast.rules``), the tokens a plain integer tensor read as
+replicated (or a replicated DTensor on that mesh), the output wanted replicated or sharded
+on a token dim, not under ``torch.compile``. These facts are shared by all ranks.
 """
 from __future__ import annotations
 
@@ -43,7 +45,6 @@ from .rules import keeps_layout
 aten = torch.ops.aten
 
 _REPLICATE = (Replicate(),)
-_VOCAB = (Shard(0),)
 
 
 class _VocabParallelEmbedding(torch.autograd.Function):
@@ -105,7 +106,7 @@ class LocalEmbeddingForward:
         self.given, self.wanted, self.local_out = given, wanted, local_out
         self.prepare_input, self.prepare_output = prepare_input, prepare_output
         self.starts: dict[DTensorSpec, int | None] = {}  # weight spec -> this rank's first row, or None: unfit
-        self.outputs: dict[tuple, tuple | None] = {}  # tokens' shape and dtype -> (route, out spec), or None
+        self.outputs: dict[tuple, tuple | None] = {}  # tokens' shape -> (route, out spec), or None: general path
 
     def __deepcopy__(self, memo: dict) -> "LocalEmbeddingForward":
         twin = copy.copy(self)  # the mesh and the style's conversions are shared, as the DTensors' specs are
@@ -148,33 +149,35 @@ class LocalEmbeddingForward:
             start = self.starts[weight._spec] = self._first_row(weight._spec)
         if start is None:
             return None
-        key = (x.shape, x.dtype, weight._spec)
+        key = (x.shape, weight.dtype)
         out = self.outputs.get(key, False)
         if out is False:
-            out = self.outputs[key] = self._output(x.shape, x.dtype, weight._spec)
+            out = self.outputs[key] = self._output(x.shape, weight._spec)
         return None if out is None else (start, *out)
 
     def _first_row(self, spec: DTensorSpec) -> int | None:
-        """This rank's first vocabulary row for a weight on the style's mesh, C-contiguous
-        (its gradient takes the spec), else None."""
+        """This rank's first vocabulary row for a weight on the style's mesh, C-contiguous (its
+        gradient takes the spec), that the dispatcher's rule for ``aten.embedding`` looks
+        replicated tokens up in where it lies, to a ``Partial`` sum (a masked lookup of this
+        rank's rows); else None. (Asked for tokens of the mesh's size: the rule's verdict
+        depends on placements, not on how many tokens.)"""
         on_mesh = spec.mesh is self.mesh or spec.mesh == self.mesh
-        if not on_mesh or spec.placements != _VOCAB or spec.stride != contiguous_strides(spec.shape):
+        if not on_mesh or spec.stride != contiguous_strides(spec.shape):
+            return None
+        tokens = DTensorSpec(self.mesh, _REPLICATE, (self.mesh.size(),), (1,), torch.int64)
+        if not keeps_layout(aten.embedding.default, (spec, tokens), self.mesh, [(Partial(),)]):
             return None
         return spec.local_shape_and_offset()[1][0]
 
-    def _output(self, tokens_shape: torch.Size, tokens_dtype: torch.dtype, weight_spec: DTensorSpec) -> tuple | None:
+    def _output(self, tokens_shape: torch.Size, weight_spec: DTensorSpec) -> tuple | None:
         """(reduce-scatter route or None for an all-reduce, out spec) for tokens of this shape,
-        or None where the output is wanted sharded on the embedding dim (general path) or the
-        dispatcher's rule would not look the replicated tokens up in place to a Partial sum."""
+        or None where the output is wanted sharded on the embedding dim (general path)."""
         shape = (*tokens_shape, weight_spec.shape[1])
         try:
             (wanted,) = normalize_placements((self.wanted,), 1, len(shape))
         except ValueError:
             return None  # out of range: the general path says why
         if wanted == Shard(len(shape) - 1):
-            return None
-        tokens = DTensorSpec(self.mesh, _REPLICATE, tokens_shape, contiguous_strides(tokens_shape), tokens_dtype)
-        if not keeps_layout(aten.embedding.default, (weight_spec, tokens), self.mesh, [(Partial(),)]):
             return None
         spec = DTensorSpec(self.mesh, (wanted,), shape, contiguous_strides(shape), weight_spec.dtype)
         return (shard_route(spec) if isinstance(wanted, Shard) else None), spec

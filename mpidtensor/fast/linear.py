@@ -22,7 +22,7 @@ The path is taken per call when nothing needs the general one: fast paths on
 (``fast.registry``), a plain ``nn.Linear``, its parameters DTensors on the style's mesh,
 C-contiguous, in the input's dtype, the input a plain tensor or a DTensor on that mesh,
 no autocast, not under ``torch.compile``, and the dispatcher's rules agreeing (asked once
-per parameter specs and input shape, ``fast.rules``): ``aten.mm`` of the input in the
+per parameter specs and input ndim, ``fast.rules``): ``aten.mm`` of the input in the
 layout the Function computes on and the weight's transpose moves neither and gives the
 Function's output layout, and the bias adds in place. Inputs in another layout are first
 moved with the public (differentiable) ``from_local`` / ``redistribute``; a sharded
@@ -210,7 +210,7 @@ class LocalLinearForward:
         self.prepare_input, self.prepare_output = prepare_input, prepare_output
         self.comm = mesh.comm_for((0,))
         self.checked: tuple = ()  # the parameter specs ``plans`` were decided for, by identity
-        self.plans: dict[tuple, tuple | None] = {}  # by input shape and dtype (``_decide``)
+        self.plans: dict[tuple, tuple | None] = {}  # by input ndim and dtype (``_decide``)
         self.out_specs: dict[tuple, DTensorSpec] = {}  # by input shape and dtype (``_out_spec``)
 
     def __deepcopy__(self, memo: dict) -> "LocalLinearForward":
@@ -253,7 +253,7 @@ class LocalLinearForward:
     def _plan(self, module: nn.Linear, x: Any) -> tuple[Placement, ...] | None:
         """(given, wanted, desired, natural) when this call takes the local path, else None:
         per call the facts a cached verdict cannot hold (the input's type and mesh, autocast,
-        compiling), then the verdict by the parameters' specs and the input's shape and dtype."""
+        compiling), then the verdict by the parameters' specs and the input's ndim and dtype."""
         if isinstance(x, DTensor):
             if not self._on_mesh(x._spec):
                 return None
@@ -265,25 +265,24 @@ class LocalLinearForward:
         specs = (getattr(weight, "_spec", None), getattr(bias, "_spec", None))
         if specs != self.checked:
             self.checked, self.plans = specs, {}
-        key = (x.shape, x.dtype)
+        key = (x.ndim, x.dtype)
         plan = self.plans.get(key, False)
         if plan is False:
-            plan = self.plans[key] = self._decide(weight, bias, x.shape, x.dtype)
+            plan = self.plans[key] = self._decide(weight, bias, x.ndim, x.dtype)
         return plan
 
-    def _decide(self, weight: Any, bias: Any, shape: torch.Size, dtype: torch.dtype) -> tuple | None:
-        """(given, wanted, desired, natural) for an input of this shape and dtype: the style's
-        input and output layouts, the input layout the Function computes on and the output
-        layout it gives; None where the local path does not apply: the parameters are not
-        DTensors on the style's mesh laid out C-contiguously (the gradients take their specs)
-        in the input's dtype, a shard dim is out of range (the general path says why), a
-        Rowwise output is wanted sharded on its features (the bias would be sliced), or the
+    def _decide(self, weight: Any, bias: Any, ndim: int, dtype: torch.dtype) -> tuple | None:
+        """(given, wanted, desired, natural) for an input of ``ndim`` dims and ``dtype``: the
+        style's input and output layouts, the input layout the Function computes on and the
+        output layout it gives; None where the local path does not apply: the parameters are
+        not DTensors on the style's mesh laid out C-contiguously (the gradients take their
+        specs) in the input's dtype, a shard dim is out of range (the general path says why),
+        a Rowwise output is wanted sharded on its features (the bias would be sliced), or the
         dispatcher's rules would compute the matmul and the bias add in other layouts."""
         params = (weight,) if bias is None else (weight, bias)
         if not all(isinstance(p, DTensor) and self._on_mesh(p._spec) and p.dtype == dtype
                    and p._spec.stride == contiguous_strides(p._spec.shape) for p in params):
             return None
-        ndim = len(shape)
         try:
             given, wanted = normalize_placements((self.given, self.wanted), 2, ndim)
         except ValueError:
@@ -295,18 +294,20 @@ class LocalLinearForward:
             return None
         else:
             plan = given, wanted, last, wanted  # Replicate, or Shard(d) of a leading dim
-        return plan if self._rules_agree(weight, bias, shape, dtype, plan[3]) else None
+        return plan if self._rules_agree(weight, bias, ndim, dtype, plan[3]) else None
 
-    def _rules_agree(self, weight: DTensor, bias: DTensor | None, shape: torch.Size, dtype: torch.dtype,
+    def _rules_agree(self, weight: DTensor, bias: DTensor | None, ndim: int, dtype: torch.dtype,
                      natural: Placement) -> bool:
         """Whether dispatch would run this Linear as the Function does: ``aten.mm`` of the
         flattened input (replicated for Colwise, sharded on its features for Rowwise) and the
         weight's transpose moves neither and gives ``Shard(1)`` (Colwise) or ``Partial``
-        (Rowwise), and the bias adds to the output in its ``natural`` layout in place. (The
-        rows ``m`` are the input's leading dims as this call sees them: the rule's choice
-        among layouts that move nothing does not depend on sizes.)"""
+        (Rowwise), and the bias adds to the output in its ``natural`` layout in place. Asked
+        for leading dims of the mesh's size each: the rules' choice among layouts that move
+        nothing depends on placements and ranks, not on sizes, so one verdict serves every
+        input of this ndim (a rule query costs milliseconds: once, not per shape)."""
         mesh, (n, k) = self.mesh, weight._spec.shape
-        m = prod(shape[:-1])
+        lead = (mesh.size(),) * (ndim - 1)
+        m = prod(lead)
         x2 = DTensorSpec(mesh, (Replicate(),) if self.colwise else (Shard(1),), (m, k), (k, 1), dtype)
         wt = DTensorSpec(mesh, tuple(Shard(_T[p.dim]) if isinstance(p, Shard) else p for p in weight.placements),
                          (k, n), (1, k), weight.dtype)
@@ -314,7 +315,7 @@ class LocalLinearForward:
             return False
         if bias is None:
             return True
-        out = (*shape[:-1], n)
+        out = (*lead, n)
         y = DTensorSpec(mesh, (natural,), out, contiguous_strides(out), dtype)
         return keeps_layout(aten.add.Tensor, (y, bias._spec), mesh, [(natural,)])
 

@@ -135,10 +135,11 @@ class LocalNormForward:
         self.prepare_input, self.prepare_output = prepare_input, prepare_output
         self.comm = mesh.comm_for((0,))
         self.decided: dict[tuple, bool] = {}  # by the input's and the parameters' specs (``_applies``)
+        self.rules: dict[tuple, bool] = {}  # the norm rule's verdict, by layout (``_rule_agrees``)
 
     def __deepcopy__(self, memo: dict) -> "LocalNormForward":
         twin = copy.copy(self)  # the mesh and the style's conversions are shared, as the DTensors' specs are
-        twin.decided = {}
+        twin.decided, twin.rules = {}, {}
         return twin
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -178,11 +179,27 @@ class LocalNormForward:
                    for p in params):
             return False
         weight, bias = (None if p is None else p._spec for p in params)
+        key = (spec.placements, len(spec.shape), spec.dtype, weight, bias)
+        agreed = self.rules.get(key)
+        if agreed is None:
+            agreed = self.rules[key] = self._rule_agrees(module, spec, weight, bias)
+        return agreed
+
+    def _rule_agrees(self, module: nn.Module, spec: DTensorSpec, weight: DTensorSpec | None,
+                     bias: DTensorSpec | None) -> bool:
+        """Whether the dispatcher's rule for the norm (``_fused_rms_norm`` /
+        ``native_layer_norm``) keeps an input laid out as ``spec`` and the parameters where
+        they lie and gives the output in the input's layout. Asked for leading dims of the
+        mesh's size: the verdict depends on placements and ranks, not sizes (once per
+        layout, not per shape: a rule query costs milliseconds)."""
         shape = list(module.normalized_shape)
+        lead = (self.mesh.size(),) * (len(spec.shape) - len(shape))
+        full = (*lead, *shape)
+        x = DTensorSpec(spec.mesh, spec.placements, full, contiguous_strides(full), spec.dtype)
         if isinstance(module, nn.RMSNorm):
-            call = (aten._fused_rms_norm.default, (spec, shape, weight, module.eps))
+            call = (aten._fused_rms_norm.default, (x, shape, weight, module.eps))
         else:
-            call = (aten.native_layer_norm.default, (spec, shape, weight, bias, module.eps))
+            call = (aten.native_layer_norm.default, (x, shape, weight, bias, module.eps))
         return keeps_layout(*call, self.mesh, [spec.placements])
 
     def _on_mesh(self, mesh: DeviceMesh) -> bool:

@@ -25,7 +25,7 @@ Expert ``e`` lives on rank ``e // (E / n)``; ``E`` must divide by the mesh size.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 from torch import nn
@@ -92,7 +92,7 @@ class ExpertsForward:
     stands in for (the tokens are each rank's own). It holds no state, so a deep copy of
     the model shares it (as the DTensors share the mesh)."""
 
-    def __init__(self, mesh: DeviceMesh, dispatch: Dispatch, inner) -> None:
+    def __init__(self, mesh: DeviceMesh, dispatch: Dispatch, inner: Callable) -> None:
         self.mesh, self.dispatch, self.inner = mesh, dispatch, inner
 
     def __deepcopy__(self, memo: dict) -> "ExpertsForward":

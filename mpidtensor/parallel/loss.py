@@ -41,7 +41,7 @@ FUSED = register(
     decided_by="ops.reductions' rule for aten.sum of the per-row losses keeps them in place and gives a "
                "replicated total (every row on every rank), C-contiguous logits (the gradient takes their spec)",
 )
-_FUSED: dict = cache("parallel.loss.fused", maxsize=256)  # (logits spec, class mesh dim) -> verdict
+_FUSED: dict = cache("parallel.loss.fused", maxsize=256)  # (mesh, placements, ndim, class mesh dim) -> verdict
 
 
 @contextlib.contextmanager
@@ -242,14 +242,17 @@ def _cross_entropy(
 def _rows_whole(spec: DTensorSpec, mesh_dim: int, rows: list[Placement]) -> bool:
     """Whether the logits' local tensor holds every row and is laid out as the global one
     (C-contiguous: its gradient takes the spec): the rule for ``aten.sum`` of the per-row
-    losses (``rows``) sums them where they lie to a replicated total. Cached by spec."""
-    key = (spec, mesh_dim)
+    losses (``rows``) sums them where they lie to a replicated total. The rule is asked once
+    per layout, for rows of the mesh's size (its verdict depends on placements, not sizes)."""
+    if spec.stride != contiguous_strides(spec.shape):
+        return False
+    key = (spec.mesh, spec.placements, len(spec.shape), mesh_dim)
     whole = _FUSED.get(key)
     if whole is None:
-        shape = spec.shape[:-1]
+        shape = (spec.mesh.size(),) * (len(spec.shape) - 1)
         per_row = DTensorSpec(spec.mesh, tuple(rows), shape, contiguous_strides(shape), spec.dtype)
-        whole = _FUSED[key] = (spec.stride == contiguous_strides(spec.shape) and keeps_layout(
-            torch.ops.aten.sum.default, (per_row,), spec.mesh, [(Replicate(),) * spec.mesh.ndim]))
+        whole = _FUSED[key] = keeps_layout(torch.ops.aten.sum.default, (per_row,), spec.mesh,
+                                           [(Replicate(),) * spec.mesh.ndim])
     return whole
 
 

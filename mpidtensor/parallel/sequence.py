@@ -9,9 +9,9 @@ from torch import nn
 
 from ..api import distribute_module
 from ..dtensor import DTensor
+from ..fast.norm import LocalNormForward
 from ..mesh import DeviceMesh
 from ..placements import Replicate, Shard
-from ..fast.norm import LocalNormForward
 from .install import install, own_forward
 from .style import ParallelStyle, as_dtensor, require_1d_mesh, require_plain_parameters, to_layout
 

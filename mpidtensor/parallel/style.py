@@ -22,11 +22,11 @@ from torch import nn
 
 from ..api import distribute_module, distribute_tensor
 from ..dtensor import DTensor
-from ..mesh import DeviceMesh
-from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..fast.embedding import LocalEmbeddingForward
 from ..fast.gather import gather_shards
 from ..fast.linear import LocalLinearForward
+from ..mesh import DeviceMesh
+from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
 from .install import install, own_forward
 
 
