@@ -32,7 +32,7 @@ def rule_sharding(func: torch._ops.OpOverload, args: tuple, mesh: Any) -> regist
     metas = iter([torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta") for s in specs])
     try:
         out_meta = func(*[next(metas) if isinstance(a, DTensorSpec) else a for a in args])
-    except RuntimeError:  # the call itself is invalid: the general path raises the error
+    except (RuntimeError, NotImplementedError):  # an invalid call, or no meta kernel: the general path decides
         return None
     return rule(registry.OpCall(func, args, {}, mesh, out_meta, specs))
 
