@@ -7,12 +7,18 @@ forward on DTensors through dispatch, the output conversion). Losses, first grad
 final parameters must agree, and every fast path the case exercises must have run with
 them on (``hits > 0``) and never with them off: a comparison is never vacuous.
 
-Tolerances: the Linear, embedding, gather and loss paths run the kernels dispatch runs on
-the same blocks, so the zoo cases are bit-equal. The norm path runs the fused kernel
-(``_fused_rms_norm``) where the general path on CPU runs ``rms_norm``'s decomposition
-(pow, mean, rsqrt, mul), so the Llama block (its RMSNorms) agrees to float32 rounding:
-1e-6 on losses and gradients, and PARAM_ATOL on the parameters after AdamW (whose update
-of a near-zero gradient amplifies rounding, see ``zoo_models.ADAM_EPS``).
+Tolerances: the bias-free Linear, embedding and gather paths run the kernels dispatch
+runs on the same blocks, so the zoo Llama's first loss and gradients are bit-equal. A
+biased Linear adds its bias after the product (Rowwise: after the all-reduce) where the
+general path adds it inside ``addmm`` (Rowwise: as a Partial term before the all-reduce),
+and the RMSNorm path runs the fused kernel (``_fused_rms_norm``) where the general path on
+CPU runs ``rms_norm``'s decomposition (pow, mean, rsqrt, mul): BERT and the Llama block
+agree to float32 rounding (ATOL). After an AdamW step results may part by rounding even from
+bit-equal gradients: the optimizer steps parameters whose gradients and states lie back
+to back in memory as one flat tensor (``mpidtensor.flat_runs``), and where the two paths
+allocate gradients decides that; so later losses agree to ATOL and the parameters to
+PARAM_ATOL (AdamW's update of a near-zero gradient amplifies rounding, see
+``zoo_models.ADAM_EPS``).
 """
 import copy
 import sys
@@ -44,9 +50,19 @@ def hits() -> dict[str, int]:
     return {p.name: p.hits for p in registry.paths()}
 
 
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with seeded noise on every parameter: the zero biases and unit norm weights
+    of a fresh model would hide, in the first step, a path that mishandles them."""
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
+    return model
+
+
 def run(build, parallelize, step, batches, fast: bool):
     """(losses, first gradients, final parameters, the paths' hits) of STEPS AdamW steps."""
-    model = parallelize(build())
+    model = parallelize(perturbed(build()))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
     before = hits()
     losses, grads = [], None
@@ -66,22 +82,21 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def compare(build, parallelize, step, batches, paths: set[str], exact: bool = True) -> None:
-    """Fast paths on and off train alike (bit-equal if ``exact``); each of ``paths`` ran on,
-    none ran off."""
+    """Fast paths on and off train alike; each of ``paths`` ran on, none ran off. The first
+    step's loss and gradients (the module paths alone) are bit-equal if ``exact``; the
+    later losses and the parameters, after AdamW, agree to ATOL / PARAM_ATOL."""
     on = run(build, parallelize, step, batches, True)
     off = run(build, parallelize, step, batches, False)
     ran, ran_off = {n for n, c in on[3].items() if c}, {n for n, c in off[3].items() if c}
     assert_all_ranks(paths <= ran and not ran_off, f"on: {on[3]}, off: {off[3]}, expected {paths}")
+    assert_all_ranks(on[1].keys() == off[1].keys(), "different parameters got gradients")
     if exact:
-        same = (torch.equal(on[0], off[0]) and on[1].keys() == off[1].keys()
-                and all(torch.equal(g, off[1][n]) for n, g in on[1].items())
-                and all(torch.equal(p, off[2][n]) for n, p in on[2].items()))
-        assert_all_ranks(same, "fast paths on and off are not bit-equal")
-        return
-    assert_all_ranks(torch.allclose(on[0], off[0], atol=ATOL, rtol=ATOL), f"losses {on[0]} vs {off[0]}")
+        same = torch.equal(on[0][0], off[0][0]) and all(torch.equal(g, off[1][n]) for n, g in on[1].items())
+        assert_all_ranks(same, "the first step's loss or gradients differ with fast paths on and off")
     bad = {n: (g - off[1][n]).abs().max().item() for n, g in on[1].items()
            if not torch.allclose(g, off[1][n], atol=ATOL, rtol=1e-4)}
-    assert_all_ranks(on[1].keys() == off[1].keys() and not bad, f"first gradients differ: {bad}")
+    assert_all_ranks(not bad, f"first gradients differ: {bad}")
+    assert_all_ranks(torch.allclose(on[0], off[0], atol=ATOL, rtol=ATOL), f"losses {on[0]} vs {off[0]}")
     bad = {n: (p - off[2][n]).abs().max().item() for n, p in on[2].items()
            if not torch.allclose(p, off[2][n], atol=PARAM_ATOL)}
     assert_all_ranks(not bad, f"parameters differ: {bad}")
@@ -95,19 +110,28 @@ def zoo_step(dp_rank: int = 0, dp_size: int = 1):
     return step
 
 
-@pytest.mark.parametrize("plan", ["tp", "tp+sp"])
-def test_zoo_llama(plan, mesh1d):
-    """Hugging Face Llama with its own TP plan (vocabulary-parallel embedding, Linears), and
-    with sequence parallelism (the sequence all-gather, reduce-scattering Linears)."""
-    zoo = ZOO["llama"]
+ZOO_CASES = {  # (model, plan): the paths it takes, and whether the first step is bit-equal
+    ("llama", "tp"): ({"tp.linear", "tp.embedding"}, True),
+    ("llama", "tp+sp"): ({"tp.linear", "tp.embedding", "tp.gather"}, True),
+    ("bert", "tp+sp"): ({"tp.linear", "tp.gather", "sp.norm"}, False),
+}
+
+
+@pytest.mark.parametrize("name, plan", list(ZOO_CASES))
+def test_zoo(name, plan, mesh1d):
+    """Hugging Face Llama with its own TP plan (vocabulary-parallel embedding, bias-free
+    Linears) and with sequence parallelism (the sequence all-gather, reduce-scattering
+    Linears); BERT with SP: biased Colwise and Rowwise Linears, nn.LayerNorm on sequence
+    shards."""
+    zoo = ZOO[name]
     parallelize = zoo.tensor_parallel if plan == "tp" else zoo.sequence_parallel
-    paths = {"tp.linear", "tp.embedding"} | ({"tp.gather"} if plan == "tp+sp" else set())
 
     def build_parallel(model):
         parallelize(model, mesh1d)
         return model
 
-    compare(zoo.build, build_parallel, zoo_step(), zoo.batches(STEPS), paths)
+    paths, exact = ZOO_CASES[name, plan]
+    compare(zoo.build, build_parallel, zoo_step(), zoo.batches(STEPS), paths, exact)
 
 
 def test_zoo_fsdp_tp():
