@@ -113,6 +113,7 @@ def zoo_step(dp_rank: int = 0, dp_size: int = 1):
 ZOO_CASES = {  # (model, plan): the paths it takes, and whether the first step is bit-equal
     ("llama", "tp"): ({"tp.linear", "tp.embedding"}, True),
     ("llama", "tp+sp"): ({"tp.linear", "tp.embedding", "tp.gather"}, True),
+    ("qwen2", "tp"): ({"tp.linear", "tp.embedding"}, False),  # q/k/v biases; the embedding's padding_idx
     ("bert", "tp+sp"): ({"tp.linear", "tp.gather", "sp.norm"}, False),
 }
 
@@ -121,8 +122,8 @@ ZOO_CASES = {  # (model, plan): the paths it takes, and whether the first step i
 def test_zoo(name, plan, mesh1d):
     """Hugging Face Llama with its own TP plan (vocabulary-parallel embedding, bias-free
     Linears) and with sequence parallelism (the sequence all-gather, reduce-scattering
-    Linears); BERT with SP: biased Colwise and Rowwise Linears, nn.LayerNorm on sequence
-    shards."""
+    Linears); Qwen2's plan (biased q/k/v, an embedding with a padding row); BERT with SP:
+    biased Colwise and Rowwise Linears, nn.LayerNorm on sequence shards."""
     zoo = ZOO[name]
     parallelize = zoo.tensor_parallel if plan == "tp" else zoo.sequence_parallel
 
