@@ -20,19 +20,17 @@ allocate gradients decides that; so later losses agree to ATOL and the parameter
 PARAM_ATOL (AdamW's update of a near-zero gradient amplifies rounding, see
 ``zoo_models.ADAM_EPS``).
 """
-import copy
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from mpi4py import MPI
 
 from helpers import assert_all_ranks
 from mpidtensor import DTensor, init_device_mesh
 from mpidtensor.fast import registry
-from mpidtensor.parallel import from_hf_plan, loss_parallel, parallelize_module
+from mpidtensor.parallel import loss_parallel, parallelize_module
 from mpidtensor.runtime.settings import settings
 from zoo_models import ADAM_EPS, LR, PARAM_ATOL, ZOO, fully_shard_zoo, loss_of, shard
 
