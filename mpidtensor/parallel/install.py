@@ -61,7 +61,6 @@ def install(module: nn.Module, forward: Callable[[nn.Module, tuple, dict], Any])
     return module
 
 
-
 def own_forward(module: nn.Module) -> Callable:
     """The forward of the module's own class, under any swap by :func:`install` (a style
     applied again replaces the installed forward and wraps the same one)."""
