@@ -1,4 +1,4 @@
-"""The local path of SequenceParallel ``nn.RMSNorm`` / ``nn.LayerNorm`` (parallel/local_norm.py),
+"""The local path of SequenceParallel ``nn.RMSNorm`` / ``nn.LayerNorm`` (fast/norm.py),
 a piece of the FSDP x TP step at the hand-written step's cost: the norm runs on this rank's
 sequence block with no aten op through DTensor dispatch and exactly Megatron's collectives
 (one all-reduce per parameter gradient, backward only), equals one process (odd sequence
@@ -14,7 +14,7 @@ from torch import nn
 from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
 from mpidtensor.parallel import SequenceParallel, parallelize_module
-from mpidtensor.parallel.local_norm import LocalNormForward
+from mpidtensor.fast.norm import LocalNormForward
 from test_parallel import check_against, tp_mesh  # noqa: F401 (a fixture)
 from test_tp_local_linear import DispatchLog
 
@@ -37,7 +37,7 @@ def test_local_norm_is_megatrons_work(tp_mesh, monkeypatch, kind, seq):
     (input and parameters) equal one process's."""
     ref = norm(kind)
     model = parallelize_module(copy.deepcopy(ref), tp_mesh, SequenceParallel())
-    assert_all_ranks(isinstance(model.forward, LocalNormForward))
+    assert_all_ranks(isinstance(model._parallel_forward, LocalNormForward))
     x_ref = global_tensor((2, seq, 6)).requires_grad_()
     x = distribute_tensor(x_ref.detach(), tp_mesh, [Shard(1)]).requires_grad_()
     weight = global_tensor((2, seq, 6), seed=7)
@@ -98,9 +98,9 @@ def test_general_path_where_local_does_not_apply(tp_mesh, monkeypatch):
     assert_close(model(wide).full_tensor(), ref(x).detach(), atol=1e-5, rtol=1e-5)
     # a module whose forward sees a last-dim shard (called directly, no hooks): general path
     log.ops.clear()
-    direct = LocalNormForward(model, tp_mesh)
+    direct = LocalNormForward(tp_mesh, nn.RMSNorm.forward)
     if tp_mesh.size() > 1:
-        got = direct(distribute_tensor(x, tp_mesh, [Shard(2)]))
+        got = direct(model, (distribute_tensor(x, tp_mesh, [Shard(2)]),), {})
         assert_all_ranks(any("pow" in op for op in log.ops), str(log.ops))
         assert_close(got.full_tensor(), ref(x).detach(), atol=1e-5, rtol=1e-5)
     log.ops.clear()
@@ -113,7 +113,7 @@ def test_general_path_where_local_does_not_apply(tp_mesh, monkeypatch):
 def test_deepcopy_rebinds_forward(tp_mesh):
     model = parallelize_module(norm("layer"), tp_mesh, SequenceParallel())
     twin = copy.deepcopy(model)
-    assert_all_ranks(twin.forward.module is twin and model.forward.module is model)
+    assert_all_ranks(type(twin) is type(model) and twin._parallel_forward is not model._parallel_forward)
     x = distribute_tensor(global_tensor((2, 5, 6)), tp_mesh, [Shard(1)])
     assert_close(twin(x).full_tensor(), model(x).full_tensor())
 

@@ -15,7 +15,7 @@ from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
 from mpidtensor._layout import chunk_sizes
 from mpidtensor.mesh import collectives
 from mpidtensor.parallel import RowwiseParallel, parallelize_module
-from mpidtensor.parallel.direct_apply import direct_apply
+from mpidtensor.fast.functions import direct_apply
 from test_parallel import tp_mesh  # noqa: F401 (a fixture)
 
 WORLD = MPI.COMM_WORLD

@@ -1,5 +1,5 @@
 """The local path of a vocabulary-parallel ``RowwiseParallel`` ``nn.Embedding``
-(parallel/local_embedding.py): a step does Megatron's work only (no aten op through DTensor
+(fast/embedding.py): a step does Megatron's work only (no aten op through DTensor
 dispatch but AccumulateGrad's ``detach``; one reduction forward, one all-gather backward
 for a sharded output), equals one process (13 rows and 7 tokens: uneven shards at 2-4
 ranks), takes any gradient layout, and hands over to the general path where it does not
@@ -14,7 +14,7 @@ from torch import nn
 from helpers import CollectiveLog, assert_all_ranks, assert_close
 from mpidtensor import DTensor, Replicate, Shard
 from mpidtensor.parallel import RowwiseParallel, parallelize_module
-from mpidtensor.parallel.local_embedding import LocalEmbeddingForward
+from mpidtensor.fast.embedding import LocalEmbeddingForward
 from test_parallel import full_of, tp_mesh  # noqa: F401 (a fixture)
 from test_tp_local_linear import DispatchLog
 
@@ -58,7 +58,7 @@ def test_step_is_megatrons_work(tp_mesh, monkeypatch, output, local):
     ref = embedding()
     model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
         input_layouts=Replicate(), output_layouts=output, use_local_output=local))
-    assert_all_ranks(isinstance(model.forward, LocalEmbeddingForward))
+    assert_all_ranks(isinstance(model._parallel_forward, LocalEmbeddingForward))
     log = DispatchLog(monkeypatch)
     with CollectiveLog() as comms:
         out = model(tokens())
@@ -91,7 +91,7 @@ def test_vocabulary_and_sequence_smaller_than_the_mesh(tp_mesh, output, padding)
     ref = embedding(vocab=3, padding_idx=padding)
     model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
         input_layouts=Replicate(), output_layouts=output, use_local_output=False))
-    assert_all_ranks(isinstance(model.forward, LocalEmbeddingForward))
+    assert_all_ranks(isinstance(model._parallel_forward, LocalEmbeddingForward))
     ids = tokens(vocab=3, length=1)
     if padding is not None:
         ids[0] = padding  # one sequence on the padding row, the other as drawn
@@ -139,6 +139,6 @@ def test_deepcopy_rebinds_forward(tp_mesh):
     model = parallelize_module(copy.deepcopy(ref), tp_mesh, RowwiseParallel(
         input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False))
     twin = copy.deepcopy(model)
-    assert_all_ranks(twin.forward.module is twin)
+    assert_all_ranks(type(twin) is type(model) and twin._parallel_forward is not model._parallel_forward)
     compare(ref, twin, twin(tokens()), None)
     assert_all_ranks(model.weight.grad is None, "the original got a gradient")

@@ -1,4 +1,4 @@
-"""The local Shard(d) -> Replicate all-gather of a sequence-parallel region (parallel/local_gather):
+"""The local Shard(d) -> Replicate all-gather of a sequence-parallel region (fast/gather.py):
 PrepareModuleInput and a ColwiseParallel input read as Shard(1) gather with one all-gather
 and hand the gradient back with one reduce-scatter (a Partial gradient), or locally (a
 replicated one); values, gradients and layouts equal the public redistribute's and one
@@ -14,7 +14,7 @@ from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from mpidtensor.debug import CommDebugMode
 from mpidtensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
-from mpidtensor.parallel.local_gather import gather_shards
+from mpidtensor.fast.gather import gather_shards
 from test_parallel import tp_mesh  # noqa: F401 (a fixture)
 
 TOL = dict(atol=1e-5, rtol=1e-5)

@@ -1,9 +1,10 @@
-"""The local path of ColwiseParallel / RowwiseParallel ``nn.Linear`` (parallel/local_linear.py):
+"""The local path of ColwiseParallel / RowwiseParallel ``nn.Linear`` (fast/linear.py):
 a step does Megatron's work only (no aten op through DTensor dispatch but the ``detach``
 of AccumulateGrad, and exactly Megatron's collectives), equals one process (uneven shards
 at 3 ranks, 3-D inputs, sequence parallelism), and hands over to the general path where
 it does not apply (autocast, a Linear subclass with its own forward, changed parameters)."""
 import copy
+import pickle
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from torch import nn
 from helpers import CollectiveLog, assert_all_ranks, assert_close
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from mpidtensor.parallel.local_linear import LocalLinearForward
+from mpidtensor.fast.linear import LocalLinearForward
+from mpidtensor.parallel.install import install, own_forward
 from test_parallel import check_against, full_of, tp_mesh  # noqa: F401 (a fixture)
 
 WORLD = MPI.COMM_WORLD
@@ -46,7 +48,7 @@ def test_step_is_megatrons_work(tp_mesh, monkeypatch, bias):
     AccumulateGrad's ``detach`` of each parameter gradient (hidden 11: uneven shards)."""
     ref = mlp(bias)
     model = parallelize_module(copy.deepcopy(ref), tp_mesh, MEGATRON)
-    assert_all_ranks(all(isinstance(m.forward, LocalLinearForward) for m in (model[0], model[2])))
+    assert_all_ranks(all(isinstance(m._parallel_forward, LocalLinearForward) for m in (model[0], model[2])))
     x = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(2)).requires_grad_()
     log = DispatchLog(monkeypatch)
     with CollectiveLog() as comms:
@@ -122,10 +124,38 @@ def test_deepcopy_rebinds_forward(tp_mesh):
     ref = mlp()
     model = parallelize_module(copy.deepcopy(ref), tp_mesh, MEGATRON)
     twin = copy.deepcopy(model)
-    assert_all_ranks(twin[0].forward.module is twin[0])
+    assert_all_ranks(type(twin[0]) is type(model[0]) and twin[0]._parallel_forward is not model[0]._parallel_forward)
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(5))
     check_against(ref, twin, ref(x), twin(x))
     assert_all_ranks(all(p.grad is None for p in model.parameters()), "the original got gradients")
+
+
+class Doubled:
+    """A picklable installed forward: twice the module's own."""
+
+    def __call__(self, module, args, kwargs):
+        return 2 * nn.Linear.forward(module, *args, **kwargs)
+
+
+def test_class_swap_keeps_the_module(tp_mesh):
+    """The styles install their forward by a cached class swap: the module stays a Linear
+    with the same state_dict and parameter names, its own class's forward is known
+    (``own_forward``), and a swapped module pickles by its base class (a TP model does
+    not pickle: its communicators cannot)."""
+    ref = mlp()
+    model = parallelize_module(copy.deepcopy(ref), tp_mesh, MEGATRON)
+    same = (isinstance(model[0], nn.Linear) and type(model[0]) is type(model[2])
+            and type(model[0]).__mro__[2] is nn.Linear and own_forward(model[0]) is nn.Linear.forward
+            and list(model.state_dict()) == list(ref.state_dict())
+            and [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()])
+    assert_all_ranks(same, f"{type(model[0]).__mro__}")
+    plain = install(nn.Linear(3, 2), Doubled())
+    twin = pickle.loads(pickle.dumps(plain))
+    x = torch.randn(4, 3)
+    assert_all_ranks(type(twin) is type(plain) and torch.equal(twin(x), 2 * nn.Linear.forward(plain, x))
+                     and torch.equal(copy.deepcopy(plain)(x), plain(x)), "a swapped module does not round-trip")
+    with pytest.raises(Exception):  # mpi4py's: a communicator cannot be pickled
+        pickle.dumps(model)
 
 
 def test_general_path_where_local_does_not_apply(tp_mesh, monkeypatch):
@@ -187,7 +217,7 @@ def test_dtensor_output_takes_any_gradient_layout(tp_mesh, case, downstream):
     body = model if "2" in DTENSOR_OUTPUTS[case] else model[0]
     ref_body = ref if "2" in DTENSOR_OUTPUTS[case] else ref[0]
     x = torch.randn(2, 7, 6, generator=torch.Generator().manual_seed(9))
-    given = body[0].forward.given if isinstance(body, nn.Sequential) else body.forward.given
+    given = body[0]._parallel_forward.given if isinstance(body, nn.Sequential) else body._parallel_forward.given
     xs = distribute_tensor(x, tp_mesh, [given]).requires_grad_()
     out = body(xs)
     ref_x = x.clone().requires_grad_()

@@ -122,7 +122,8 @@ def test_fsdp_with_expert_parallel_trains_like_one_process(name, mesh1d):
     ref = moe_model(name)
     model = copy.deepcopy(ref)
     parallelize_module(model, mesh1d, from_hf_plan(model.ep_plan))
-    experts = {p for m in model.modules() if isinstance(m.forward, ExpertsForward) for p in m.parameters()}
+    experts = {p for m in model.modules() if isinstance(getattr(m, "_parallel_forward", None), ExpertsForward)
+               for p in m.parameters()}
     for p in experts:
         p.register_hook(lambda grad: grad / WORLD.size)
     for layer in model.model.layers:

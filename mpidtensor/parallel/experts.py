@@ -25,7 +25,7 @@ Expert ``e`` lives on rank ``e // (E / n)``; ``E`` must divide by the mesh size.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh, collectives
 from ..mesh.exchange import exchange_rows
 from ..placements import Shard
+from .install import install, own_forward
 from .style import ParallelStyle, require_1d_mesh, require_plain_parameters
 
 __all__ = ["ExpertParallel"]
@@ -78,31 +79,38 @@ class ExpertParallel(ParallelStyle):
             module._parameters[name] = nn.Parameter(shard, requires_grad=param.requires_grad)
         module.num_experts //= device_mesh.size()
         module._is_expert_parallel = True  # transformers' batched / grouped experts then skip foreign routes
-        module.forward = ExpertsForward(module, device_mesh, self.dispatch)
-        return module
+        return install(module, ExpertsForward(device_mesh, self.dispatch, own_forward(module)))
 
     def __repr__(self) -> str:
         return f"ExpertParallel(dispatch={self.dispatch!r})"
 
 
 class ExpertsForward:
-    """``forward`` of an expert-parallel experts module. An object, not a closure, so that
-    ``copy.deepcopy`` of the model rebinds it to the copy."""
+    """``forward`` of an expert-parallel experts module (installed by a class swap,
+    ``parallel.install``): the module's own forward (``inner``) on its local experts, by the
+    dispatch of the module docstring. Not a fast path: there is no general DTensor path it
+    stands in for (the tokens are each rank's own). It holds no state, so a deep copy of
+    the model shares it (as the DTensors share the mesh)."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, dispatch: Dispatch) -> None:
-        self.module, self.mesh, self.dispatch = module, mesh, dispatch
-        self.inner = type(module).forward  # the module's own forward, on local expert ids
+    def __init__(self, mesh: DeviceMesh, dispatch: Dispatch, inner: Callable) -> None:
+        self.mesh, self.dispatch, self.inner = mesh, dispatch, inner
 
-    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                 *args, **kwargs) -> torch.Tensor:
+    def __deepcopy__(self, memo: dict) -> "ExpertsForward":
+        return self
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+        return self._run(module, *args, **kwargs)
+
+    def _run(self, module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         hidden_states, top_k_weights = (t.to_local() if isinstance(t, DTensor) else t
                                         for t in (hidden_states, top_k_weights))
-        comm, local = self.mesh.get_group(), self.module.num_experts
+        comm, local = self.mesh.get_group(), module.num_experts
         if self.dispatch == "all_reduce":
             _require_same_tokens(hidden_states, top_k_index, comm)
-        with _local_parameters(self.module):
+        with _local_parameters(module):
             def experts(h, index, weights):
-                return self.inner(self.module, h, index, weights, *args, **kwargs)
+                return self.inner(module, h, index, weights, *args, **kwargs)
             if self.dispatch == "all_reduce":
                 out = _all_reduce_dispatch(experts, hidden_states, top_k_index, top_k_weights, comm, local)
             else:

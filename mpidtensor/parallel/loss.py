@@ -28,8 +28,20 @@ from ..dtensor import DTensor
 from ..mesh import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .direct_apply import direct_apply
-from .local_linear import local_grad
+from ..fast.functions import direct_apply
+from ..fast.linear import local_grad
+from ..fast.registry import enabled, register
+from ..fast.rules import keeps_layout
+from ..runtime.caches import cache
+
+FUSED = register(
+    "loss.cross_entropy",
+    shortcuts="loss_parallel's reduced cross entropy: to_local / from_local of the logits and per-row losses, "
+              "the dispatched sum (and division) of the rows forward and backward",
+    decided_by="ops.reductions' rule for aten.sum of the per-row losses keeps them in place and gives a "
+               "replicated total (every row on every rank), C-contiguous logits (the gradient takes their spec)",
+)
+_FUSED: dict = cache("parallel.loss.fused", maxsize=256)  # (mesh, placements, ndim, class mesh dim) -> verdict
 
 
 @contextlib.contextmanager
@@ -201,8 +213,9 @@ def _cross_entropy(
     n_classes = input.shape[class_dim]
     offset = spec.local_shape_and_offset()[1][class_dim]
     group = mesh.comm_for((mesh_dim,))
-    if (reduction != "none" and plain_target and class_dim == input.ndim - 1 and _rows_whole(spec, mesh_dim)
-            and not torch.compiler.is_compiling()):
+    if (reduction != "none" and plain_target and class_dim == input.ndim - 1 and enabled()
+            and not torch.compiler.is_compiling() and _rows_whole(spec, mesh_dim, rows)):
+        FUSED.hits += 1
         out_spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, (), (), spec.dtype)
         return _vocab_parallel_cross_entropy(input, target, offset, n_classes, weight, ignore_index,
                                              float(label_smoothing), group, reduction == "mean", out_spec)
@@ -226,11 +239,21 @@ def _cross_entropy(
                                  None if plain_target else (mesh, rows))
 
 
-def _rows_whole(spec: DTensorSpec, mesh_dim: int) -> bool:
-    """Whether the logits' local tensor holds every row (no mesh dim but the class one
-    shards them) and is laid out as the global one (C-contiguous: its gradient takes the spec)."""
-    return (all(isinstance(p, Replicate) for m, p in enumerate(spec.placements) if m != mesh_dim)
-            and spec.stride == contiguous_strides(spec.shape))
+def _rows_whole(spec: DTensorSpec, mesh_dim: int, rows: list[Placement]) -> bool:
+    """Whether the logits' local tensor holds every row and is laid out as the global one
+    (C-contiguous: its gradient takes the spec): the rule for ``aten.sum`` of the per-row
+    losses (``rows``) sums them where they lie to a replicated total. The rule is asked once
+    per layout, for rows of the mesh's size (its verdict depends on placements, not sizes)."""
+    if spec.stride != contiguous_strides(spec.shape):
+        return False
+    key = (spec.mesh, spec.placements, len(spec.shape), mesh_dim)
+    whole = _FUSED.get(key)
+    if whole is None:
+        shape = (spec.mesh.size(),) * (len(spec.shape) - 1)
+        per_row = DTensorSpec(spec.mesh, tuple(rows), shape, contiguous_strides(shape), spec.dtype)
+        whole = _FUSED[key] = keeps_layout(torch.ops.aten.sum.default, (per_row,), spec.mesh,
+                                           [(Replicate(),) * spec.mesh.ndim])
+    return whole
 
 
 def _mean_divisor(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int, n_classes: int,

@@ -9,9 +9,10 @@ from torch import nn
 
 from ..api import distribute_module
 from ..dtensor import DTensor
+from ..fast.norm import LocalNormForward
 from ..mesh import DeviceMesh
 from ..placements import Replicate, Shard
-from .local_norm import LocalNormForward, local_norm_supported
+from .install import install, own_forward
 from .style import ParallelStyle, as_dtensor, require_1d_mesh, require_plain_parameters, to_layout
 
 
@@ -45,7 +46,7 @@ class SequenceParallel(ParallelStyle):
     The replicated parameters get ``Partial`` gradients (a sum over the sequence
     shards); each is all-reduced once as it is produced, as Megatron does, so ``.grad``
     is ``Replicate`` and the optimizer step communicates nothing. ``nn.RMSNorm`` and
-    ``nn.LayerNorm`` run on the local sequence block (``local_norm``); other modules, and
+    ``nn.LayerNorm`` run on the local sequence block (``fast.norm``); other modules, and
     calls the local path does not fit, run on DTensors and a gradient hook settles the sum.
     """
 
@@ -82,16 +83,16 @@ class SequenceParallel(ParallelStyle):
             return out.to_local() if local_out and isinstance(out, DTensor) else out
 
         # A DTensor output is handed on as it is: no output conversion. A norm's forward
-        # (``local_norm``) converts its input and output itself: no hooks.
+        # (``fast.norm``, installed by a class swap) converts its input and output itself: no hooks.
         finish = prepare_output if local_out else None
-        local = local_norm_supported(module)
+        local = own_forward(module) in (nn.RMSNorm.forward, nn.LayerNorm.forward)
         module = distribute_module(module, device_mesh, None, None if local else prepare_input,
                                    None if local else finish, src_data_rank=self.src_data_rank)
         for param in module.parameters():
             if param.requires_grad:
                 param.register_hook(_settle_partial_grad)
         if local:
-            module.forward = LocalNormForward(module, device_mesh, prepare_input, finish)
+            install(module, LocalNormForward(device_mesh, own_forward(module), prepare_input, finish))
         return module
 
     def __repr__(self) -> str:

@@ -9,8 +9,8 @@ and the output is redistributed to ``output_layouts`` (handed on as a local tens
 fits the module and the mesh (``_check``), so ``parallelize_module`` can validate a
 whole plan before applying any of it. A plain ``nn.Linear``, and a plain ``nn.Embedding``
 under ``RowwiseParallel``, get a forward that runs on their local blocks with Megatron's
-collectives only (``local_linear``, ``local_embedding``), falling back per call to that
-general path.
+collectives only (``fast.linear``, ``fast.embedding``, installed by a class swap:
+``install``), falling back per call to that general path.
 """
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ from torch import nn
 
 from ..api import distribute_module, distribute_tensor
 from ..dtensor import DTensor
+from ..fast.embedding import LocalEmbeddingForward
+from ..fast.gather import gather_shards
+from ..fast.linear import LocalLinearForward
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
-from .local_embedding import LocalEmbeddingForward
-from .local_gather import gather_shards
-from .local_linear import LocalLinearForward
+from .install import install, own_forward
 
 
 class ParallelStyle(ABC):
@@ -105,7 +106,7 @@ def as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, what: str,
 
 def to_layout(x: DTensor, layout: Placement) -> DTensor:
     """``x`` redistributed to ``layout`` on its 1-D mesh (no-op when it already has it);
-    ``Shard(d)`` -> ``Replicate`` by the local all-gather (``local_gather``) where it applies."""
+    ``Shard(d)`` -> ``Replicate`` by the local all-gather (``fast.gather``) where it applies."""
     if x._spec.placements == (layout,):  # the common case, without normalizing
         return x
     if isinstance(layout, Replicate):
@@ -171,11 +172,11 @@ class _MatmulStyle(ParallelStyle):
             if sub is module:
                 distribute_parameters(sub, mesh, params.items(), self.src_data_rank)
 
-        def prepare_input(_: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
             if not inputs:
                 raise ValueError(f"{name} expects the module's input as its first positional argument")
             x = inputs[0]
-            shape = self._input_shape(module, x) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else None
+            shape = self._input_shape(mod, x) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else None
             x = to_layout(as_dtensor(x, mesh, given, f"{name} input", shape), desired)
             return (x, *inputs[1:])
 
@@ -183,24 +184,24 @@ class _MatmulStyle(ParallelStyle):
             out = to_layout(out, wanted)
             return out.to_local() if local_out else out
 
-        linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+        forward = own_forward(module)
+        linear = isinstance(module, nn.Linear) and forward is nn.Linear.forward
         vocab = (isinstance(self, RowwiseParallel) and isinstance(module, nn.Embedding)
-                 and type(module).forward is nn.Embedding.forward)
+                 and forward is nn.Embedding.forward)
         if not (linear or vocab):
             return distribute_module(
                 module, device_mesh, partition, prepare_input, prepare_output, src_data_rank=self.src_data_rank
             )
         # A plain Linear, or a vocabulary-parallel Embedding, runs on its local blocks with
-        # Megatron's collectives; its forward falls back to the hooks' work (prepare_input,
-        # DTensor forward, prepare_output).
+        # Megatron's collectives (``fast``); its forward falls back to the hooks' work
+        # (prepare_input, DTensor forward, prepare_output). Installed by a class swap.
         distribute_module(module, device_mesh, partition, src_data_rank=self.src_data_rank)
         if linear:
-            module.forward = LocalLinearForward(module, device_mesh, isinstance(self, ColwiseParallel), given,
-                                                wanted, local_out, prepare_input, prepare_output)
+            forward = LocalLinearForward(device_mesh, isinstance(self, ColwiseParallel), given, wanted, local_out,
+                                         prepare_input, prepare_output)
         else:
-            module.forward = LocalEmbeddingForward(module, device_mesh, given, wanted, local_out, prepare_input,
-                                                   prepare_output)
-        return module
+            forward = LocalEmbeddingForward(device_mesh, given, wanted, local_out, prepare_input, prepare_output)
+        return install(module, forward)
 
     def __repr__(self) -> str:
         return (

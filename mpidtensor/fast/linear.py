@@ -18,12 +18,16 @@ on buffers it made (in place):
   first for a sharded output.
 
 Parameter gradients are DTensors with the parameters' specs, as the general path gives.
-The path is taken per call when nothing needs the general one: a plain ``nn.Linear``,
-its parameters still holding the style's placements on the style's mesh, the input a
-plain tensor or a DTensor on that mesh with the parameters' dtype, no autocast, not
-under ``torch.compile``. Inputs in another layout are first moved with the public
-(differentiable) ``from_local`` / ``redistribute``; a sharded DTensor input of a Colwise
-Linear is all-gathered by its Function (``local_gather``'s route), its gradient
+The path is taken per call when nothing needs the general one: fast paths on
+(``fast.registry``), a plain ``nn.Linear``, its parameters DTensors on the style's mesh,
+C-contiguous, in the input's dtype, the input a plain tensor or a DTensor on that mesh,
+no autocast, not under ``torch.compile``, and the dispatcher's rules agreeing (asked once
+per parameter specs and input ndim, ``fast.rules``): ``aten.mm`` of the input in the
+layout the Function computes on and the weight's transpose moves neither and gives the
+Function's output layout, and the bias adds in place. Inputs in another layout are first
+moved with the public (differentiable) ``from_local`` / ``redistribute``; a sharded
+DTensor input of a Colwise Linear is all-gathered by its Function (``fast.gather``'s
+route), its gradient
 reduce-scattered back there. An output kept as a DTensor is made
 by the Function itself (its backward takes the DTensor gradient, in any layout): one
 autograd node per Linear; one wanted in another layout than the Function gives is then
@@ -45,11 +49,16 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh, collectives
 from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..spec import DTensorSpec
-from .direct_apply import direct_apply
-from .local_gather import Route, gather_route, shard_route
+from .functions import direct_apply
+from .gather import Route, gather_route, shard_route
+from ..runtime.caches import cache
+from .registry import enabled, register
+from .rules import keeps_layout
+
+aten = torch.ops.aten
 
 
-_GRAD_SPECS: dict[tuple[DTensorSpec, bool], DTensorSpec] = {}  # (input spec, partial) -> gradient spec
+_GRAD_SPECS: dict = cache("fast.linear.grad_specs")  # (input spec, partial) -> gradient spec
 
 
 def _grad_spec(x: DTensor, partial: bool) -> DTensorSpec:
@@ -116,7 +125,7 @@ def _weight_grads(ctx, gy: torch.Tensor, x: torch.Tensor, weight: DTensor, bias:
 class _ColwiseLinear(torch.autograd.Function):
     """y = x W_r^T + b_r on this rank's output features; the input gradient is a partial sum.
     The output is local, or the DTensor of ``out_spec`` (one autograd node, not two). With a
-    ``gather`` route (``local_gather``), ``x`` is a sharded DTensor all-gathered first and its
+    ``gather`` route (``fast.gather``), ``x`` is a sharded DTensor all-gathered first and its
     gradient reduce-scattered back (Megatron's sequence-parallel column Linear)."""
 
     @staticmethod
@@ -179,39 +188,46 @@ class _RowwiseLinear(torch.autograd.Function):
 _colwise_linear, _rowwise_linear = direct_apply(_ColwiseLinear), direct_apply(_RowwiseLinear)
 
 
-class LocalLinearForward:
-    """``forward`` of a Colwise/Rowwise-parallel ``nn.Linear``: the local path when it
-    applies, else the style's general one (``prepare_input``, ``nn.Linear.forward`` on
-    DTensors, ``prepare_output``). An object, not a closure, so that ``copy.deepcopy``
-    of the model rebinds it to the copy (sharing the mesh, as the DTensors' specs do)."""
+LINEAR = register(
+    "tp.linear",
+    shortcuts="ColwiseParallel / RowwiseParallel nn.Linear: the input hook, nn.Linear.forward on DTensors "
+              "(t, view, mm / addmm and their backward through dispatch), the output hook",
+    decided_by="ops.matrix's rule for aten.mm of (input, weight.t()) keeps both in place and gives Shard(1) "
+               "(colwise) or Partial (rowwise); the pointwise rule adds the bias in place",
+)
+_T = {0: 1, 1: 0}  # a weight dim -> the same dim of its transpose
 
-    def __init__(self, module: nn.Linear, mesh: DeviceMesh, colwise: bool, given: Placement, wanted: Placement,
+
+class LocalLinearForward:
+    """``forward`` of a Colwise/Rowwise-parallel ``nn.Linear`` (installed by the style,
+    ``parallel.install``): the local path when it applies, else the style's general one
+    (``prepare_input``, ``nn.Linear.forward`` on DTensors, ``prepare_output``)."""
+
+    def __init__(self, mesh: DeviceMesh, colwise: bool, given: Placement, wanted: Placement,
                  local_out: bool, prepare_input: Callable, prepare_output: Callable) -> None:
-        self.module, self.mesh, self.colwise = module, mesh, colwise
+        self.mesh, self.colwise = mesh, colwise
         self.given, self.wanted, self.local_out = given, wanted, local_out
         self.prepare_input, self.prepare_output = prepare_input, prepare_output
-        self.placements = {"weight": (Shard(0),) if colwise else (Shard(1),),
-                           "bias": (Shard(0),) if colwise else (Replicate(),)}
         self.comm = mesh.comm_for((0,))
-        self.checked: tuple = ()  # the parameter specs seen to fit, by identity
-        self.layouts: dict[int, tuple[Placement, ...] | None] = {}  # by input ndim (``_normalized``)
+        self.checked: tuple = ()  # the parameter specs ``plans`` were decided for, by identity
+        self.plans: dict[tuple, tuple | None] = {}  # by input ndim and dtype (``_decide``)
         self.out_specs: dict[tuple, DTensorSpec] = {}  # by input shape and dtype (``_out_spec``)
 
     def __deepcopy__(self, memo: dict) -> "LocalLinearForward":
-        twin = copy.copy(self)
-        twin.module = copy.deepcopy(self.module, memo)
-        twin.checked, twin.layouts, twin.out_specs = (), {}, {}
+        twin = copy.copy(self)  # the mesh and the style's conversions are shared, as the DTensors' specs are
+        twin.checked, twin.plans, twin.out_specs = (), {}, {}
         return twin
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, module: nn.Linear, args: tuple, kwargs: dict) -> Any:
         x = args[0] if len(args) == 1 and not kwargs else None
-        if x is None or not self._applies(x):
-            inputs = self.prepare_input(self.module, args, self.mesh)
-            return self.prepare_output(self.module, nn.Linear.forward(self.module, *inputs, **kwargs), self.mesh)
-        module = self.module
-        given, wanted, desired, natural = self.layouts[x.ndim]
-        x, gather = self._input(x, given, desired)
-        spec = self._out_spec(x, natural)
+        plan = self._plan(module, x) if x is not None and enabled() else None
+        if plan is None:
+            inputs = self.prepare_input(module, args, self.mesh)
+            return self.prepare_output(module, nn.Linear.forward(module, *inputs, **kwargs), self.mesh)
+        LINEAR.hits += 1
+        given, wanted, desired, natural = plan
+        x, gather = self._input(module, x, given, desired)
+        spec = self._out_spec(module, x, natural)
         out_spec = None if self.local_out and wanted == natural else spec
         if self.colwise:
             y = _colwise_linear(x, module.weight, module.bias, self.comm, out_spec, gather)
@@ -224,72 +240,99 @@ class LocalLinearForward:
             y = y.redistribute(self.mesh, (wanted,))
         return y.to_local() if self.local_out else y
 
-    def _out_spec(self, x: torch.Tensor, natural: Placement) -> DTensorSpec:
+    def _out_spec(self, module: nn.Linear, x: torch.Tensor, natural: Placement) -> DTensorSpec:
         """The spec of the Function's DTensor output for the input ``x`` (whose leading dims
         are whole here), C-contiguous in the ``natural`` layout; cached by shape and dtype."""
         key = (x.shape, x.dtype)
         spec = self.out_specs.get(key)
         if spec is None:
-            shape = (*x.shape[:-1], self.module.out_features)
+            shape = (*x.shape[:-1], module.out_features)
             spec = self.out_specs[key] = DTensorSpec(self.mesh, (natural,), shape, contiguous_strides(shape), x.dtype)
         return spec
 
-    def _applies(self, x: Any) -> bool:
-        """Whether this call may take the local path (see the module docstring)."""
+    def _plan(self, module: nn.Linear, x: Any) -> tuple[Placement, ...] | None:
+        """(given, wanted, desired, natural) when this call takes the local path, else None:
+        per call the facts a cached verdict cannot hold (the input's type and mesh, autocast,
+        compiling), then the verdict by the parameters' specs and the input's ndim and dtype."""
         if isinstance(x, DTensor):
-            if not self._on_mesh(x):
-                return False
+            if not self._on_mesh(x._spec):
+                return None
         elif type(x) is not torch.Tensor:
-            return False
+            return None
         if x.ndim == 0 or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
-            return False
-        weight, bias = self.module.weight, self.module.bias
+            return None
+        weight, bias = module.weight, module.bias
         specs = (getattr(weight, "_spec", None), getattr(bias, "_spec", None))
         if specs != self.checked:
-            if not (self._fits(weight, "weight") and (bias is None or self._fits(bias, "bias"))):
-                return False
-            self.checked = specs
-        layouts = self.layouts.get(x.ndim, False)
-        if layouts is False:
-            layouts = self.layouts[x.ndim] = self._normalized(x.ndim)
-        return layouts is not None and x.dtype == weight.dtype
+            self.checked, self.plans = specs, {}
+        key = (x.ndim, x.dtype)
+        plan = self.plans.get(key, False)
+        if plan is False:
+            plan = self.plans[key] = self._decide(weight, bias, x.ndim, x.dtype)
+        return plan
 
-    def _normalized(self, ndim: int) -> tuple[Placement, ...] | None:
-        """(given, wanted, desired, natural) for an input of ``ndim`` dims: the input and output
-        layouts of the style, the input layout the Function computes on and the output layout
-        it gives; None where the local path does not apply: a shard dim out of range (the
-        general path says why), or a Rowwise output sharded on its features (the bias would
-        have to be sliced)."""
+    def _decide(self, weight: Any, bias: Any, ndim: int, dtype: torch.dtype) -> tuple | None:
+        """(given, wanted, desired, natural) for an input of ``ndim`` dims and ``dtype``: the
+        style's input and output layouts, the input layout the Function computes on and the
+        output layout it gives; None where the local path does not apply: the parameters are
+        not DTensors on the style's mesh laid out C-contiguously (the gradients take their
+        specs) in the input's dtype, a shard dim is out of range (the general path says why),
+        a Rowwise output is wanted sharded on its features (the bias would be sliced), or the
+        dispatcher's rules would compute the matmul and the bias add in other layouts."""
+        params = (weight,) if bias is None else (weight, bias)
+        if not all(isinstance(p, DTensor) and self._on_mesh(p._spec) and p.dtype == dtype
+                   and p._spec.stride == contiguous_strides(p._spec.shape) for p in params):
+            return None
         try:
             given, wanted = normalize_placements((self.given, self.wanted), 2, ndim)
         except ValueError:
             return None
         last = Shard(ndim - 1)
         if self.colwise:
-            return given, wanted, Replicate(), last
-        if wanted == last:
+            plan = given, wanted, Replicate(), last
+        elif wanted == last:
             return None
-        return given, wanted, last, wanted  # Replicate, or Shard(d) of a leading dim
+        else:
+            plan = given, wanted, last, wanted  # Replicate, or Shard(d) of a leading dim
+        return plan if self._rules_agree(weight, bias, ndim, dtype, plan[3]) else None
 
-    def _fits(self, param: Any, name: str) -> bool:
-        """A DTensor on the style's mesh with the style's placements, C-contiguous globally."""
-        return (isinstance(param, DTensor) and self._on_mesh(param)
-                and param._spec.placements == self.placements[name]
-                and param._spec.stride == contiguous_strides(param._spec.shape))
+    def _rules_agree(self, weight: DTensor, bias: DTensor | None, ndim: int, dtype: torch.dtype,
+                     natural: Placement) -> bool:
+        """Whether dispatch would run this Linear as the Function does: ``aten.mm`` of the
+        flattened input (replicated for Colwise, sharded on its features for Rowwise) and the
+        weight's transpose moves neither and gives ``Shard(1)`` (Colwise) or ``Partial``
+        (Rowwise), and the bias adds to the output in its ``natural`` layout in place. Asked
+        for leading dims of the mesh's size each: the rules' choice among layouts that move
+        nothing depends on placements and ranks, not on sizes, so one verdict serves every
+        input of this ndim (a rule query costs milliseconds: once, not per shape)."""
+        mesh, (n, k) = self.mesh, weight._spec.shape
+        lead = (mesh.size(),) * (ndim - 1)
+        m = prod(lead)
+        x2 = DTensorSpec(mesh, (Replicate(),) if self.colwise else (Shard(1),), (m, k), (k, 1), dtype)
+        wt = DTensorSpec(mesh, tuple(Shard(_T[p.dim]) if isinstance(p, Shard) else p for p in weight.placements),
+                         (k, n), (1, k), weight.dtype)
+        if not keeps_layout(aten.mm.default, (x2, wt), mesh, [(Shard(1),) if self.colwise else (Partial(),)]):
+            return False
+        if bias is None:
+            return True
+        out = (*lead, n)
+        y = DTensorSpec(mesh, (natural,), out, contiguous_strides(out), dtype)
+        return keeps_layout(aten.add.Tensor, (y, bias._spec), mesh, [(natural,)])
 
-    def _on_mesh(self, t: DTensor) -> bool:
-        return t._spec.mesh is self.mesh or t._spec.mesh == self.mesh
+    def _on_mesh(self, spec: DTensorSpec) -> bool:
+        return spec.mesh is self.mesh or spec.mesh == self.mesh
 
-    def _input(self, x: torch.Tensor, given: Placement, desired: Placement) -> tuple[torch.Tensor, Any]:
+    def _input(self, module: nn.Linear, x: torch.Tensor, given: Placement,
+               desired: Placement) -> tuple[torch.Tensor, Any]:
         """(``x`` as the Function takes it, the Colwise Function's gather route or None): this
         rank's plain block when it came as one in the layout needed; a sharded DTensor that the
-        Colwise Function all-gathers itself (``local_gather``); else a DTensor moved to the
+        Colwise Function all-gathers itself (``fast.gather``); else a DTensor moved to the
         layout by the public path."""
         if isinstance(x, DTensor):
             if x._spec.placements == (desired,):
                 return x, None
             gather = gather_route(x) if self.colwise else None
             return (x, gather) if gather is not None else (x.redistribute(self.mesh, (desired,)), None)
-        if given == desired and x.shape[-1] == self.module.weight._local_tensor.shape[-1]:
+        if given == desired and x.shape[-1] == module.weight._local_tensor.shape[-1]:
             return x, None
-        return self.prepare_input(self.module, (x,), self.mesh)[0], None
+        return self.prepare_input(module, (x,), self.mesh)[0], None

@@ -14,11 +14,13 @@ as in one process. (torch 2.13's DTensor gives a vocabulary-parallel embedding a
 ``Replicate`` gradient of the whole vocabulary on every rank, with or without
 ``padding_idx``; so does the general path here.)
 
-Taken per call when nothing needs the general path: a plain ``nn.Embedding`` without
-``max_norm``, ``scale_grad_by_freq`` or ``sparse``, its weight still
-``Shard(0)`` on the style's mesh, the tokens a plain integer tensor read as replicated (or
-a replicated DTensor on that mesh), the output wanted replicated or sharded on a token
-dim, not under ``torch.compile``. These facts are shared by all ranks.
+Taken per call when nothing needs the general path: fast paths on (``fast.registry``), a
+plain ``nn.Embedding`` without ``max_norm``, ``scale_grad_by_freq`` or ``sparse``, its
+weight on the style's mesh, C-contiguous, laid out so that the dispatcher's rule for
+``aten.embedding`` looks replicated tokens up in place to a ``Partial`` sum (``Shard(0)``;
+asked once per weight spec, ``fast.rules``), the tokens a plain integer tensor read as
+replicated (or a replicated DTensor on that mesh), the output wanted replicated or sharded
+on a token dim, not under ``torch.compile``. These facts are shared by all ranks.
 """
 from __future__ import annotations
 
@@ -32,14 +34,17 @@ from torch import nn
 from .._layout import contiguous_strides
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import Placement, Replicate, Shard, normalize_placements
+from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..spec import DTensorSpec
-from .direct_apply import direct_apply
-from .local_gather import Route, shard_route
-from .local_linear import gather_reduced_grad, local_grad, reduce_partial, wrap_output
+from .functions import direct_apply
+from .gather import Route, shard_route
+from .linear import gather_reduced_grad, local_grad, reduce_partial, wrap_output
+from .registry import enabled, register
+from .rules import keeps_layout
+
+aten = torch.ops.aten
 
 _REPLICATE = (Replicate(),)
-_VOCAB = (Shard(0),)
 
 
 class _VocabParallelEmbedding(torch.autograd.Function):
@@ -81,34 +86,43 @@ class _VocabParallelEmbedding(torch.autograd.Function):
 _vocab_parallel_embedding = direct_apply(_VocabParallelEmbedding)
 
 
-class LocalEmbeddingForward:
-    """``forward`` of a ``RowwiseParallel`` ``nn.Embedding``: the local path when it applies
-    (see the module docstring), else the style's general one. An object, not a closure,
-    so that ``copy.deepcopy`` of the model rebinds it to the copy."""
+EMBEDDING = register(
+    "tp.embedding",
+    shortcuts="RowwiseParallel nn.Embedding (vocabulary-parallel): the input hook, nn.Embedding.forward on "
+              "DTensors (aten.embedding and embedding_dense_backward through dispatch), the output hook",
+    decided_by="ops.nn's rule for aten.embedding of (weight, replicated tokens) keeps both in place and gives "
+               "Partial (a masked lookup of this rank's rows)",
+)
 
-    def __init__(self, module: nn.Embedding, mesh: DeviceMesh, given: Placement, wanted: Placement,
-                 local_out: bool, prepare_input: Callable, prepare_output: Callable) -> None:
-        self.module, self.mesh, self.comm = module, mesh, mesh.comm_for((0,))
+
+class LocalEmbeddingForward:
+    """``forward`` of a ``RowwiseParallel`` ``nn.Embedding`` (installed by the style,
+    ``parallel.install``): the local path when it applies (see the module docstring), else
+    the style's general one."""
+
+    def __init__(self, mesh: DeviceMesh, given: Placement, wanted: Placement, local_out: bool,
+                 prepare_input: Callable, prepare_output: Callable) -> None:
+        self.mesh, self.comm = mesh, mesh.comm_for((0,))
         self.given, self.wanted, self.local_out = given, wanted, local_out
         self.prepare_input, self.prepare_output = prepare_input, prepare_output
         self.starts: dict[DTensorSpec, int | None] = {}  # weight spec -> this rank's first row, or None: unfit
-        self.outputs: dict[tuple, tuple | None] = {}  # tokens' shape -> (dim, out spec), or None: general path
+        self.outputs: dict[tuple, tuple | None] = {}  # tokens' shape -> (route, out spec), or None: general path
 
     def __deepcopy__(self, memo: dict) -> "LocalEmbeddingForward":
-        twin = copy.copy(self)
-        twin.module = copy.deepcopy(self.module, memo)
+        twin = copy.copy(self)  # the mesh and the style's conversions are shared, as the DTensors' specs are
         twin.starts, twin.outputs = {}, {}
         return twin
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, module: nn.Embedding, args: tuple, kwargs: dict) -> Any:
         x = args[0] if len(args) == 1 and not kwargs else None
-        route = None if x is None else self._route(x)
+        route = self._route(module, x) if x is not None and enabled() else None
         if route is None:
-            inputs = self.prepare_input(self.module, args, self.mesh)
-            return self.prepare_output(self.module, nn.Embedding.forward(self.module, *inputs, **kwargs), self.mesh)
+            inputs = self.prepare_input(module, args, self.mesh)
+            return self.prepare_output(module, nn.Embedding.forward(module, *inputs, **kwargs), self.mesh)
+        EMBEDDING.hits += 1
         start, reduce_route, out_spec = route
         tokens = x._local_tensor if isinstance(x, DTensor) else x
-        weight, padding = self.module.weight, self.module.padding_idx
+        weight, padding = module.weight, module.padding_idx
         if padding is not None:  # nn.Embedding keeps it non-negative
             padding -= start
             if not 0 <= padding < weight._local_tensor.shape[0]:
@@ -116,7 +130,7 @@ class LocalEmbeddingForward:
         return _vocab_parallel_embedding(tokens, weight, start, self.comm, reduce_route,
                                          None if self.local_out else out_spec, -1 if padding is None else padding)
 
-    def _route(self, x: Any) -> tuple | None:
+    def _route(self, module: nn.Embedding, x: Any) -> tuple | None:
         """(first row, reduce-scatter route or None for an all-reduce, out spec) when this call
         takes the local path, else None."""
         if isinstance(x, DTensor):
@@ -126,7 +140,7 @@ class LocalEmbeddingForward:
             return None
         if x.dtype not in (torch.int64, torch.int32) or torch.compiler.is_compiling():
             return None
-        module, weight = self.module, self.module.weight
+        weight = module.weight
         if not isinstance(weight, DTensor) or module.max_norm is not None or module.scale_grad_by_freq \
                 or module.sparse:
             return None
@@ -142,9 +156,16 @@ class LocalEmbeddingForward:
         return None if out is None else (start, *out)
 
     def _first_row(self, spec: DTensorSpec) -> int | None:
-        """This rank's first vocabulary row for a fitting weight spec, else None."""
+        """This rank's first vocabulary row for a weight on the style's mesh, C-contiguous (its
+        gradient takes the spec), that the dispatcher's rule for ``aten.embedding`` looks
+        replicated tokens up in where it lies, to a ``Partial`` sum (a masked lookup of this
+        rank's rows); else None. (Asked for tokens of the mesh's size: the rule's verdict
+        depends on placements, not on how many tokens.)"""
         on_mesh = spec.mesh is self.mesh or spec.mesh == self.mesh
-        if not on_mesh or spec.placements != _VOCAB or spec.stride != contiguous_strides(spec.shape):
+        if not on_mesh or spec.stride != contiguous_strides(spec.shape):
+            return None
+        tokens = DTensorSpec(self.mesh, _REPLICATE, (self.mesh.size(),), (1,), torch.int64)
+        if not keeps_layout(aten.embedding.default, (spec, tokens), self.mesh, [(Partial(),)]):
             return None
         return spec.local_shape_and_offset()[1][0]
 

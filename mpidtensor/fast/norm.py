@@ -10,11 +10,13 @@ the kernels plain torch runs, so the forward values are one process's), computes
 backward on the local block and all-reduces the parameters' partial gradients over the mesh in
 place (Megatron's all-reduce of the norm weights' gradients): they come out ``Replicate``.
 
-Taken per call when nothing needs the general path: the stock forward of ``nn.RMSNorm``
-or ``nn.LayerNorm``, the input a DTensor on the style's mesh sharded on a dim the norm
-does not normalize, C-contiguous globally; the parameters (if any) DTensors replicated on
-that mesh in the input's dtype; no autocast, not under ``torch.compile``. Every one of
-these facts is shared by all ranks, so all ranks take the same path.
+Taken per call when nothing needs the general path: fast paths on (``fast.registry``), the
+stock forward of ``nn.RMSNorm`` or ``nn.LayerNorm``, the input a DTensor on the style's
+mesh sharded, C-contiguous globally; the parameters (if any) DTensors on that mesh in the
+input's dtype; the dispatcher's norm rule (asked once per specs, ``fast.rules``) keeping
+all of them where they lie (so the shard is of a dim the norm does not normalize, the
+parameters replicated); no autocast, not under ``torch.compile``. Every one of these
+facts is shared by all ranks, so all ranks take the same path.
 """
 from __future__ import annotations
 
@@ -28,11 +30,15 @@ from torch.autograd.function import once_differentiable
 from .._layout import contiguous_strides
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh, collectives
-from ..placements import Replicate, Shard
-from .direct_apply import direct_apply
-from .local_linear import local_grad
+from ..placements import Shard
+from ..spec import DTensorSpec
+from .functions import direct_apply
+from .linear import local_grad
+from .registry import enabled, register
+from .rules import keeps_layout
 
-_REPLICATE = (Replicate(),)
+aten = torch.ops.aten
+
 
 
 def _reduce_partial(grad: torch.Tensor | None, param: DTensor | None, comm) -> DTensor | None:
@@ -106,66 +112,96 @@ class _LocalLayerNorm(torch.autograd.Function):
 _local_rms_norm, _local_layer_norm = direct_apply(_LocalRMSNorm), direct_apply(_LocalLayerNorm)
 
 
-class LocalNormForward:
-    """``forward`` of a ``SequenceParallel`` ``nn.RMSNorm`` / ``nn.LayerNorm``: the local path
-    when it applies (see the module docstring), else the module's own forward on DTensors.
-    The style's input and output conversions (``prepare_input`` / ``prepare_output``, its
-    hooks otherwise) run here, so the module has no hooks and ``nn.Module`` calls it on its
-    fast path. An object, not a closure, so that ``copy.deepcopy`` of the model rebinds it
-    to the copy."""
+NORM = register(
+    "sp.norm",
+    shortcuts="SequenceParallel nn.RMSNorm / nn.LayerNorm: the module's forward on DTensors (rms_norm's "
+              "decomposition or native_layer_norm and their backward through dispatch), the weight gradients' "
+              "Partial settled by a hook's redistribute",
+    decided_by="ops.nn's rule for aten.native_layer_norm / _fused_rms_norm keeps the input's sequence shard "
+               "and the replicated parameters in place and gives the output in the input's layout",
+)
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, prepare_input: Callable | None = None,
+
+class LocalNormForward:
+    """``forward`` of a ``SequenceParallel`` ``nn.RMSNorm`` / ``nn.LayerNorm`` (installed by the
+    style, ``parallel.install``): the local path when it applies (see the module docstring),
+    else the module's own forward (``inner``) on DTensors. The style's input and output
+    conversions (``prepare_input`` / ``prepare_output``, its hooks otherwise) run here, so
+    the module has no hooks and ``nn.Module`` calls it on its fast path."""
+
+    def __init__(self, mesh: DeviceMesh, inner: Callable, prepare_input: Callable | None = None,
                  prepare_output: Callable | None = None) -> None:
-        self.module, self.mesh = module, mesh
+        self.mesh, self.inner = mesh, inner
         self.prepare_input, self.prepare_output = prepare_input, prepare_output
         self.comm = mesh.comm_for((0,))
         self.decided: dict[tuple, bool] = {}  # by the input's and the parameters' specs (``_applies``)
+        self.rules: dict[tuple, bool] = {}  # the norm rule's verdict, by layout (``_rule_agrees``)
 
     def __deepcopy__(self, memo: dict) -> "LocalNormForward":
-        twin = copy.copy(self)
-        twin.module = copy.deepcopy(self.module, memo)
-        twin.decided = {}
+        twin = copy.copy(self)  # the mesh and the style's conversions are shared, as the DTensors' specs are
+        twin.decided, twin.rules = {}, {}
         return twin
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self.prepare_input is not None:
             args = self.prepare_input(module, args, self.mesh)
         x = args[0] if len(args) == 1 and not kwargs else None
-        if x is None or not self._applies(x):
-            out = type(module).forward(module, *args, **kwargs)
-        elif isinstance(module, nn.RMSNorm):
-            out = _local_rms_norm(x, module.weight, tuple(module.normalized_shape), module.eps, self.comm)
+        if x is None or not enabled() or not self._applies(module, x):
+            out = self.inner(module, *args, **kwargs)
         else:
-            out = _local_layer_norm(x, module.weight, module.bias, tuple(module.normalized_shape), module.eps,
-                                    self.comm)
+            NORM.hits += 1
+            if isinstance(module, nn.RMSNorm):
+                out = _local_rms_norm(x, module.weight, tuple(module.normalized_shape), module.eps, self.comm)
+            else:
+                out = _local_layer_norm(x, module.weight, module.bias, tuple(module.normalized_shape), module.eps,
+                                        self.comm)
         return out if self.prepare_output is None else self.prepare_output(module, out, self.mesh)
 
-    def _applies(self, x: Any) -> bool:
+    def _applies(self, module: nn.Module, x: Any) -> bool:
         if not isinstance(x, DTensor) or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
             return False
-        params = (self.module.weight, getattr(self.module, "bias", None))
+        params = (module.weight, getattr(module, "bias", None))
         key = (x._spec, *(p._spec if isinstance(p, DTensor) else p is None for p in params))
         fits = self.decided.get(key)
         if fits is None:
-            fits = self.decided[key] = self._fits(x._spec, params)
+            fits = self.decided[key] = self._fits(module, x._spec, params)
         return fits
 
-    def _fits(self, spec, params: tuple) -> bool:
-        """Whether an input of ``spec`` and these parameters take the local path (the specs decide)."""
-        if not self._on_mesh(spec.mesh) or len(spec.placements) != 1 or spec.stride != contiguous_strides(spec.shape):
+    def _fits(self, module: nn.Module, spec: DTensorSpec, params: tuple) -> bool:
+        """Whether an input of ``spec`` and these parameters take the local path: the input
+        sharded (the parameters' gradients are then partial sums, all-reduced) on the style's
+        mesh, C-contiguous (its gradient takes its spec), the parameters DTensors on that mesh
+        in its dtype, and the dispatcher's norm rule computing it where everything lies."""
+        if not self._on_mesh(spec.mesh) or len(spec.placements) != 1 or not isinstance(spec.placements[0], Shard) \
+                or spec.stride != contiguous_strides(spec.shape):
             return False
-        placement = spec.placements[0]
-        normalized = len(self.module.normalized_shape)
-        if not isinstance(placement, Shard) or not 0 <= placement.dim < len(spec.shape) - normalized:
+        if not all(p is None or (isinstance(p, DTensor) and self._on_mesh(p._spec.mesh) and p.dtype == spec.dtype)
+                   for p in params):
             return False
-        return all(p is None or (isinstance(p, DTensor) and self._on_mesh(p._spec.mesh)
-                                 and p._spec.placements == _REPLICATE and p.dtype == spec.dtype) for p in params)
+        weight, bias = (None if p is None else p._spec for p in params)
+        key = (spec.placements, len(spec.shape), spec.dtype, weight, bias)
+        agreed = self.rules.get(key)
+        if agreed is None:
+            agreed = self.rules[key] = self._rule_agrees(module, spec, weight, bias)
+        return agreed
+
+    def _rule_agrees(self, module: nn.Module, spec: DTensorSpec, weight: DTensorSpec | None,
+                     bias: DTensorSpec | None) -> bool:
+        """Whether the dispatcher's rule for the norm (``_fused_rms_norm`` /
+        ``native_layer_norm``) keeps an input laid out as ``spec`` and the parameters where
+        they lie and gives the output in the input's layout. Asked for leading dims of the
+        mesh's size: the verdict depends on placements and ranks, not sizes (once per
+        layout, not per shape: a rule query costs milliseconds)."""
+        shape = list(module.normalized_shape)
+        lead = (self.mesh.size(),) * (len(spec.shape) - len(shape))
+        full = (*lead, *shape)
+        x = DTensorSpec(spec.mesh, spec.placements, full, contiguous_strides(full), spec.dtype)
+        if isinstance(module, nn.RMSNorm):
+            call = (aten._fused_rms_norm.default, (x, shape, weight, module.eps))
+        else:
+            call = (aten.native_layer_norm.default, (x, shape, weight, bias, module.eps))
+        return keeps_layout(*call, self.mesh, [spec.placements])
 
     def _on_mesh(self, mesh: DeviceMesh) -> bool:
         return mesh is self.mesh or mesh == self.mesh
 
-
-def local_norm_supported(module: nn.Module) -> bool:
-    """Whether ``module`` runs the stock forward of a norm the local path implements."""
-    return type(module).forward in (nn.RMSNorm.forward, nn.LayerNorm.forward)

@@ -9,9 +9,10 @@ on the local block; its backward reduce-scatters the ``Partial`` gradient (the s
 the column-parallel matmuls' input gradients), takes its own block of a replicated one,
 and hands any other layout to the public path.
 
-Taken when the DTensor's spec says so (facts every rank shares): a 1-D mesh holding this
-rank, placements ``(Shard(d),)``, C-contiguous globally (its gradient then has its spec),
-not under ``torch.compile``. Uneven blocks (``torch.chunk``'s, e.g. 3 ranks) are
+Taken when the redistribution planner makes the move one all-gather (facts every rank
+shares: a 1-D mesh holding this rank, placements ``(Shard(d),)``, C-contiguous globally,
+so its gradient has its spec), fast paths on (``fast.registry``), not under
+``torch.compile``. Uneven blocks (``torch.chunk``'s, e.g. 3 ranks) are
 all-gathered with their sizes.
 """
 from __future__ import annotations
@@ -25,9 +26,18 @@ from ..dtensor import DTensor
 from ..mesh.collectives import prepare_all_gather, prepare_reduce_scatter
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec
-from .direct_apply import direct_apply
+from ..redistribute import AllGather, plan
+from ..runtime.caches import cache
+from .functions import direct_apply
+from .registry import enabled, register
 
 _PARTIAL_SUM = (Partial("sum"),)
+GATHER = register(
+    "tp.gather",
+    shortcuts="Shard(d) -> Replicate of a DTensor on a 1-D mesh by the public redistribute (a style's input "
+              "conversion) and its backward",
+    decided_by="redistribute.plan: one AllGather on dim d (the route's collectives are that step's)",
+)
 
 
 class Route:
@@ -80,7 +90,7 @@ class Route:
         return grad.narrow(self.dim, *self.span).contiguous()
 
 
-_ROUTES: dict[DTensorSpec, Route | None] = {}  # input spec -> its route, or None: the public path
+_ROUTES: dict[DTensorSpec, Route | None] = cache("fast.gather.routes")  # input spec -> route, or None: public path
 
 
 def gather_route(x: DTensor) -> Route | None:
@@ -90,16 +100,22 @@ def gather_route(x: DTensor) -> Route | None:
 
 
 def shard_route(spec: DTensorSpec) -> Route | None:
-    """The ``Route`` between ``spec`` (``Shard(d)`` on a 1-D mesh holding this rank,
-    C-contiguous) and its replicated whole, with its collectives prepared; None for any
-    other spec. A row-parallel Linear's reduce-scatter is its ``reduce``, the gradient's
+    """The ``Route`` between ``spec`` and its replicated whole, with its collectives prepared,
+    where ``spec`` is C-contiguous on a 1-D mesh holding this rank and the redistribution
+    planner turns it into ``Replicate`` by one all-gather (``Shard(d)``; on one rank, by
+    nothing); None for any other spec. A row-parallel Linear's reduce-scatter is its ``reduce``, the gradient's
     all-gather its ``gather``."""
     route = _ROUTES.get(spec, False)
     if route is False:
-        mesh, placements = spec.mesh, spec.placements
-        fits = (mesh.ndim == 1 and mesh.get_coordinate() is not None and len(placements) == 1
-                and isinstance(placements[0], Shard) and spec.stride == contiguous_strides(spec.shape))
-        route = _ROUTES[spec] = Route(spec, placements[0].dim) if fits else None
+        route = None
+        mesh = spec.mesh
+        if mesh.ndim == 1 and mesh.get_coordinate() is not None and spec.stride == contiguous_strides(spec.shape):
+            steps = plan(spec, spec.with_placements((Replicate(),)))
+            if len(steps) == 1 and isinstance(steps[0], AllGather):
+                route = Route(spec, steps[0].dim)
+            elif not steps and isinstance(spec.placements[0], Shard):  # one rank: the block is the whole
+                route = Route(spec, spec.placements[0].dim)
+        _ROUTES[spec] = route
     return route
 
 
@@ -123,10 +139,11 @@ _gather_shards = direct_apply(_GatherShards)
 def gather_shards(x: DTensor) -> DTensor | None:
     """``x`` (sharded on one dim over a 1-D mesh) replicated by the local path, as
     ``x.redistribute(x.device_mesh, [Replicate()])`` gives it; None where that path does
-    not apply (the caller takes the public one)."""
-    route = gather_route(x)
+    not apply or fast paths are off (the caller takes the public one)."""
+    route = gather_route(x) if enabled() else None
     if route is None:
         return None
+    GATHER.hits += 1
     if torch.is_grad_enabled() and x.requires_grad:
         return _gather_shards(x, route)
     return DTensor(route.gather(x._local_tensor), route.out_spec)
