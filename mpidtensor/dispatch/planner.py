@@ -20,7 +20,7 @@ from .args import common_mesh, converter, make_unwrap, mutated_inputs, replace_t
 from .kinds import LocalPlan, PerMeshPlan, Plan, per_mesh_groups
 from .writeback import list_writeback, make_inplace_wrap, mark_broken_views, rebase_viewed
 
-__all__ = ["make_plan"]
+__all__ = ["make_plan", "rule_of"]
 
 _NO_META = object()  # the op could not run on meta tensors
 _NUMBER_TYPES = {"number", "Scalar", "int", "float", "bool", "complex", "SymInt", "SymFloat", "SymBool"}
@@ -39,7 +39,7 @@ def make_plan(func, args, kwargs) -> Callable:
     if _returns_numbers(func):  # item, _local_scalar_dense...: a number needs the whole tensor
         return _replicated_plan(func, args, kwargs, found, specs, mesh, lambda out, a, k: out)
     out_meta = _meta_outputs(func, args, kwargs, specs)
-    rule = _rule(func)
+    rule = rule_of(func)
     if rule is None or out_meta is _NO_META:
         decomposed = _decomposition(func)
         if decomposed is not None:
@@ -70,8 +70,9 @@ def _placeable(sharding: registry.Sharding | None, specs, out_metas) -> bool:
     return all(t is None or registry.valid_placements(t, ndim) for t, ndim in pairs)
 
 
-def _rule(func):
-    """The op's rule; an in-place view op (``squeeze_``, ``t_``…) uses its functional form's."""
+def rule_of(func: torch._ops.OpOverload) -> Callable | None:
+    """The rule the dispatcher uses for ``func`` (the fast paths ask the same one); an
+    in-place view op (``squeeze_``, ``t_``…) uses its functional form's."""
     rule = registry.rule_for(func)
     if rule is None and torch.Tag.inplace_view in func.tags:
         packet = getattr(torch.ops.aten, func._schema.name.split("::")[1].removesuffix("_"), None)

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..dispatch.planner import rule_of
 from ..ops import registry
-from ..ops.pointwise import is_pointwise, pointwise_rule
 from ..placements import Placement
 from ..spec import DTensorSpec
 
@@ -25,7 +25,7 @@ __all__ = ["rule_sharding", "keeps_layout"]
 def rule_sharding(func: torch._ops.OpOverload, args: tuple, mesh: Any) -> registry.Sharding | None:
     """The dispatcher rule's :class:`Sharding` for ``func(*args)``, tensors given as their
     ``DTensorSpec``; None where no rule places the call (the dispatcher would fall back)."""
-    rule = registry.rule_for(func) or (pointwise_rule if is_pointwise(func) else None)
+    rule = rule_of(func)
     if rule is None:
         return None
     specs = [a for a in args if isinstance(a, DTensorSpec)]
