@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import check_structure  # noqa: E402
 
-ENFORCE_CYCLES_AND_NAMES = False  # (b) and (d): switched on once the restructure has landed
+ENFORCE_CYCLES_AND_NAMES = True
 
 pytestmark = [
     pytest.mark.quick_at(1),

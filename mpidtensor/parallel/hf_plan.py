@@ -24,7 +24,7 @@ from torch import nn
 from ..placements import Partial, Replicate
 from .api import matching_submodules
 from .experts import Dispatch, ExpertParallel
-from .prepare import PrepareModuleOutput
+from .style import PrepareModuleOutput
 from .sequence import SequenceParallel
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
