@@ -38,7 +38,7 @@ else
 endif
 # Open MPI refuses more ranks than cores without --oversubscribe, and refuses root
 # unless both variables below are set; a waiting rank yields its core to the others
-# (tiny collectives 6x faster on shared cores, docs/mpi-settings.md). mpidtensor.launcher
+# (tiny collectives 6x faster on shared cores, docs/mpi-settings.md). mpidtensor.tools.launcher
 # does the same for nested jobs.
 ifeq ($(MPI),openmpi)
   MPIEXEC_FLAGS ?= --oversubscribe --mca mpi_yield_when_idle 1

@@ -1,4 +1,4 @@
-"""Measure the collective choices of ``mpidtensor.mesh.collectives`` on this machine.
+"""Measure the collective choices of ``mpidtensor.comm.collectives`` on this machine.
 
     mpiexec -n 4 python benchmarks/bench_collectives.py
 
@@ -17,7 +17,7 @@ import time
 import torch
 from mpi4py import MPI
 
-from mpidtensor.mesh import collectives as c
+from mpidtensor.comm import collectives as c
 
 COMM = MPI.COMM_WORLD
 N, RANK = COMM.size, COMM.rank

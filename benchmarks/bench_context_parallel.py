@@ -19,7 +19,7 @@ repetitions in which the timed variants take turns (the same machine load for ea
 * **saved MiB**: bytes autograd keeps for backward (distinct storages, ``SavedBytes`` of
   the example): the activations, which should fall ~1/cp.
 * **RSS growth MiB**: peak resident set during the step minus the RSS before it
-  (``mpidtensor.memory``; glibc's mmap threshold is fixed at 128 KiB so freed buffers
+  (``mpidtensor.tools.memory``; glibc's mmap threshold is fixed at 128 KiB so freed buffers
   leave the RSS, see ``fix_mmap_threshold``): activations plus every transient buffer.
 * **overlap** (cp > 1): **compute ms** is the step with the ring's exchange replaced by
   no communication (``exchange.shift`` returns a buffer of zeros: the same kernels on
@@ -55,8 +55,8 @@ from train_context_parallel import MIB, SavedBytes, fix_mmap_threshold  # noqa: 
 from mpidtensor import init_device_mesh  # noqa: E402
 from mpidtensor.experimental import context_parallel, set_rotate_method  # noqa: E402
 from mpidtensor.experimental._context_parallel import exchange  # noqa: E402
-from mpidtensor.memory import max_memory_reserved, memory_reserved, reset_peak_memory_stats  # noqa: E402
-from mpidtensor.mesh import recorders  # noqa: E402
+from mpidtensor.tools.memory import max_memory_reserved, memory_reserved, reset_peak_memory_stats  # noqa: E402
+from mpidtensor.comm import recorders  # noqa: E402
 
 world = MPI.COMM_WORLD
 RESULTS = HERE / "results"

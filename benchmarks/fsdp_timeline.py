@@ -33,8 +33,8 @@ import record_steps as rs  # noqa: E402
 
 import mpidtensor as md  # noqa: E402
 from mpidtensor.fsdp.group import ShardedState  # noqa: E402
-from mpidtensor.mesh import progress  # noqa: E402
-from mpidtensor.mesh.nonblocking import ireduce_scatter  # noqa: E402
+from mpidtensor.runtime import progress  # noqa: E402
+from mpidtensor.comm.nonblocking import ireduce_scatter  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 N, RANK = COMM.size, COMM.rank

@@ -18,7 +18,7 @@ many tokens, so their average is the mean over the whole batch, the loss of one 
 **Memory budget.** A rank's activation memory grows with the tokens it holds. The
 example measures, per rank, the bytes autograd keeps for backward during a step (the
 distinct storages ``saved_tensors_hooks`` see, the gathered weights included), the peak
-resident set size (``mpidtensor.memory.max_memory_reserved``) and its growth during the
+resident set size (``mpidtensor.tools.memory.max_memory_reserved``) and its growth during the
 step, then (rank 0 alone, ``--skip-cp1`` skips it) the saved bytes of one dp group's
 whole sequence on one rank without any parallelism, and compares both with
 ``--budget-mib`` of activations per rank. The defaults (8192 tokens, 128 MiB) do not fit
@@ -50,7 +50,7 @@ from llama import (LlamaConfig, Transformer, add_model_args, batches, build_mode
 from mpidtensor import DTensor, DeviceMesh, init_device_mesh  # noqa: E402
 from mpidtensor.experimental import context_parallel  # noqa: E402
 from mpidtensor.fsdp import fully_shard  # noqa: E402
-from mpidtensor.memory import max_memory_reserved, memory_reserved, reset_peak_memory_stats  # noqa: E402
+from mpidtensor.tools.memory import max_memory_reserved, memory_reserved, reset_peak_memory_stats  # noqa: E402
 from mpidtensor.parallel import loss_parallel  # noqa: E402
 
 world = MPI.COMM_WORLD

@@ -10,7 +10,7 @@ batch, so the global batch is the single-process batch (FSDP averages the gradie
 
 Rank 0 prints per AdamW step the loss, the throughput (global tokens per second of the
 slowest rank) and the collectives of the step (``CommDebugMode``); then the per-rank
-memory table (``mpidtensor.memory.memory_summary``) after training with FSDP, and after
+memory table (``mpidtensor.tools.memory.memory_summary``) after training with FSDP, and after
 one step of the same model without FSDP (TP only over the same ``tp`` dim, of size 1 on
 the fallback: replicated); then the largest difference of the losses and of every
 parameter (``full_tensor()``) from the same model trained in one process from the same
@@ -36,7 +36,7 @@ from llama import (LlamaConfig, add_model_args, batches, build_model, config_fro
 from mpidtensor import DTensor, init_device_mesh  # noqa: E402
 from mpidtensor.debug import CommDebugMode  # noqa: E402
 from mpidtensor.fsdp import fully_shard  # noqa: E402
-from mpidtensor.memory import memory_summary, reset_peak_memory_stats  # noqa: E402
+from mpidtensor.tools.memory import memory_summary, reset_peak_memory_stats  # noqa: E402
 from mpidtensor.parallel import loss_parallel  # noqa: E402
 
 world = MPI.COMM_WORLD

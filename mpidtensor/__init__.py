@@ -5,12 +5,12 @@ Importing the package changes nothing in torch or Python: the process-wide effec
 (the abort hook, ``Tensor.to_dtensor``, optimizer hooks...) are installed when the first
 mesh is built; ``mpidtensor.runtime.effects.describe()`` lists them.
 """
-from .api import distribute_module, distribute_tensor
-from .dtensor import DTensor
+from .tensor.api import distribute_module, distribute_tensor
+from .tensor.dtensor import DTensor
 from . import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
-from .factories import empty, full, ones, rand, randn, zeros
+from .tensor.factories import empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, init_device_mesh
-from .placements import Partial, Placement, Replicate, Shard
+from .tensor.placements import Partial, Placement, Replicate, Shard
 from .runtime.caches import clear_all as clear_cache
 from .runtime.settings import settings
 from . import ops  # noqa: F401  (registers the sharding rules)

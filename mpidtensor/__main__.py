@@ -1,6 +1,6 @@
 """``python -m mpidtensor`` (also under ``mpiexec``/``srun``): the environment report."""
 import sys
 
-from .envreport import main
+from .tools.envreport import main
 
 sys.exit(main())

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .dtensor import DTensor
-from .mesh import recorders
+from .tensor.dtensor import DTensor
+from .comm import recorders
 
 
 class CommDebugMode:

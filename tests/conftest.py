@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What imports and collection made lives for the whole run (torch, transformers,
     op_db: about 400k objects): freeze it, so that a garbage collection, and the object
-    scan behind ``mpidtensor.memory``'s figures, look only at what the tests make."""
+    scan behind ``mpidtensor.tools.memory``'s figures, look only at what the tests make."""
     gc.collect()
     gc.freeze()
 

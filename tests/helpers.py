@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from mpidtensor.mesh import recorders
+from mpidtensor.comm import recorders
 
 WORLD = MPI.COMM_WORLD
 

@@ -2,7 +2,7 @@
 would take the test job down with them).
 
 Only rank 0 of the outer job launches ``mpiexec -n N python script`` with a clean
-environment and the flags of the MPI library in use (``mpidtensor.launcher``) and a
+environment and the flags of the MPI library in use (``mpidtensor.tools.launcher``) and a
 timeout; the others wait without spinning. Every rank gets
 the same result, so the tests' verdicts stay collective.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 from helpers import bcast_after_rank0
-from mpidtensor import launcher
+from mpidtensor.tools import launcher
 
 WORLD = MPI.COMM_WORLD
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from helpers import assert_all_ranks
-from mpidtensor.mesh import abort
+from mpidtensor.runtime import abort
 from mpidtensor.runtime.settings import settings
 from subjob import run_job
 
@@ -15,7 +15,7 @@ RAISE_ON_RANK_1 = """
     import torch
     from mpi4py import MPI
     import mpidtensor
-    from mpidtensor.mesh import collectives
+    from mpidtensor.comm import collectives
 
     comm = MPI.COMM_WORLD
     mpidtensor.init_device_mesh("cpu", (comm.size,))  # the first mesh installs the hook

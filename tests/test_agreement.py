@@ -4,7 +4,7 @@ import threading
 from mpi4py import MPI
 
 from helpers import raises_everywhere
-from mpidtensor.mesh.agreement import attempt, raise_agreed
+from mpidtensor.runtime.agreement import attempt, raise_agreed
 
 WORLD = MPI.COMM_WORLD
 

@@ -12,7 +12,7 @@ from torch import nn
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import Shard, distribute_tensor
 from mpidtensor.fsdp import fully_shard
-from mpidtensor.mesh import progress
+from mpidtensor.runtime import progress
 from mpidtensor.parallel import SequenceParallel, parallelize_module
 from test_parallel import tp_mesh  # noqa: F401 (a fixture)
 

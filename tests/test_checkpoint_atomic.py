@@ -20,7 +20,8 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, global_tensor
 import mpidtensor.checkpoint as dcp
-from mpidtensor import Shard, distribute_tensor, launcher
+from mpidtensor import Shard, distribute_tensor
+from mpidtensor.tools import launcher
 from mpidtensor.checkpoint import io as ckpt_io
 from mpidtensor.checkpoint.formats import native
 

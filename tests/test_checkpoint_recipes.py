@@ -17,7 +17,8 @@ from torch import nn
 
 from helpers import assert_all_ranks, bcast_after_rank0
 import mpidtensor.checkpoint as dcp
-from mpidtensor import DTensor, init_device_mesh, launcher
+from mpidtensor import DTensor, init_device_mesh
+from mpidtensor.tools import launcher
 from mpidtensor.checkpoint.format_utils import torch_save_to_dcp
 from mpidtensor.checkpoint.state_dict import get_state_dict, set_state_dict
 from mpidtensor.checkpoint.stateful import Stateful

@@ -1,5 +1,5 @@
 """The collective steps of the checkpoint transaction (``mpidtensor.checkpoint.transaction``)
-and the agreement helper it uses (``mpidtensor.mesh.agreement``): rank 0's result reaches
+and the agreement helper it uses (``mpidtensor.runtime.agreement``): rank 0's result reaches
 every rank; an error met by rank 0, or by any rank before a commit, is raised on every
 rank with the same type and message, and the commit does not run; the superseded files
 are removed by all ranks together."""
@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, raises_everywhere
 from mpidtensor.checkpoint import CheckpointError, transaction
-from mpidtensor.mesh import agreement
+from mpidtensor.runtime import agreement
 
 WORLD = MPI.COMM_WORLD
 

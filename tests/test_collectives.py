@@ -9,16 +9,9 @@ import torch
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
-from mpidtensor.mesh import alltoall, base, buffers, collectives, recorders
+from mpidtensor.comm import alltoall, base, buffers, collectives, recorders
 from mpidtensor.runtime.settings import settings
-from mpidtensor.mesh.collectives import (
-    all_gather,
-    all_reduce,
-    all_to_all,
-    broadcast,
-    reduce_scatter,
-    scatter,
-)
+from mpidtensor.comm.collectives import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter, scatter
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
@@ -418,7 +411,7 @@ def test_cuda_aware_cupy_path():
 def test_thresholds_follow_the_loaded_library():
     """The regular-form thresholds are the loaded library's (MPICH's where a library was
     not measured); Open MPI never packs or pads; MPICH pads and packs at large sizes."""
-    from mpidtensor.mesh.mpi_library import collective_thresholds
+    from mpidtensor.runtime.mpi_library import collective_thresholds
 
     loaded = collective_thresholds()
     assert_all_ranks((collectives.ALLTOALL_PACKED_MIN, collectives.ALLTOALL_PACK_SEND_MIN,

@@ -7,8 +7,8 @@ import pytest
 from mpi4py import MPI
 
 from helpers import assert_all_ranks
-from mpidtensor import envreport, launcher
-from mpidtensor.mesh import mpi_library
+from mpidtensor.tools import envreport, launcher
+from mpidtensor.runtime import mpi_library
 from mpidtensor.runtime import effects
 from mpidtensor.runtime.settings import ENVIRONMENT, settings
 
@@ -70,7 +70,7 @@ def test_python_dash_m_mpidtensor():
 
 
 def test_contention_warning_only_for_separate_groups_on_too_few_cpus(tmp_path):
-    from mpidtensor.mesh import scheduling
+    from mpidtensor.runtime import scheduling
 
     two = frozenset({0, 1})
     four_sessions = [(two, 10), (two, 11), (two, 12), (two, 13)]
@@ -94,7 +94,7 @@ def test_contention_warning_only_for_separate_groups_on_too_few_cpus(tmp_path):
 def test_report_warns_exactly_when_this_launch_contends():
     import os
 
-    from mpidtensor.mesh import scheduling
+    from mpidtensor.runtime import scheduling
 
     text = envreport.report(file=None)
     host = __import__("socket").gethostname()

@@ -3,7 +3,7 @@ import torch
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, raises_everywhere
-from mpidtensor.mesh.exchange import exchange_rows
+from mpidtensor.comm.exchange import exchange_rows
 
 WORLD = MPI.COMM_WORLD
 

@@ -7,9 +7,9 @@ import torch
 
 from helpers import assert_all_ranks, assert_close
 from mpidtensor import Partial, Replicate, Shard, distribute_tensor
-from mpidtensor import factories
-from mpidtensor._layout import local_shape_and_offset
-from mpidtensor.mesh import recorders
+from mpidtensor.tensor import factories
+from mpidtensor.tensor.layout import local_shape_and_offset
+from mpidtensor.comm import recorders
 
 PLACEMENTS_1D = [[Shard(0)], [Shard(1)], [Replicate()]]
 PLACEMENTS_2D = [[Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(1)], [Shard(1), Replicate()]]

@@ -14,7 +14,7 @@ from mpidtensor.fsdp import (
     CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard, register_fsdp_forward_method,
 )
 from mpidtensor.fsdp.group import ShardedState
-from mpidtensor.memory import memory_allocated
+from mpidtensor.tools.memory import memory_allocated
 from test_fsdp import TOL, assert_same_model, batch, make_net, reference, shard_net, train
 
 WORLD = MPI.COMM_WORLD

@@ -113,7 +113,7 @@ def test_large_unsharded_storage_asks_for_huge_pages(mesh1d, monkeypatch):
     """A group's unsharded storage of ``HUGE_PAGES_MIN`` bytes or more is advised for huge
     pages when it is made and again each time a reshard has freed it (the allocator hands
     new memory), before the all-gather writes it; the reshard itself advises nothing."""
-    from mpidtensor.mesh import pool as pool_module
+    from mpidtensor.comm import pool as pool_module
 
     calls = []
     monkeypatch.setattr(pool_module, "_MADVISE", lambda start, length, advice: calls.append((start, length)))

@@ -4,7 +4,7 @@ import torch
 from mpi4py import MPI
 
 from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor
-from mpidtensor.mesh.nonblocking import iall_gather, iall_reduce, ireduce_scatter
+from mpidtensor.comm.nonblocking import iall_gather, iall_reduce, ireduce_scatter
 
 WORLD = MPI.COMM_WORLD
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int32]

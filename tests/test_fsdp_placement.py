@@ -1,6 +1,6 @@
 """fully_shard's ``shard_placement_fn`` on plain parameters (Shard(d > 0): strided packing,
 uneven shards at 2-4 ranks), its argument checks, clip_grad_norm_ (foreach and not) on
-tensor-parallel parameters, and FSDP's buffers as ``mpidtensor.memory`` sees them."""
+tensor-parallel parameters, and FSDP's buffers as ``mpidtensor.tools.memory`` sees them."""
 import gc
 from math import prod
 
@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close
-from mpidtensor import DTensor, Replicate, Shard, memory
+from mpidtensor import DTensor, Replicate, Shard
+from mpidtensor.tools import memory
 from mpidtensor.fsdp import MixedPrecisionPolicy, fully_shard
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from test_fsdp import TOL, assert_same_model, batch, make_net, reference, shard_net, train

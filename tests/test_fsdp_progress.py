@@ -10,7 +10,7 @@ from mpi4py import MPI
 from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor, raises_everywhere
 from mpidtensor import Shard
 from mpidtensor.fsdp import fully_shard
-from mpidtensor.mesh import progress
+from mpidtensor.runtime import progress
 from subjob import run_job
 from test_fsdp import TOL, assert_same_model, batch, make_net, reference, shard_net, train
 
@@ -74,7 +74,7 @@ def test_thread_mode_exits_cleanly(tmp_path):
         import torch
         import mpidtensor as md
         from mpidtensor.fsdp import fully_shard
-        from mpidtensor.mesh import progress
+        from mpidtensor.runtime import progress
         mesh = md.init_device_mesh("cpu", (2,))
         net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
         for layer in net:

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import Replicate, Shard, distribute_tensor
-from mpidtensor.mesh import collectives, guard
+from mpidtensor.comm import collectives, guard
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size

@@ -13,7 +13,7 @@ import torch
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
-from mpidtensor.mesh import collectives
+from mpidtensor.comm import collectives
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from helpers import assert_all_ranks, assert_close
-from mpidtensor import DTensor, Shard, validate
+from mpidtensor import DTensor, Shard
+from mpidtensor.tensor import validate
 from mpidtensor.debug import CommDebugMode
 from mpidtensor.parallel import loss_parallel
 

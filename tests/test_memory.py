@@ -1,4 +1,4 @@
-"""mpidtensor.memory: the torch.accelerator memory API, with real CPU figures."""
+"""mpidtensor.tools.memory: the torch.accelerator memory API, with real CPU figures."""
 import gc
 import io
 
@@ -7,7 +7,8 @@ import torch
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, global_tensor
-from mpidtensor import Replicate, Shard, distribute_tensor, memory, zeros
+from mpidtensor import Replicate, Shard, distribute_tensor, zeros
+from mpidtensor.tools import memory
 
 WORLD = MPI.COMM_WORLD
 CPU = "cpu"

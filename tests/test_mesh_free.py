@@ -8,9 +8,9 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor, raises_everywhere
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
-from mpidtensor.mesh import collectives
+from mpidtensor.comm import collectives
 from mpidtensor.runtime import caches
-from mpidtensor.spec import DTensorSpec
+from mpidtensor.tensor.spec import DTensorSpec
 
 WORLD = MPI.COMM_WORLD
 FREED = "was freed"

@@ -1,11 +1,12 @@
-"""mpidtensor.mesh.mpi_library: finding libmpi and asking it about CUDA; the override."""
+"""mpidtensor.runtime.mpi_library: finding libmpi and asking it about CUDA; the override."""
 import ctypes.util
 
 import pytest
 from mpi4py import MPI
 
 from helpers import assert_all_ranks
-from mpidtensor.mesh import buffers, mpi_library
+from mpidtensor.comm import buffers
+from mpidtensor.runtime import mpi_library
 from mpidtensor.runtime.settings import Settings, settings
 
 

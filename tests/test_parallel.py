@@ -295,7 +295,7 @@ def test_bad_src_data_rank_2d(mesh2d):
 def test_rowwise_linear_input_needs_no_shape_exchange(tp_mesh, monkeypatch):
     """A plain Shard(-1) input of a row-parallel Linear takes its global shape from
     ``in_features``: from_local's all-gather of the local shapes never runs."""
-    from mpidtensor import validate
+    from mpidtensor.tensor import validate
 
     gather_shapes = validate.global_shape_from_locals
 

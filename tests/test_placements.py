@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from mpidtensor import Partial, Replicate, Shard
-from mpidtensor._layout import chunk_sizes, local_shape_and_offset, nested_sizes
-from mpidtensor.placements import normalize_placements
+from mpidtensor.tensor.layout import chunk_sizes, local_shape_and_offset, nested_sizes
+from mpidtensor.tensor.placements import normalize_placements
 
 
 def test_equality_hash_repr():

@@ -7,8 +7,8 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import Replicate, Shard, distribute_tensor
-from mpidtensor.mesh import collectives
-from mpidtensor.mesh.pool import BufferPool
+from mpidtensor.comm import collectives
+from mpidtensor.comm.pool import BufferPool
 
 WORLD = MPI.COMM_WORLD
 
@@ -84,7 +84,7 @@ def test_large_new_buffers_ask_for_huge_pages(monkeypatch):
     boundary inside it to its end, and leaves smaller ones alone."""
     import mmap
 
-    from mpidtensor.mesh import pool as pool_module
+    from mpidtensor.comm import pool as pool_module
 
     calls = []
     monkeypatch.setattr(pool_module, "_MADVISE", lambda start, length, advice: calls.append((start, length, advice)))
@@ -101,8 +101,8 @@ def test_large_new_buffers_ask_for_huge_pages(monkeypatch):
 
 def test_pool_off_buffers_ask_for_huge_pages(monkeypatch):
     """With pooling off, a collective's new host buffer is advised as a pooled one would be."""
-    from mpidtensor.mesh import buffers
-    from mpidtensor.mesh import pool as pool_module
+    from mpidtensor.comm import buffers
+    from mpidtensor.comm import pool as pool_module
 
     calls = []
     monkeypatch.setattr(pool_module, "_MADVISE", lambda start, length, advice: calls.append((start, length)))

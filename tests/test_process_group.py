@@ -1,4 +1,4 @@
-"""``mpidtensor.process_group``: torch.distributed's collectives carried by MPI, for
+"""``mpidtensor.tools.process_group``: torch.distributed's collectives carried by MPI, for
 third-party code that calls them, checked against what each rank can compute alone; and
 Hugging Face ``generate(synced_gpus=True)`` on an FSDP model whose ranks stop at
 different lengths (without the synced loop the ones that stop early leave the others
@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, raises_everywhere
 from mpidtensor import init_device_mesh
-from mpidtensor.process_group import init_process_group
+from mpidtensor.tools.process_group import init_process_group
 from zoo_models import ZOO, fully_shard_zoo
 
 WORLD = MPI.COMM_WORLD

@@ -23,7 +23,7 @@ import mpidtensor.checkpoint as dcp
 import tier
 from helpers import assert_all_ranks, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
-from mpidtensor._layout import chunk_span
+from mpidtensor.tensor.layout import chunk_span
 
 WORLD = MPI.COMM_WORLD
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool, torch.complex64]

@@ -187,7 +187,7 @@ def test_local_layout_follows_global_strides(mesh1d, dst):
 def test_2d_all_reduce_of_a_gathered_buffer_is_in_place(mesh2d, monkeypatch):
     """[P, S(0)] -> [R, R] gathers, then all-reduces the gathered buffer with MPI_IN_PLACE;
     the input's local tensor is left as it was."""
-    from mpidtensor.mesh import reduce
+    from mpidtensor.comm import reduce
 
     parts = [global_tensor((8, 6), seed=s) for s in (1, 2)]
     row, col = mesh2d.get_coordinate()

@@ -6,7 +6,9 @@ import pytest
 
 import mpidtensor
 from helpers import assert_all_ranks
-from mpidtensor.mesh import guard, launch, pool, progress, watchdog
+from mpidtensor.comm import guard, pool
+from mpidtensor.mesh import launch
+from mpidtensor.runtime import progress, watchdog
 from mpidtensor.runtime.settings import ENVIRONMENT, Settings, settings
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mpidtensor import launcher
+from mpidtensor.tools import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT = 900  # seconds: a demo of 4 ranks on 2 shared cores

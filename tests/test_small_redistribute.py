@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from mpidtensor.mesh import alltoall, buffers, collectives, guard
+from mpidtensor.comm import alltoall, buffers, collectives, guard
 from mpidtensor import clear_cache
 
 WORLD = MPI.COMM_WORLD

@@ -23,7 +23,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
-from mpidtensor._layout import strides_like
+from mpidtensor.tensor.layout import strides_like
 from mpidtensor.fsdp import fully_shard
 from mpidtensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                  parallelize_module)

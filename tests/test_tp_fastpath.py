@@ -12,8 +12,8 @@ from torch import nn
 
 from helpers import CollectiveLog, assert_all_ranks
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor
-from mpidtensor._layout import chunk_sizes
-from mpidtensor.mesh import collectives
+from mpidtensor.tensor.layout import chunk_sizes
+from mpidtensor.comm import collectives
 from mpidtensor.parallel import RowwiseParallel, parallelize_module
 from mpidtensor.fast.functions import direct_apply
 from test_parallel import tp_mesh  # noqa: F401 (a fixture)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mpidtensor import launcher
+from mpidtensor.tools import launcher
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "two_nodes.sh"

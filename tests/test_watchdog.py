@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import assert_all_ranks
-from mpidtensor.mesh import watchdog
+from mpidtensor.runtime import watchdog
 from mpidtensor.runtime.settings import settings
 from subjob import run_job
 
@@ -12,7 +12,7 @@ HANG = """
     import time
     import torch
     from mpi4py import MPI
-    from mpidtensor.mesh import collectives
+    from mpidtensor.comm import collectives
 
     comm = MPI.COMM_WORLD
     comm.Barrier()  # unwatched: waits for the slower rank's imports
@@ -44,7 +44,7 @@ def test_no_false_alarm(tmp_path):
         import time
         import torch
         from mpi4py import MPI
-        from mpidtensor.mesh import collectives
+        from mpidtensor.comm import collectives
 
         comm = MPI.COMM_WORLD
         for _ in range(2):

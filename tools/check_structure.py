@@ -190,7 +190,7 @@ print(json.dumps({
 """
 
 
-# the variables an outer launcher sets, as mpidtensor.launcher.nested_env drops them (this
+# the variables an outer launcher sets, as mpidtensor.tools.launcher.nested_env drops them (this
 # script imports no mpidtensor module itself: the probe does, in a fresh process)
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL", "OMPI_", "PRTE_", "SLURM_")
 

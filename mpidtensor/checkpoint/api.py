@@ -21,7 +21,7 @@ from typing import Any
 from mpi4py import MPI
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..mesh.agreement import on_rank0
+from ..runtime.agreement import on_rank0
 from . import async_saver, stateful
 from .arguments import check_planner, communicator, refuse_sharded, storage
 from .formats.dcp import FileSystemReader

@@ -8,7 +8,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from . import tree
 from .storage import StorageReader, StorageWriter
 

@@ -49,7 +49,7 @@ from mpi4py import MPI
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from . import opaque, stateful, tree
 from .arguments import check_planner, communicator, refuse_sharded, storage
 from .formats.native import NativeWriter

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from .errors import CheckpointError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]

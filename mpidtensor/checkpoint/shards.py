@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..dtensor import DTensor
-from ..placements import Replicate
+from ..tensor.dtensor import DTensor
+from ..tensor.placements import Replicate
 from . import opaque
 from .errors import CheckpointError, raise_if
 

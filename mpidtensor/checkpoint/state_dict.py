@@ -16,8 +16,8 @@ from typing import Any, Iterable
 import torch
 from mpi4py import MPI
 
-from ..dtensor import DTensor
-from ..mesh.agreement import on_rank0
+from ..tensor.dtensor import DTensor
+from ..runtime.agreement import on_rank0
 from . import io, tree
 
 WORLD = MPI.COMM_WORLD

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from mpi4py import MPI
 
-from ..mesh.agreement import raise_found
+from ..runtime.agreement import raise_found
 from . import tree
 from .errors import CheckpointError
 

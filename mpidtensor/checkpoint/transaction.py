@@ -45,7 +45,7 @@ import torch
 from mpi4py import MPI
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..mesh.agreement import attempt, on_rank0, portable, raise_agreed, raise_first
+from ..runtime.agreement import attempt, on_rank0, portable, raise_agreed, raise_first
 from . import io, opaque, shards, tree
 from .errors import raise_if
 from .metadata import gc_paused, torch_leaves

@@ -12,7 +12,7 @@ Importing this package makes :func:`dispatch` ``DTensor.__torch_dispatch__`` (as
 sets ``DTensor._op_dispatcher``; a method set here, not an attribute looked up per call,
 which cost 0.1 µs of a DTensor add's 8); ``mpidtensor`` imports it with ``DTensor``.
 """
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from .key import dispatch, moves_nothing, plan_for, torch_dispatch
 
 DTensor.__torch_dispatch__ = classmethod(torch_dispatch)

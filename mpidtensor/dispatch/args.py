@@ -8,10 +8,10 @@ from typing import Callable
 
 import torch
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from ..ops import registry
-from ..redistribute import plan as plan_redistribution
-from ..spec import DTensorSpec
+from ..tensor.redistribute import plan as plan_redistribution
+from ..tensor.spec import DTensorSpec
 
 __all__ = [
     "tensors", "replace_tensors", "common_mesh", "spec_of", "converter", "local_of", "make_unwrap",
@@ -65,7 +65,7 @@ def spec_of(t: torch.Tensor, mesh, func) -> DTensorSpec:
     device type than the mesh's is refused from this rank's own argument, a fact no other
     rank sees: when every rank passes such a tensor (the usual SPMD bug) every rank raises;
     a rank alone raises alone and the others end at their next collective through the
-    abort hook (:mod:`mpidtensor.mesh.abort`)."""
+    abort hook (:mod:`mpidtensor.runtime.abort`)."""
     if isinstance(t, DTensor):
         return t._spec
     if t.device.type != mesh.device_type and t.ndim > 0:

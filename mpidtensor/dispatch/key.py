@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from ..fast import registry as fast_paths
 from ..ops.pointwise import placement_ignores_scalars
 from ..runtime import caches

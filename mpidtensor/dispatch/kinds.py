@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from ..fast import registry
 from .args import is_view_op, local_of, mutated_inputs, tensors
 

@@ -9,13 +9,13 @@ from typing import Callable
 
 import torch
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from ..fast import registry as fast_paths
 from ..ops import registry
 from ..ops.pointwise import is_pointwise, pointwise_rule
 from ..runtime.caches import cache
 from ..runtime.settings import settings
-from ..spec import DTensorSpec
+from ..tensor.spec import DTensorSpec
 from .args import common_mesh, converter, make_unwrap, mutated_inputs, replace_tensors, spec_of, tensors
 from .kinds import LocalPlan, PerMeshPlan, Plan, per_mesh_groups
 from .writeback import list_writeback, make_inplace_wrap, mark_broken_views, rebase_viewed

@@ -9,9 +9,9 @@ from typing import Callable
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from ..ops import registry
-from ..redistribute import redistribute_local
+from ..tensor.redistribute import redistribute_local
 from .args import is_view_op, local_of, mutated_inputs, tensors
 
 __all__ = ["make_inplace_wrap", "write_into", "list_writeback", "mark_broken_views", "rebase_viewed"]

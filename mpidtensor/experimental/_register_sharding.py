@@ -1,7 +1,7 @@
 """``register_sharding``: a user's sharding strategies for an op, the cheapest one chosen.
 
 The strategy function gets the op's arguments with every tensor replaced by its
-:class:`~mpidtensor.spec.DTensorSpec` (``.placements``, ``.shape``, ``.ndim``,
+:class:`~mpidtensor.tensor.spec.DTensorSpec` (``.placements``, ``.shape``, ``.ndim``,
 ``.mesh``) and returns the acceptable shardings for ONE mesh dimension, as pairs
 ``(output_placements, input_placements)``: one entry per op output, then one per
 argument the function received (``None`` for non-tensor arguments; a placement given
@@ -21,8 +21,8 @@ import torch
 
 from ..ops import registry
 from ..runtime import caches
-from ..placements import Placement, normalize_placements
-from ..spec import DTensorSpec
+from ..tensor.placements import Placement, normalize_placements
+from ..tensor.spec import DTensorSpec
 
 __all__ = ["register_sharding"]
 

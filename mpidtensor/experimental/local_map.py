@@ -14,9 +14,9 @@ from typing import Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import Placement, normalize_placements
+from ..tensor.placements import Placement, normalize_placements
 
 __all__ = ["local_map"]
 

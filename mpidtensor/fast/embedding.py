@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._layout import contiguous_strides
-from ..dtensor import DTensor
+from ..tensor.layout import contiguous_strides
+from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
-from ..spec import DTensorSpec
+from ..tensor.placements import Partial, Placement, Replicate, Shard, normalize_placements
+from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
 from .gather import Route, shard_route
 from .linear import gather_reduced_grad, local_grad, reduce_partial, wrap_output

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from . import registry
 
 __all__ = ["Run", "candidate_runs", "rehome", "PATH"]

@@ -30,7 +30,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from ..runtime.effects import effect
 from . import registry
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from .._layout import chunk_sizes, chunk_span, contiguous_strides
-from ..dtensor import DTensor
-from ..mesh.collectives import prepare_all_gather, prepare_reduce_scatter
-from ..placements import Partial, Replicate, Shard
-from ..spec import DTensorSpec
-from ..redistribute import AllGather, plan
+from ..tensor.layout import chunk_sizes, chunk_span, contiguous_strides
+from ..tensor.dtensor import DTensor
+from ..comm.collectives import prepare_all_gather, prepare_reduce_scatter
+from ..tensor.placements import Partial, Replicate, Shard
+from ..tensor.spec import DTensorSpec
+from ..tensor.redistribute import AllGather, plan
 from ..runtime.caches import cache
 from .functions import direct_apply
 from .registry import enabled, register

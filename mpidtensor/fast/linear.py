@@ -44,11 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._layout import contiguous_strides
-from ..dtensor import DTensor
-from ..mesh import DeviceMesh, collectives
-from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
-from ..spec import DTensorSpec
+from ..tensor.layout import contiguous_strides
+from ..tensor.dtensor import DTensor
+from ..mesh import DeviceMesh
+from ..comm import collectives
+from ..tensor.placements import Partial, Placement, Replicate, Shard, normalize_placements
+from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
 from .gather import Route, gather_route, shard_route
 from ..runtime.caches import cache

@@ -27,11 +27,12 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .._layout import contiguous_strides
-from ..dtensor import DTensor
-from ..mesh import DeviceMesh, collectives
-from ..placements import Shard
-from ..spec import DTensorSpec
+from ..tensor.layout import contiguous_strides
+from ..tensor.dtensor import DTensor
+from ..mesh import DeviceMesh
+from ..comm import collectives
+from ..tensor.placements import Shard
+from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
 from .linear import local_grad
 from .registry import enabled, register

@@ -54,7 +54,7 @@ from torch.optim.optimizer import (
 )
 
 from ..dispatch import moves_nothing
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from ..runtime import caches, effects
 from ..runtime.settings import settings
 from . import flat_runs, foreach, registry

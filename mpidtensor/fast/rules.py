@@ -16,8 +16,8 @@ import torch
 
 from ..dispatch.planner import rule_of
 from ..ops import registry
-from ..placements import Placement
-from ..spec import DTensorSpec
+from ..tensor.placements import Placement
+from ..tensor.spec import DTensorSpec
 
 __all__ = ["rule_sharding", "keeps_layout"]
 

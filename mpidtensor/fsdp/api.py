@@ -19,11 +19,11 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from ..dtensor import DTensor
+from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
-from ..mesh.agreement import attempt, raise_agreed
+from ..runtime.agreement import attempt, raise_agreed
 from ..mesh.device_mesh import joint_mesh
-from ..placements import Shard
+from ..tensor.placements import Shard
 from .group import ParamGroup
 from .module import FSDPModule
 from .param import FSDPParam, MeshInfo

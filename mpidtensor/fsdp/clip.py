@@ -20,9 +20,9 @@ from typing import Iterable
 import torch
 from mpi4py import MPI
 
-from ..dtensor import DTensor
-from ..mesh.collectives import all_reduce
-from ..placements import Replicate
+from ..tensor.dtensor import DTensor
+from ..comm.collectives import all_reduce
+from ..tensor.placements import Replicate
 
 
 def clip_grad_norm_(

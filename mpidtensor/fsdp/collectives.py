@@ -16,10 +16,10 @@ from typing import Any, Sequence
 import torch
 from mpi4py import MPI
 
-from ..mesh import progress
-from ..mesh.nonblocking import Handle, iall_gather, ireduce_scatter
-from ..mesh.pool import pool, tracked_empty
-from ..mesh.collectives import Prepared, prepare_reduce_scatter
+from ..runtime import progress
+from ..comm.nonblocking import Handle, iall_gather, ireduce_scatter
+from ..comm.pool import pool, tracked_empty
+from ..comm.collectives import Prepared, prepare_reduce_scatter
 
 
 class _Done:

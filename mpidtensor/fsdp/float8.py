@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 from mpi4py import MPI
 
-from ..mesh import collectives
+from ..comm import collectives
 
 
 def _weight_type() -> type | None:

@@ -45,12 +45,12 @@ import torch
 from mpi4py import MPI
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..dtensor import DTensor
-from ..mesh import accounting
-from ..mesh.agreement import attempt, portable, raise_first
-from ..mesh.nonblocking import Handle, iall_gather, iall_reduce
-from ..mesh.pool import advise_huge_pages, tracked_empty
-from ..mesh.prepared import Prepared
+from ..tensor.dtensor import DTensor
+from ..comm import accounting
+from ..runtime.agreement import attempt, portable, raise_first
+from ..comm.nonblocking import Handle, iall_gather, iall_reduce
+from ..comm.pool import advise_huge_pages, tracked_empty
+from ..comm.prepared import Prepared
 from . import collectives, packing
 from .float8 import whole_weight_scales
 from .packing import FromRanks, Piece

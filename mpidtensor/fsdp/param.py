@@ -21,12 +21,13 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from .._layout import chunk_span, contiguous_strides
-from ..dtensor import DTensor
-from ..mesh import DeviceMesh, accounting
+from ..tensor.layout import chunk_span, contiguous_strides
+from ..tensor.dtensor import DTensor
+from ..mesh import DeviceMesh
+from ..comm import accounting
 from ..mesh.device_mesh import joint_mesh
-from ..placements import Placement, Replicate, Shard
-from ..spec import DTensorSpec
+from ..tensor.placements import Placement, Replicate, Shard
+from ..tensor.spec import DTensorSpec
 from .policies import MixedPrecisionPolicy
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..mesh import progress
+from ..runtime import progress
 from .group import UNSHARDED, ParamGroup
 from .policies import MixedPrecisionPolicy, cast_floats
 

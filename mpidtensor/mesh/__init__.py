@@ -4,7 +4,7 @@ Importing this package changes nothing outside it: the abort hook (an uncaught e
 on one rank ends the job instead of hanging the others) is a process-wide effect
 installed when the first mesh is built (:mod:`mpidtensor.runtime.effects`).
 """
-from . import abort  # noqa: F401  (registers the abort hook with the first-mesh effects)
+from ..runtime import abort  # noqa: F401  (registers the abort hook with the first-mesh effects)
 from .device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["DeviceMesh", "init_device_mesh"]

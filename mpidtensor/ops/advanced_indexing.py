@@ -9,8 +9,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..placements import Partial, Placement, Shard
-from ..spec import DTensorSpec
+from ..tensor.placements import Partial, Placement, Shard
+from ..tensor.spec import DTensorSpec
 from .indexing import (
     LINEAR,
     R,

@@ -9,9 +9,9 @@ from typing import Callable
 
 import torch
 
-from .._layout import contiguous_strides
-from ..placements import Partial, Shard
-from ..spec import DTensorSpec
+from ..tensor.layout import contiguous_strides
+from ..tensor.placements import Partial, Shard
+from ..tensor.spec import DTensorSpec
 from .indexing import (
     LINEAR,
     R,

@@ -32,8 +32,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..placements import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec
+from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.spec import DTensorSpec
 from .registry import COST, OpCall, Sharding, register, replicate_all, valid_placements
 
 R = Replicate()

@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from ..mesh import collectives
-from ..placements import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec
+from ..comm import collectives
+from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.spec import DTensorSpec
 from .nn import LINEAR, block_span, fill_free, follow_grad, inputs_by_name, mesh_comm, schema_arg, split_by
 from .registry import OpCall, Sharding, register, replicate_all
 

@@ -29,8 +29,8 @@ from itertools import product
 
 import torch
 
-from ..placements import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec
+from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.spec import DTensorSpec
 from .registry import OpCall, Sharding, cheapest, register
 
 aten = torch.ops.aten

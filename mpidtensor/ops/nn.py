@@ -27,10 +27,10 @@ from typing import Callable
 
 import torch
 
-from .._layout import local_span
-from ..mesh import collectives
-from ..placements import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec
+from ..tensor.layout import local_span
+from ..comm import collectives
+from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.spec import DTensorSpec
 from .registry import OpCall, Placements, Sharding, register, transition_cost
 
 aten = torch.ops.aten

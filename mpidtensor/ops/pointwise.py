@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..placements import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec
+from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.spec import DTensorSpec
 from .registry import OpCall, Sharding, register, replicated, transition_cost
 
 aten = torch.ops.aten

@@ -26,9 +26,9 @@ from typing import Sequence
 
 import torch
 
-from .._layout import contiguous_strides
-from ..placements import Partial, Replicate
-from ..spec import DTensorSpec
+from ..tensor.layout import contiguous_strides
+from ..tensor.placements import Partial, Replicate
+from ..tensor.spec import DTensorSpec
 from .registry import OpCall, Sharding, register, replicate_all
 
 aten = torch.ops.aten

@@ -25,10 +25,10 @@ from typing import Callable
 
 import torch
 
-from .._layout import local_shape_and_offset
-from ..mesh import collectives
-from ..placements import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec
+from ..tensor.layout import local_shape_and_offset
+from ..comm import collectives
+from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.spec import DTensorSpec
 from .registry import COST, OpCall, Sharding, redistribute_cost, register, replicate_all
 
 aten = torch.ops.aten

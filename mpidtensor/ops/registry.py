@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..placements import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec
+from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.spec import DTensorSpec
 
 Placements = tuple[Placement, ...]
 

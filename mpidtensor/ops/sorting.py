@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ..placements import Shard
+from ..tensor.placements import Shard
 from .indexing import R, Option, choose, norm_dim, register_on_dim
 from .registry import OpCall, Sharding
 

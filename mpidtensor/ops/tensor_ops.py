@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..placements import Partial, Replicate, Shard
+from ..tensor.placements import Partial, Replicate, Shard
 from .registry import OpCall, Sharding, broadcast_placements, register, same_as_input
 
 aten = torch.ops.aten

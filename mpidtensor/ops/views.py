@@ -18,10 +18,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from .._layout import local_shape_and_offset, local_span
-from ..placements import Partial, Placement, Replicate, Shard
+from ..tensor.layout import local_shape_and_offset, local_span
+from ..tensor.placements import Partial, Placement, Replicate, Shard
 from ..runtime.effects import effect
-from ..spec import DTensorSpec
+from ..tensor.spec import DTensorSpec
 from .registry import OpCall, Sharding, cheapest, register
 
 aten = torch.ops.aten
@@ -543,7 +543,7 @@ def _tensor_split_by_tensor(self: torch.Tensor, tensor_indices_or_sections: torc
     DTensor lacks; this one reads their values (a DTensor's whole value: every rank calls
     the op, so the small gather is collective) and splits by ``tensor_split.indices`` or
     ``.sections``, as torch's does, with torch's checks and messages."""
-    from ..dtensor import DTensor  # dtensor imports the rules
+    from ..tensor.dtensor import DTensor  # dtensor imports the rules
 
     split = tensor_indices_or_sections
     if split.device.type != "cpu":

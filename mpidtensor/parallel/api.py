@@ -13,7 +13,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from ..api import check_src_data_rank
+from ..tensor.api import check_src_data_rank
 from ..mesh import DeviceMesh
 from .style import ParallelStyle
 

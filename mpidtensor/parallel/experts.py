@@ -30,11 +30,12 @@ from typing import Callable, Iterator, Literal
 import torch
 from torch import nn
 
-from ..api import distribute_tensor
-from ..dtensor import DTensor
-from ..mesh import DeviceMesh, collectives
-from ..mesh.exchange import exchange_rows
-from ..placements import Shard
+from ..tensor.api import distribute_tensor
+from ..tensor.dtensor import DTensor
+from ..mesh import DeviceMesh
+from ..comm import collectives
+from ..comm.exchange import exchange_rows
+from ..tensor.placements import Shard
 from .install import install, own_forward
 from .style import ParallelStyle, require_1d_mesh, require_plain_parameters
 

@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 
 from torch import nn
 
-from ..placements import Partial, Replicate
+from ..tensor.placements import Partial, Replicate
 from .api import matching_submodules
 from .experts import Dispatch, ExpertParallel
 from .style import PrepareModuleOutput

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .._layout import contiguous_strides
-from ..dtensor import DTensor
-from ..mesh import collectives
-from ..placements import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec
+from ..tensor.layout import contiguous_strides
+from ..tensor.dtensor import DTensor
+from ..comm import collectives
+from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.spec import DTensorSpec
 from ..fast.functions import direct_apply
 from ..fast.linear import local_grad
 from ..fast.registry import enabled, register

@@ -7,11 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api import distribute_module
-from ..dtensor import DTensor
+from ..tensor.api import distribute_module
+from ..tensor.dtensor import DTensor
 from ..fast.norm import LocalNormForward
 from ..mesh import DeviceMesh
-from ..placements import Replicate, Shard
+from ..tensor.placements import Replicate, Shard
 from .install import install, own_forward
 from .style import ParallelStyle, as_dtensor, require_1d_mesh, require_plain_parameters, to_layout
 

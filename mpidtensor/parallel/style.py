@@ -23,13 +23,13 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from ..api import distribute_module, distribute_tensor
-from ..dtensor import DTensor
+from ..tensor.api import distribute_module, distribute_tensor
+from ..tensor.dtensor import DTensor
 from ..fast.embedding import LocalEmbeddingForward
 from ..fast.gather import gather_shards
 from ..fast.linear import LocalLinearForward
 from ..mesh import DeviceMesh
-from ..placements import Partial, Placement, Replicate, Shard, normalize_placements
+from ..tensor.placements import Partial, Placement, Replicate, Shard, normalize_placements
 from .install import install, own_forward
 
 

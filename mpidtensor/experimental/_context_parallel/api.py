@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch.overrides import TorchFunctionMode
 
-from ...dtensor import DTensor
+from ...tensor.dtensor import DTensor
 from ...mesh import DeviceMesh
-from ...placements import Placement, Replicate, Shard
+from ...tensor.placements import Placement, Replicate, Shard
 from .buffers import check_buffer_arguments, restore_buffers, shard_buffers
 from .load_balance import check_balanced_length, head_tail_inverse
 from .ring import ROTATE_METHODS, ring_attention

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from ..._layout import chunk_span
-from ...dtensor import DTensor
+from ...tensor.layout import chunk_span
+from ...tensor.dtensor import DTensor
 from .load_balance import head_tail_order
 
 

@@ -15,8 +15,8 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
-from ...mesh import collectives, recorders
-from ...mesh.buffers import as_buffer, empty, mpi_type, stage, unstage
+from ...comm import collectives, recorders
+from ...comm.buffers import as_buffer, empty, mpi_type, stage, unstage
 
 
 def pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:

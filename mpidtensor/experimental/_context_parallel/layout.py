@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from mpi4py import MPI
 
-from ...mesh.buffers import as_buffer
+from ...comm.buffers import as_buffer
 from .load_balance import check_balanced_length
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)

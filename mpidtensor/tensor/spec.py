@@ -5,10 +5,10 @@ from typing import Sequence
 
 import torch
 
-from ._layout import local_shape_and_offset
-from .mesh import DeviceMesh
+from .layout import local_shape_and_offset
+from ..mesh import DeviceMesh
 from .placements import Placement
-from .runtime import caches
+from ..runtime import caches
 
 
 class DTensorSpec:

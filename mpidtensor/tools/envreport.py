@@ -19,9 +19,11 @@ from typing import TextIO
 import torch
 from mpi4py import MPI
 
-from .mesh import buffers, launch, mpi_library, scheduling
-from .runtime import effects
-from .runtime.settings import ENVIRONMENT, settings
+from ..comm import buffers
+from ..mesh import launch
+from ..runtime import mpi_library, scheduling
+from ..runtime import effects
+from ..runtime.settings import ENVIRONMENT, settings
 
 _RANK_ENV = ("SLURM_PROCID", "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES")
 

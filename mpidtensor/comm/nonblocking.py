@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from . import progress, recorders
+from ..runtime import progress
+from . import recorders
 from .base import ReduceOp, reduction
 from .buffers import as_buffer, empty, mpi_type, stage
 

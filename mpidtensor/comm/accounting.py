@@ -1,4 +1,4 @@
-"""The host bytes mpidtensor holds, for :mod:`mpidtensor.memory`'s statistics.
+"""The host bytes mpidtensor holds, for :mod:`mpidtensor.tools.memory`'s statistics.
 
 Three kinds, each with its current figure and peak:
 
@@ -9,7 +9,7 @@ Three kinds, each with its current figure and peak:
   ``pool_returned``); a hand-out counts as an allocation, as one from torch's cache does; the
   pool's idle buffers are cached, not allocated, like torch's caching allocator's;
 * **dtensor**: storages of live DTensors' local tensors that are not library buffers,
-  registered when :mod:`mpidtensor.memory` scans for them (``register_dtensor``).
+  registered when :mod:`mpidtensor.tools.memory` scans for them (``register_dtensor``).
 
 Storages are counted once however many tensors view them.
 """

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from mpi4py import MPI
 
-from ..runtime.settings import settings
+from .settings import settings
 
 MODES = ("off", "hooks", "thread")
 

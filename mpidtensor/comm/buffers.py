@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable
 import torch
 from mpi4py import MPI
 
-from .mpi_library import query_cuda_support
+from ..runtime.mpi_library import query_cuda_support
 from .pool import pool, tracked_empty
 from ..runtime.settings import settings
 

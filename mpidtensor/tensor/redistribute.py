@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
 
-from ._layout import chunk_sizes, chunk_span, local_span, nested_sizes
-from .mesh import collectives
-from .mesh.collectives import (
+from .layout import chunk_sizes, chunk_span, local_span, nested_sizes
+from ..comm import collectives
+from ..comm.collectives import (
     Prepared,
     prepare_all_gather,
     prepare_all_reduce,
@@ -31,7 +31,7 @@ from .mesh.collectives import (
     prepare_reduce_scatter,
 )
 from .placements import Partial, Placement, Replicate, Shard
-from .runtime import caches
+from ..runtime import caches
 from .spec import DTensorSpec
 
 

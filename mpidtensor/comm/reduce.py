@@ -16,7 +16,18 @@ from mpi4py import MPI
 
 from ..runtime import caches
 from . import base, guard, recorders
-from .base import TRACED, ReduceOp, Run, check_dim, check_sizes, enter, leave, piece_counts, reduction, resized
+from .base import (
+    TRACED,
+    ReduceOp,
+    Run,
+    check_dim,
+    check_sizes,
+    enter,
+    leave,
+    piece_counts,
+    reduction,
+    resized,
+)
 from .buffers import as_buffer, empty, host_buffer, mpi_type, stage, unstage
 from .prepared import Prepared
 from .rounds import reduce_scatter_rounds, span, spans

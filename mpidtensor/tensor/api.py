@@ -5,10 +5,11 @@ from typing import Sequence
 
 import torch
 
-from ._layout import chunk_sizes, contiguous_strides, local_span
+from .layout import chunk_sizes, contiguous_strides, local_span
 from . import validate
 from .dtensor import DTensor
-from .mesh import DeviceMesh, collectives
+from ..mesh import DeviceMesh
+from ..comm import collectives
 from .placements import Partial, Placement, Replicate, Shard, normalize_placements
 from .redistribute import ToPartial
 from .spec import DTensorSpec

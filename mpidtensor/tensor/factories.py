@@ -13,10 +13,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ._layout import contiguous_strides
+from .layout import contiguous_strides
 from .dtensor import DTensor
-from .mesh import DeviceMesh
-from .ops import random
+from ..mesh import DeviceMesh
+from ..ops import random
 from .placements import Partial, Placement, Replicate, normalize_placements
 from .redistribute import ToPartial
 from .spec import DTensorSpec

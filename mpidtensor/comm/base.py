@@ -19,9 +19,9 @@ from mpi4py import MPI
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from . import watchdog
+from ..runtime import watchdog
 from .buffers import has_mpi_type
-from .mpi_library import collective_thresholds
+from ..runtime.mpi_library import collective_thresholds
 
 ReduceOp = Literal["sum", "avg", "min", "max", "product"]
 

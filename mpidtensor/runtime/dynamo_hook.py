@@ -11,7 +11,7 @@ custom ops of :mod:`mpidtensor.mesh.traced`.)
 :func:`when_dynamo_loads` defers such setup (marking functions as graph breaks) from
 ``import mpidtensor`` to Dynamo's own import: importing Dynamo takes longer than
 importing torch. (Collectives reached while torch.compile traces go through the
-custom ops of :mod:`mpidtensor.mesh.compiled`.)
+custom ops of :mod:`mpidtensor.comm.compiled`.)
 >>>>>>> comm
 """
 from __future__ import annotations

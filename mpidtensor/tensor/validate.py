@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch
 
-from ._layout import local_shape_and_offset
-from .mesh import DeviceMesh
+from .layout import local_shape_and_offset
+from ..mesh import DeviceMesh
 from .placements import Placement, Replicate, Shard, normalize_placements
 
 
@@ -73,7 +73,7 @@ def check_local_shape(local: torch.Tensor, spec) -> None:
 
     A local check with no communication: a wrong shard raises on its own rank only,
     and the other ranks end at their next collective through the abort hook
-    (:mod:`mpidtensor.mesh.abort`). Only ``from_local(run_check=True)`` can tell every rank."""
+    (:mod:`mpidtensor.runtime.abort`). Only ``from_local(run_check=True)`` can tell every rank."""
     expected = spec.local_shape_and_offset()[0]
     if tuple(local.shape) != expected:
         raise ValueError(

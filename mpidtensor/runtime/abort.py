@@ -16,8 +16,8 @@ from types import TracebackType
 
 from mpi4py import MPI
 
-from ..runtime.effects import effect
-from ..runtime.settings import settings
+from .effects import effect
+from .settings import settings
 
 EFFECT = "abort on uncaught exception"  # its name in runtime.effects
 _installed = False

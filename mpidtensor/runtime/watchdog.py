@@ -19,7 +19,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from ..runtime.settings import settings
+from .settings import settings
 
 
 

@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 import torch
 from mpi4py import MPI
 
-from . import guard, recorders, watchdog
+from . import guard, recorders
+from ..runtime import watchdog
 from .base import Types, limits
 from .buffers import stage
 

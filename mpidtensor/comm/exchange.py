@@ -10,7 +10,8 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
-from . import base, guard, recorders, watchdog
+from . import base, guard, recorders
+from ..runtime import watchdog
 from .buffers import as_buffer, empty, mpi_type, stage, unstage
 from .rounds import offsets
 

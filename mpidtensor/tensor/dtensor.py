@@ -1,0 +1,352 @@
+"""``DTensor``: a ``torch.Tensor`` subclass whose shape, stride and dtype are global.
+
+It holds this rank's local tensor and a :class:`DTensorSpec`. Every aten op on it
+goes through :func:`mpidtensor.dispatch.dispatch`: that package installs the class's
+``__torch_dispatch__`` when imported (this module does not import it). The conversions
+to and from local tensors and between placements are autograd functions, so gradients
+flow through them with the placements PyTorch documents.
+
+Under ``torch.compile`` a DTensor is a traceable wrapper subclass (``__tensor_flatten__``
+/ ``__tensor_unflatten__``; the spec is interned and copies to itself); the collectives
+of dispatch are traced as custom ops (:mod:`mpidtensor.runtime.dynamo_hook`), and ``from_local``,
+``redistribute`` and ``full_tensor`` are graph breaks.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+from .layout import contiguous_strides, strides_like
+from . import validate
+from ..mesh import DeviceMesh
+from .placements import Partial, Placement, Replicate, normalize_placements
+from .redistribute import redistribute_local
+from ..runtime import caches
+from ..runtime.effects import effect
+from .spec import DTensorSpec
+
+
+class DTensor(torch.Tensor):
+    """A tensor distributed over a :class:`DeviceMesh` (API of ``torch.distributed.tensor.DTensor``)."""
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+    __slots__ = ("_local_tensor", "_spec")
+
+    @staticmethod
+    def __new__(
+        cls,
+        local_tensor: torch.Tensor,
+        spec: DTensorSpec | DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        requires_grad: bool = False,
+        device_mesh: DeviceMesh | None = None,
+        run_check: bool = False,
+        shape: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> "DTensor":
+        """``DTensor(local, spec, requires_grad=...)`` wraps ``local`` as it is (internal).
+
+        ``DTensor(local_tensor, device_mesh=..., placements=...)``, or with the mesh and
+        placements positionally, is :meth:`from_local` (``requires_grad=True`` then makes
+        the result a leaf that requires grad).
+        """
+        if spec.__class__ is not DTensorSpec:
+            if spec is not None and device_mesh is not None:
+                raise TypeError("DTensor(): device_mesh given both positionally and by keyword")
+            out = DTensor.from_local(local_tensor, device_mesh if spec is None else spec, placements,
+                                     run_check=run_check, shape=shape, stride=stride)
+            return out.requires_grad_() if requires_grad else out
+        r = _wrap(local_tensor, spec, cls)
+        return r.requires_grad_() if requires_grad else r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    # __torch_dispatch__: set by mpidtensor.dispatch (which imports this module)
+
+    def __repr__(self) -> str:
+        return (
+            f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
+            f"placements={self._spec.placements})"
+        )
+
+    def __tensor_flatten__(self):
+        return ["_local_tensor"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, spec, outer_size, outer_stride):
+        local = inner_tensors["_local_tensor"]
+        return DTensor(local, spec, requires_grad=local.requires_grad)
+
+    def __coerce_tangent_metadata__(self) -> "DTensor":
+        """A compiled backward's incoming gradient: Partial is settled, as eager's would be."""
+        if not any(p.is_partial() for p in self._spec.placements):
+            return self
+        return redistribute_dtensor(self, self._spec.with_placements(_settled(self._spec.placements)))
+
+    def __coerce_same_metadata_as_tangent__(self, spec: DTensorSpec, expected_type=None) -> "DTensor | None":
+        """This gradient moved to the placements the compiled backward was traced for."""
+        if expected_type is not None or spec.mesh is not self._spec.mesh or spec.shape != self._spec.shape:
+            return None
+        return redistribute_dtensor(self, self._spec.with_placements(spec.placements))
+
+    # --- public API --------------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        run_check: bool = False,
+        shape: torch.Size | Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> "DTensor":
+        """Wrap each rank's ``local_tensor`` as the shard it holds of one global tensor.
+
+        Without ``shape``, a sharded global shape is found by gathering the local
+        shapes (one small collective) and checked against the ``torch.chunk`` layout.
+        ``run_check=True`` also checks that dtypes and unsharded sizes agree across
+        ranks and that replicas hold equal values. Differentiable.
+
+        Every error is raised on every rank, except one no rank can see without
+        communicating: with ``shape=`` and no ``run_check``, a rank whose local tensor
+        is not the shard the layout gives it raises a ValueError alone; the other ranks
+        end at their next collective through the abort hook (``MPIDTENSOR_ABORT_ON_EXCEPTION``).
+        """
+        key = None
+        if not run_check and isinstance(placements, (list, tuple)) and isinstance(shape, (list, tuple)):
+            key = (id(device_mesh), tuple(placements), tuple(shape), None if stride is None else tuple(stride),
+                   local_tensor.dtype)
+            known = _FROM_LOCAL.get(key)
+            if known is not None and local_tensor.shape == known[1] and local_tensor.stride() == known[2]:
+                # a cache hit: checked before
+                if torch.is_grad_enabled() and local_tensor.requires_grad:
+                    return _FromLocal.apply(local_tensor, known[0])
+                return DTensor(local_tensor, known[0])
+        if device_mesh is None:
+            raise ValueError("from_local needs a device_mesh")
+        device_mesh._require_live()
+        placements = [Replicate()] * device_mesh.ndim if placements is None else placements
+        if run_check:
+            validate.check_local_tensors(local_tensor, device_mesh, placements, shape)
+        if shape is None:
+            shape = validate.global_shape_from_locals(local_tensor, device_mesh, placements)
+        shape = torch.Size(shape)
+        # Shard(-1) means the same dim on every rank: the global rank decides, never a local one.
+        placements = normalize_placements(placements, device_mesh.ndim, len(shape))
+        if stride is None:  # the global tensor laid out as the local one (as torch infers it)
+            stride = _global_strides(shape, local_tensor)
+        spec = DTensorSpec(device_mesh, placements, shape, tuple(stride), local_tensor.dtype)
+        validate.check_local_shape(local_tensor, spec)
+        if key is not None:
+            _FROM_LOCAL[key] = (spec, local_tensor.shape, local_tensor.stride())
+        return _FromLocal.apply(local_tensor, spec)
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's local tensor. In backward, the gradient is taken to have
+        ``grad_placements`` (default: this DTensor's placements)."""
+        if not (self.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate
+            return self._local_tensor
+        if grad_placements is not None:
+            grad_placements = normalize_placements(grad_placements, self._spec.mesh.ndim, self.ndim)
+        return _ToLocal.apply(self, grad_placements)
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> "DTensor":
+        """This DTensor with ``placements`` on the same mesh, moving the least data needed.
+
+        Redistributing *into* ``Partial`` is refused: it is internal (gradients)."""
+        spec = self._spec
+        cacheable = isinstance(placements, (list, tuple)) and (device_mesh is None or device_mesh is spec.mesh)
+        if cacheable:
+            target = _TARGETS.get((spec, *placements))
+            if target is not None:  # a cache hit: validated before
+                return redistribute_dtensor(self, target, same_ok=True)
+        target = self._target_spec(device_mesh, placements)
+        if cacheable:
+            _TARGETS[(spec, *placements)] = target
+        return redistribute_dtensor(self, target, same_ok=True)
+
+    def _target_spec(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> DTensorSpec:
+        """The spec :meth:`redistribute` moves to; a ValueError for a bad target."""
+        mesh = self._spec.mesh if device_mesh is None else device_mesh
+        self._spec.mesh._require_live()
+        if mesh != self._spec.mesh:
+            raise ValueError(
+                f"redistribute to another mesh is not supported: {self._spec.mesh} -> {mesh}"
+            )
+        if placements is None:
+            raise ValueError("redistribute needs target placements")
+        placements = normalize_placements(placements, mesh.ndim, self.ndim)
+        for current, target in zip(self._spec.placements, placements):
+            if isinstance(target, Partial) and target != current:
+                raise ValueError(f"cannot redistribute {current} into {target}: Partial is for internal use")
+        return self._spec.with_placements(placements)
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole global tensor on every rank (an all-gather/all-reduce)."""
+        spec = self._spec
+        target = _REPLICATED.get(spec)
+        if target is None:
+            spec.mesh._require_live()
+            target = _REPLICATED[spec] = spec.with_placements([Replicate()] * spec.mesh.ndim)
+        return redistribute_dtensor(self, target, same_ok=True).to_local(grad_placements=grad_placements)
+
+
+def to_dtensor(
+    self: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    run_check: bool = False,
+    shape: Sequence[int] | None = None,
+    stride: Sequence[int] | None = None,
+) -> DTensor:
+    """``tensor.to_dtensor(device_mesh=..., placements=...)``: this rank's tensor as its
+    shard of a DTensor, i.e. :meth:`DTensor.from_local` (installed on ``torch.Tensor``)."""
+    if isinstance(self, DTensor):
+        raise TypeError("to_dtensor: the tensor is a DTensor already; use .redistribute() to change placements")
+    return DTensor.from_local(self, device_mesh, placements, run_check=run_check, shape=shape, stride=stride)
+
+
+def _global_strides(shape: torch.Size, local: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a global tensor of ``shape`` whose block ``local`` is: laid out alike, so
+    ops deciding from the global strides (a ``view``, ``reshape``'s view-or-copy) decide
+    what the local tensor allows. A gradient handed to ``to_local``'s backward is often
+    transposed or expanded (the backward of a transpose, of a sum)."""
+    if local.is_contiguous():
+        return contiguous_strides(shape)
+    return strides_like(shape, local.shape, local.stride())
+
+
+def _settled(placements) -> list[Placement]:
+    """``placements`` with every Partial replaced by Replicate."""
+    return [Replicate() if p.is_partial() else p for p in placements]
+
+
+# Cache-hit paths of the public entry points: every key is checked once, on its first use
+# (a freed mesh's specs miss them all: freeing a mesh clears them).
+_TARGETS: dict[tuple, DTensorSpec] = caches.cache("dtensor.redistribute_targets", 4096)  # (spec, *placements)
+_REPLICATED: dict[DTensorSpec, DTensorSpec] = caches.cache("dtensor.replicated", 4096)  # spec -> all-Replicate
+_FROM_LOCAL: dict[tuple, tuple] = caches.cache("dtensor.from_local", 4096)  # from_local(shape=...) -> (spec, shape, stride)
+
+
+def redistribute_dtensor(x: DTensor, spec: DTensorSpec, *, same_ok: bool = False) -> DTensor:
+    """``x`` moved to ``spec``'s placements (any, Partial included); differentiable.
+
+    ``x`` itself when already there, unless ``same_ok`` (the public API returns a new
+    DTensor). Without autograd to record, the step plan runs without an autograd Function."""
+    if x._spec is spec and not same_ok:
+        return x
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Redistribute.apply(x, spec)
+    return _wrap(redistribute_local(x._local_tensor, x._spec, spec), spec)
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _wrap(local: torch.Tensor, spec: DTensorSpec, cls: type = DTensor) -> DTensor:
+    """``DTensor(local, spec)``: ``local`` wrapped as it is, not requiring grad (the hot path of
+    redistribute: no constructor to go through)."""
+    r = _make_wrapper(cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device,
+                      layout=local.layout)
+    r._local_tensor = local
+    r._spec = spec
+    return r
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+        ctx.spec = spec
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        spec = ctx.spec
+        if not isinstance(grad, DTensor):
+            return grad, None
+        if grad._spec.placements != spec.placements:
+            # The local gradient must match the forward's layout; Partial becomes Replicate.
+            target = _settled(spec.placements)
+            grad = redistribute_dtensor(grad, grad._spec.with_placements(target))
+        return grad._local_tensor, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, grad_placements) -> torch.Tensor:
+        ctx.spec = x._spec
+        ctx.grad_placements = grad_placements
+        return x._local_tensor.view_as(x._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec = ctx.spec
+        placements = ctx.grad_placements or spec.placements
+        # Autograd may hand a transposed gradient: the global strides follow it. An expanded
+        # one (a sum's backward) is made whole first, as a leaf's ``.grad`` would be copied
+        # anyway (AccumulateGrad's layout contract) and an in-place update needs it whole.
+        if not grad.is_contiguous() and not is_non_overlapping_and_dense_or_false(grad):
+            grad = grad.contiguous()
+        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, _global_strides(spec.shape, grad), grad.dtype)
+        return DTensor(grad, grad_spec, requires_grad=False), None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, spec: DTensorSpec) -> DTensor:
+        ctx.src = x._spec
+        local = redistribute_local(x._local_tensor, x._spec, spec)
+        return DTensor(local, spec, requires_grad=x.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        src = ctx.src
+        target = _settled(src.placements)
+        out_spec = grad._spec.with_placements(target)
+        local = redistribute_local(grad._local_tensor, grad._spec, out_spec)
+        return DTensor(local, out_spec, requires_grad=False), None
+
+
+from ..runtime import dynamo_hook as traceable  # noqa: E402  (collectives torch.compile can trace)
+
+
+def _graph_breaks() -> None:
+    """The entry points that communicate outside dispatch run eagerly under torch.compile:
+    Dynamo stops its graph before them and resumes after (a graph break)."""
+    for name in ("from_local", "redistribute", "full_tensor"):
+        attr = DTensor.__dict__[name]
+        if isinstance(attr, staticmethod):
+            setattr(DTensor, name, staticmethod(torch.compiler.disable(attr.__func__)))
+        else:
+            setattr(DTensor, name, torch.compiler.disable(attr))
+
+
+@effect("graph breaks under torch.compile", "first mesh",
+        "sys.meta_path: a finder that marks DTensor.from_local/redistribute/full_tensor as graph "
+        "breaks once torch.compile imports torch._dynamo, then removes itself (at once if loaded)")
+def _install_graph_breaks() -> None:
+    traceable.when_dynamo_loads(_graph_breaks)
+
+
+@effect("Tensor.to_dtensor", "first mesh",
+        "torch.Tensor.to_dtensor(device_mesh, placements): DTensor.from_local as a tensor method")
+def _install_to_dtensor() -> None:
+    torch.Tensor.to_dtensor = to_dtensor
