@@ -1,4 +1,5 @@
-"""Device meshes, their MPI communicators, and collectives on torch tensors.
+"""Device meshes: ranks related by MPI Cartesian communicators (``Cart_create``), each mesh
+dimension, slice or flattened group a ``Cart_sub``; GPU binding and the mislaunch check.
 
 Importing this package changes nothing outside it: the abort hook (an uncaught exception
 on one rank ends the job instead of hanging the others) is a process-wide effect
