@@ -17,7 +17,7 @@ import time
 import torch
 from mpi4py import MPI
 
-from mpidtensor.comm import collectives as c
+from mpidtensor.comm import base, collectives as c
 
 COMM = MPI.COMM_WORLD
 N, RANK = COMM.size, COMM.rank
@@ -48,7 +48,7 @@ def versus(fn, const: str) -> tuple[float, float]:
     got = {"irregular": [], "regular": []}
     for _ in range(2):
         for name, value in (("irregular", NEVER), ("regular", ALWAYS)):
-            setattr(c, const, value)
+            setattr(base, const, value)
             got[name].append(timed(fn))
     return min(got["irregular"]), min(got["regular"])
 
@@ -59,7 +59,7 @@ def chunks(total: int) -> list[int]:
 
 
 def main() -> None:
-    saved = c.ALLTOALL_PACKED_MIN, c.ALLTOALL_PACK_SEND_MIN, c.ALLGATHER_PADDED_MIN
+    saved = base.ALLTOALL_PACKED_MIN, base.ALLTOALL_PACK_SEND_MIN, base.ALLGATHER_PADDED_MIN
     if RANK == 0:
         print(f"{N} ranks, load average {open('/proc/loadavg').read().split()[:3]}, µs")
     for name, nbytes in SIZES.items():
@@ -76,7 +76,7 @@ def main() -> None:
                 line += f" | Allgatherv {v:9.1f} padded {pd:9.1f} ratio {v / pd:5.2f}"
             if RANK == 0:
                 print(line, flush=True)
-    c.ALLTOALL_PACKED_MIN, c.ALLTOALL_PACK_SEND_MIN, c.ALLGATHER_PADDED_MIN = saved
+    base.ALLTOALL_PACKED_MIN, base.ALLTOALL_PACK_SEND_MIN, base.ALLGATHER_PADDED_MIN = saved
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def rank_tensors(shape, dtype) -> list[torch.Tensor]:
 @pytest.fixture(params=["padded", "allgatherv"])
 def gather_method(request, monkeypatch):
     """Both uneven all-gathers (padded Allgather, Allgatherv), whatever the threshold picks."""
-    monkeypatch.setattr(collectives, "ALLGATHER_PADDED_MIN", ((1, 0),) if request.param == "padded" else ((1, 1 << 62),))
+    monkeypatch.setattr(base, "ALLGATHER_PADDED_MIN", ((1, 0),) if request.param == "padded" else ((1, 1 << 62),))
     return request.param
 
 
@@ -119,8 +119,8 @@ def test_all_gather_dtypes(dtype, gather_method):
 def a2a_method(request, monkeypatch):
     """Both all-to-all implementations, whatever size threshold chooses between them."""
     threshold = ((1, 0),) if request.param == "packed" else ((1, 1 << 62),)
-    monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", threshold)
-    monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", threshold)
+    monkeypatch.setattr(base, "ALLTOALL_PACKED_MIN", threshold)
+    monkeypatch.setattr(base, "ALLTOALL_PACK_SEND_MIN", threshold)
     return request.param
 
 
@@ -414,8 +414,8 @@ def test_thresholds_follow_the_loaded_library():
     from mpidtensor.runtime.mpi_library import collective_thresholds
 
     loaded = collective_thresholds()
-    assert_all_ranks((collectives.ALLTOALL_PACKED_MIN, collectives.ALLTOALL_PACK_SEND_MIN,
-                      collectives.ALLGATHER_PADDED_MIN)
+    assert_all_ranks((base.ALLTOALL_PACKED_MIN, base.ALLTOALL_PACK_SEND_MIN,
+                      base.ALLGATHER_PADDED_MIN)
                      == (loaded["alltoall_packed"], loaded["alltoall_pack_send"], loaded["allgather_padded"]))
     assert_all_ranks(collective_thresholds("Intel MPI") == collective_thresholds("MPICH"))
     big = 32 << 20
@@ -439,8 +439,8 @@ def test_packed_all_to_all_choice(monkeypatch, shape, split_dim, concat_dim, spl
     shape = base.resized(shape, concat_dim, concat_sizes[0])
     chosen = []
     for general, send in (((1, 0),), ((1, 1 << 62),)), (((1, 1 << 62),), ((1, 0),)):
-        monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", general)
-        monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", send)
+        monkeypatch.setattr(base, "ALLTOALL_PACKED_MIN", general)
+        monkeypatch.setattr(base, "ALLTOALL_PACK_SEND_MIN", send)
         chosen.append(alltoall._layout(torch.Size(shape), 4, split_dim, concat_dim, split_sizes,
                                        concat_sizes, 2, 0, base.limits())[3])
     want = {"both": [True, False], "send": [False, True], "never": [False, False]}[packed]

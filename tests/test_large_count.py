@@ -1,6 +1,6 @@
 """Large counts. With an MPI-4 library mpi4py passes counts beyond 2**31 through the
 large-count routines; without one the collectives run in rounds of at most
-``collectives.MAX_COUNT`` elements. The rounds are tested here with a tiny limit against
+``base.MAX_COUNT`` elements. The rounds are tested here with a tiny limit against
 the same collective in one call; a real beyond-2**31 run is opt-in (``MPIDTENSOR_TEST_LARGE=1``,
 several GiB per rank)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
-from mpidtensor.comm import collectives
+from mpidtensor.comm import base, collectives
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size
@@ -42,9 +42,9 @@ class Spy(MPI.Intracomm):
 def both_ways(monkeypatch, limit: int, run) -> tuple[object, object, dict[str, int]]:
     """``run(comm)`` in one call per collective and in rounds of ``limit`` elements; and the
     MPI calls the rounds made."""
-    monkeypatch.setattr(collectives, "MAX_COUNT", None)
+    monkeypatch.setattr(base, "MAX_COUNT", None)
     whole = run(WORLD)
-    monkeypatch.setattr(collectives, "MAX_COUNT", limit)
+    monkeypatch.setattr(base, "MAX_COUNT", limit)
     spy = Spy(WORLD)
     return whole, run(spy), spy.calls
 

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from helpers import CollectiveLog, assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from mpidtensor.comm import alltoall, buffers, collectives, guard
+from mpidtensor.comm import alltoall, base, buffers, collectives, guard
 from mpidtensor import clear_cache
 
 WORLD = MPI.COMM_WORLD
@@ -146,8 +146,8 @@ def test_prepared_packed_all_to_all(mesh1d, monkeypatch, shape, src, dst):
     """The packed all-to-all (the default from 64 or 256 KiB per rank) prepared: the right
     block on every call, later calls without the general function, even and uneven pieces
     (empty ones at 4 ranks), the split and the concatenated dim leading or not, size-1 dims."""
-    monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
-    monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", ((1, 0),))
+    monkeypatch.setattr(base, "ALLTOALL_PACKED_MIN", ((1, 0),))
+    monkeypatch.setattr(base, "ALLTOALL_PACK_SEND_MIN", ((1, 0),))
     clear_cache()  # plans prepared under the default thresholds
     try:
         x = source(global_tensor(shape), mesh1d, src)
@@ -185,8 +185,8 @@ def test_changed_thresholds_are_followed(mesh1d, monkeypatch):
     packed = []
     real = alltoall._packed_runner
     monkeypatch.setattr(alltoall, "_packed_runner", lambda *a: (packed.append(1), real(*a))[1])
-    monkeypatch.setattr(collectives, "ALLTOALL_PACKED_MIN", ((1, 0),))
-    monkeypatch.setattr(collectives, "ALLTOALL_PACK_SEND_MIN", ((1, 0),))
+    monkeypatch.setattr(base, "ALLTOALL_PACKED_MIN", ((1, 0),))
+    monkeypatch.setattr(base, "ALLTOALL_PACK_SEND_MIN", ((1, 0),))
     check_repeated(x, mesh1d, "S1", calls=2)
     assert_all_ranks(len(packed) == (2 if N > 1 else 0), f"packed all-to-alls: {len(packed)}")
 
@@ -231,7 +231,7 @@ def test_gradients_on_every_call(mesh1d, src, dst):
 @pytest.mark.parametrize("typed_max", [0, 1 << 20])  # interleaving copy; resized vector datatype
 @pytest.mark.parametrize("shape,dim", [((5, 2 * N), 1), ((3, 4, 2 * N), 2), ((3, 2 * N, 2), 1), ((4, N), 1)])
 def test_gather_along_a_later_dim_both_ways(mesh1d, monkeypatch, typed_max, shape, dim):
-    monkeypatch.setattr(collectives, "GATHER_TYPED_MAX", typed_max)
+    monkeypatch.setattr(base, "GATHER_TYPED_MAX", typed_max)
     full = global_tensor(shape)
     x = source(full, mesh1d, f"S{dim}")
     check_repeated(x, mesh1d, "R")

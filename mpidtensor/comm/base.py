@@ -4,7 +4,7 @@ exist only while torch.compile traces.
 
 The tunables (``MAX_COUNT``, ``ALLTOALL_PACKED_MIN``, ...) live here and the kinds
 (``gather``, ``alltoall``, ``reduce``, ``rooted``) read them when they act, so setting
-one (``collectives.MAX_COUNT = n`` sets it here) reaches every collective. The argument
+one (``base.MAX_COUNT = n``) reaches every collective. The argument
 checks raise the same error on every rank when the ranks pass the same arguments
 (debug mode's ``guard`` makes them agree first).
 """
@@ -43,10 +43,6 @@ GATHER_TYPED_MAX: int = 8 << 10
 
 # The most elements one count or displacement of one MPI call may hold (None: no limit).
 MAX_COUNT: int | None = None if MPI.Get_version() >= (4, 0) else 2**31 - 1
-
-# The settings above, which ``collectives`` exposes as its own attributes.
-TUNABLES = ("ALLTOALL_PACKED_MIN", "ALLTOALL_PACK_SEND_MIN", "ALLGATHER_PADDED_MIN", "GATHER_TYPED_MAX",
-            "MAX_COUNT")
 
 # Tensors that exist only while torch.compile traces. A kind hands them to the entry of its
 # name in ``TRACED_OPS`` (a call of a custom op), which ``compiled`` fills when imported

@@ -28,13 +28,10 @@ the collectives that would exceed it run in rounds of at most ``MAX_COUNT`` elem
 (``rounds``; all-to-all never needs to: its counts are 1 and its displacements 0).
 
 The tunables (``MAX_COUNT``, ``ALLTOALL_PACKED_MIN``, ``ALLTOALL_PACK_SEND_MIN``,
-``ALLGATHER_PADDED_MIN``, ``GATHER_TYPED_MAX``) read and set as attributes of this
-module are ``base``'s, which every kind reads: ``collectives.MAX_COUNT = n`` reaches them all.
+``ALLGATHER_PADDED_MIN``, ``GATHER_TYPED_MAX``) live in ``base``, where every kind reads
+them when it lays out a call: tests and benchmarks set ``base.MAX_COUNT = n``.
 """
 from __future__ import annotations
-
-import sys
-from types import ModuleType
 
 from . import base, compiled  # noqa: F401  (compiled registers the custom ops of traced tensors)
 from .alltoall import all_to_all, prepare_all_to_all
@@ -47,20 +44,4 @@ from .rooted import broadcast, scatter
 __all__ = [
     "Prepared", "ReduceOp", "all_gather", "all_reduce", "all_to_all", "broadcast", "prepare_all_gather",
     "prepare_all_reduce", "prepare_all_to_all", "prepare_reduce_scatter", "reduce_scatter", "scatter",
-    *base.TUNABLES,
 ]
-
-
-class _Collectives(ModuleType):
-    """This module's type: each tunable is a property over ``base``'s attribute of its name."""
-
-
-def _tunable(name: str) -> property:
-    return property(lambda _: getattr(base, name), lambda _, value: setattr(base, name, value),
-                    doc=f"``base.{name}``, read and set here")
-
-
-for _name in base.TUNABLES:
-    setattr(_Collectives, _name, _tunable(_name))
-del _name
-sys.modules[__name__].__class__ = _Collectives

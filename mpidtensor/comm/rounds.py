@@ -1,7 +1,7 @@
 """Collectives in rounds of at most ``limit`` elements, for MPI libraries without large counts.
 
 Before MPI 4 the counts and displacements of one call must fit in a C int; a collective
-that would exceed ``collectives.MAX_COUNT`` runs here as several calls, each within the
+that would exceed ``base.MAX_COUNT`` runs here as several calls, each within the
 limit, with the same result. ``limit`` is passed in (not read from a global) so that
 tests can lower it on the collectives module alone.
 """
