@@ -18,19 +18,7 @@ from mpi4py import MPI
 
 from ..runtime import caches
 from . import base, guard, recorders
-from .base import (
-    TRACED,
-    Run,
-    Types,
-    beyond,
-    check_dim,
-    check_sizes,
-    enter,
-    leave,
-    limits,
-    piece_counts,
-    resized,
-)
+from .base import TRACED, Run, Types, beyond, check_dim, check_sizes, enter, leave, limits, piece_counts, resized
 from .buffers import as_buffer, derived, empty, host_buffer, mpi_type, stage, unstage
 from .packing import from_rank_order, to_rank_order
 from .prepared import Prepared, owned_types

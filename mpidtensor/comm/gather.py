@@ -19,19 +19,7 @@ from mpi4py import MPI
 
 from ..runtime import caches
 from . import base, guard, recorders, self_gathering
-from .base import (
-    TRACED,
-    Run,
-    Types,
-    beyond,
-    check_dim,
-    check_sizes,
-    enter,
-    leave,
-    limits,
-    piece_counts,
-    resized,
-)
+from .base import TRACED, Run, Types, beyond, check_dim, check_sizes, enter, leave, limits, piece_counts, resized
 from .buffers import as_buffer, derived, empty, host_buffer, mpi_type, stage, unstage
 from .prepared import Prepared, owned_types
 from .rounds import all_gather_rounds, offsets

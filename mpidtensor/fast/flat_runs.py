@@ -32,8 +32,8 @@ __all__ = ["Run", "candidate_runs", "rehome", "PATH"]
 
 PATH = registry.register(
     "optim.flat_runs",
-    shortcuts="the local step's per-parameter kernels over parameters whose local tensors, gradients and "
-              "states lie back to back (FSDP's flat shards): one flat tensor per run",
+    "the local step's per-parameter kernels over parameters whose local tensors, gradients and "
+    "states lie back to back (FSDP's flat shards): one flat tensor per run",
     decided_by="optim.local_step's verdict for each parameter of the run (the dispatcher's plan moves "
                "nothing), the elementwise update, and the tensors' memory layout (Run.make, Run.grad)")
 
