@@ -35,6 +35,7 @@ from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..comm import collectives
 from ..comm.exchange import exchange_rows
+from ..runtime.agreement import require_same
 from ..tensor.placements import Shard
 from .install import install, own_forward
 from .style import ParallelStyle, require_1d_mesh, require_plain_parameters
@@ -139,10 +140,8 @@ def _require_same_tokens(hidden: torch.Tensor, index: torch.Tensor, comm) -> Non
     bits = hidden.detach().contiguous().view(_INT_OF_SIZE[hidden.element_size()])
     total = bits.sum(dtype=torch.int64 if bits.element_size() == 8 else torch.int32)
     mine = (tuple(hidden.shape), total.item(), index.sum().item())
-    seen = comm.allgather(mine)
-    if any(other != seen[0] for other in seen):
-        raise ValueError("ExpertParallel(dispatch='all_reduce') needs the same tokens on every rank of its mesh; "
-                         "they differ (use dispatch='all_to_all' when each rank holds its own batch)")
+    require_same(comm, mine, lambda _: "ExpertParallel(dispatch='all_reduce') needs the same tokens on every "
+                 "rank of its mesh; they differ (use dispatch='all_to_all' when each rank holds its own batch)")
 
 
 def _require_routes_inside(ranks: list[int], experts: int) -> None:

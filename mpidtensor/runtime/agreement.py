@@ -101,10 +101,14 @@ def on_rank0(comm: MPI.Intracomm, fn: Callable[..., Any], *args: Any) -> Any:
     return value
 
 
-def require_same(comm: MPI.Intracomm, value: Any, what: str, cls: type[Exception] = ValueError) -> list[Any]:
+def require_same(comm: MPI.Intracomm, value: Any, what: str | Callable[[list[Any]], str],
+                 cls: type[Exception] = ValueError) -> list[Any]:
     """Every rank's ``value`` (one ``allgather``); ``cls`` on every rank unless all are
-    equal, naming ``what`` and each rank's value."""
+    equal. ``what`` names the values (the message lists each rank's), or is a function of
+    every rank's values that gives the whole message."""
     seen = comm.allgather(value)
     if any(other != seen[0] for other in seen):
+        if callable(what):
+            raise cls(what(seen))
         raise cls(f"{what} differ across ranks: " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(seen)))
     return seen

@@ -15,14 +15,16 @@ import torch
 from .layout import local_shape_and_offset
 from ..mesh import DeviceMesh
 from .placements import Placement, Replicate, Shard, normalize_placements
+from ..runtime.agreement import require_same
 
 
 def check_same_tensor_meta(tensor: torch.Tensor, mesh: DeviceMesh, what: str) -> None:
     """All ranks of ``mesh`` pass tensors of one shape and dtype."""
-    facts = mesh.comm.allgather((tuple(tensor.shape), str(tensor.dtype)))
-    if len(set(facts)) > 1:
+    def message(facts: list) -> str:
         detail = ", ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(facts))
-        raise ValueError(f"{what} got tensors of different shapes or dtypes on different ranks ({detail})")
+        return f"{what} got tensors of different shapes or dtypes on different ranks ({detail})"
+
+    require_same(mesh.comm, (tuple(tensor.shape), str(tensor.dtype)), message)
 
 
 def global_shape_from_locals(

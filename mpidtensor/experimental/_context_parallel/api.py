@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from ...tensor.dtensor import DTensor
 from ...mesh import DeviceMesh
 from ...tensor.placements import Placement, Replicate, Shard
+from ...runtime.agreement import attempt, raise_agreed, require_same
 from .buffers import check_buffer_arguments, restore_buffers, shard_buffers
 from .load_balance import check_balanced_length, head_tail_inverse
 from .ring import ROTATE_METHODS, ring_attention
@@ -184,27 +185,20 @@ def _agreed_arguments(
     no_restore: list[torch.Tensor],
     load_balanced: bool,
 ) -> list[int]:
-    """The checked seq dims, or the same error on every rank of ``comm``: each rank checks
-    its arguments, then one all-gather of the verdicts and buffer shapes, so an error on
-    any rank, or buffers of different shapes across ranks, is raised on all of them."""
-    verdict, signature, dims = None, None, []
-    try:
+    """The checked seq dims, or the same error on every rank of ``comm`` (the agreement
+    helper: two small all-gathers): an argument error on any rank, or buffers of
+    different shapes across the ranks, is raised on all of them."""
+    def checked() -> list[int]:
         dims = check_buffer_arguments(buffers, seq_dims, no_restore)
         if buffers and load_balanced:
             check_balanced_length(buffers[0].shape[dims[0]], comm.size)
-        signature = [(tuple(b.shape), d) for b, d in zip(buffers, dims)]
-    except (TypeError, ValueError) as err:
-        verdict = (type(err), str(err))
-    facts = comm.allgather((verdict, signature))
-    for rank, (error, _) in enumerate(facts):
-        if error is not None:
-            kind, message = error
-            raise kind(message if rank == comm.rank else f"on context-parallel rank {rank}: {message}")
-    if any(sig != signature for _, sig in facts):
-        raise ValueError(
-            "the buffers differ across the context-parallel ranks (shape, seq dim) per rank: "
-            + "; ".join(f"rank {r}: {sig}" for r, (_, sig) in enumerate(facts))
-        )
+        return dims
+
+    dims, error = attempt(checked)
+    raise_agreed(comm, error)
+    require_same(comm, [(tuple(b.shape), d) for b, d in zip(buffers, dims)],
+                 lambda seen: "the buffers differ across the context-parallel ranks (shape, seq dim) per rank: "
+                 + "; ".join(f"rank {r}: {sig}" for r, sig in enumerate(seen)))
     return dims
 
 
