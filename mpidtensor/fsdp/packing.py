@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..runtime import caches
 from .param import FSDPParam
 
 ALIGN = 16  # bytes: every segment may be viewed as any dtype
@@ -222,7 +223,7 @@ def pack_ranks(per_rank: torch.Tensor, grads: list[tuple[FSDPParam, torch.Tensor
 
 
 # --- rank chunks --------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=4096)
 def chunk_layout(shape: tuple[int, int, int], pad: int, row: int) -> tuple[tuple, ...]:
     """How a (pre, rows, post) tensor, contiguous, maps onto its rank chunks in rows of
     ``row`` elements: row ``r`` holds rank r's chunk of dim 1 (``pad`` rows, the last one
@@ -240,6 +241,9 @@ def chunk_layout(shape: tuple[int, int, int], pad: int, row: int) -> tuple[tuple
     if rem:
         pairs.append(((pre, rem, post), (rows * post, post, 1), full * pad * post, (rem * post, post, 1), full * row))
     return tuple(pairs)
+
+
+caches.on_clear("fsdp.chunk_layouts", chunk_layout.cache_clear, holds_meshes=False)
 
 
 def chunk_views(shape: tuple[int, int, int], pad: int, whole: torch.Tensor, ranks: torch.Tensor,
