@@ -17,7 +17,6 @@ from ..tensor.dtensor import DTensor
 from ..fast import registry as fast_paths
 from ..ops.pointwise import placement_ignores_scalars
 from ..runtime import caches
-from ..runtime.settings import settings
 from .planner import make_plan
 from .kinds import LocalPlan
 
@@ -111,11 +110,3 @@ def _detach_keeps_spec(x: DTensor) -> bool:
     plan = plan_for(_DETACH, (x,))
     return plan.__class__ is LocalPlan and plan.specs[0] is x._spec
 
-
-def _forget_plans(_: bool) -> None:
-    """Plans made with fast paths on hold LocalPlans: switching them drops every plan."""
-    _PLANS.clear()
-    _DETACH_KEEPS.clear()
-
-
-settings.on_change("fast_paths", _forget_plans)

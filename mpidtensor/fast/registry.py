@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..runtime import caches
 from ..runtime.settings import settings
 
 __all__ = ["FastPath", "register", "paths", "enabled"]
@@ -48,6 +49,15 @@ def register(name: str, shortcuts: str, decided_by: str) -> FastPath:
 def paths() -> list[FastPath]:
     """Every registered fast path, in registration order."""
     return list(_PATHS.values())
+
+
+def _switched(_: bool) -> None:
+    """Every cached decision (dispatch plans that are LocalPlans, the optimizer step's and
+    detach's verdicts from them) was made under the old switch: all of them are dropped."""
+    caches.clear_all()
+
+
+settings.on_change("fast_paths", _switched)
 
 
 def enabled() -> bool:
