@@ -13,7 +13,8 @@ from mpi4py import MPI
 from ..tensor.dtensor import DTensor
 from ..tensor.placements import Replicate
 from . import opaque
-from .errors import CheckpointError, raise_if
+from ..runtime.agreement import raise_listed
+from .errors import CheckpointError
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "TensorMeta", "box", "box_writers", "boxes_to_write", "check_covered",
            "check_same_leaves", "dtype_name", "gather_metas", "leaf_meta", "local_bytes", "local_tensor", "reduced",
@@ -66,8 +67,8 @@ def check_same_leaves(gathered: list[list[tuple]]) -> None:
     """All ranks must pass state dicts with the same keys, global shapes, dtypes and
     local block classes (plain or the same opaque subclass)."""
     first = [(key, _same(meta)) for key, meta in gathered[0]]
-    raise_if([f"{key!r} has dtype {meta[1]}, which cannot be checkpointed"
-              for key, meta in gathered[0] if meta is not None and meta[1] not in DTYPES], TypeError)
+    raise_listed([f"{key!r} has dtype {meta[1]}, which cannot be checkpointed"
+                  for key, meta in gathered[0] if meta is not None and meta[1] not in DTYPES], TypeError)
     for rank, metas in enumerate(gathered[1:], 1):
         if [(key, _same(meta)) for key, meta in metas] != first:
             raise ValueError(f"the state dict on rank {rank} differs from rank 0's in keys, shapes, dtypes "

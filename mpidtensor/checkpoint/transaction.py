@@ -45,9 +45,9 @@ import torch
 from mpi4py import MPI
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..runtime.agreement import attempt, on_rank0, portable, raise_agreed, raise_first
+from ..runtime.agreement import attempt, on_rank0, portable, raise_agreed, raise_first, raise_listed
 from . import io, opaque, shards, tree
-from .errors import raise_if
+from .errors import CheckpointError
 from .metadata import gc_paused, torch_leaves
 from .storage import StorageReader, StorageWriter
 
@@ -212,13 +212,13 @@ def load(fmt: LoadFormat, state_dict: Any, comm: MPI.Intracomm) -> None:
     unloadable = [shards.unloadable(leaf.fqn, leaf.value) for leaf in leaves]
     gathered = comm.allgather((metas, [p for p in unloadable if p]))
     job = Job(fmt.path, comm, state_dict, leaves, [metas for metas, _ in gathered], saved)
-    raise_if(target_errors(fmt.contents(job), job.metas, fmt.values_refused)
-             + [p for _, problems in gathered for p in problems])
+    raise_listed(target_errors(fmt.contents(job), job.metas, fmt.values_refused)
+                 + [p for _, problems in gathered for p in problems], CheckpointError)
     outcome, error = attempt(fmt.read_boxes, job)
     problems, values = outcome if error is None else ([], {})
     outcomes = comm.allgather((problems, portable(error)))
     raise_first([e for _, e in outcomes])
-    raise_if([p for rank_problems, _ in outcomes for p in rank_problems])
+    raise_listed([p for rank_problems, _ in outcomes for p in rank_problems], CheckpointError)
     for i, value in values.items():
         tree.put(state_dict, leaves[i].keys, value)
 

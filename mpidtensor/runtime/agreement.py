@@ -8,7 +8,8 @@ the same error (type and message) on every rank.
 
 - :func:`agree`: a ``with`` block whose error on any rank is raised on every rank;
 - :func:`attempt` + :func:`raise_agreed`: the same for a value-returning step;
-- :func:`raise_found`: each rank's list of problems, raised as one error naming all;
+- :func:`raise_found`: each rank's list of problems, raised as one error naming all
+  (:func:`raise_listed` is its local half, for a list every rank already holds alike);
 - :func:`on_rank0`: rank 0 decides (reads a file, commits), every rank gets the result
   or the error;
 - :func:`require_same`: a value every rank must hold alike (shapes, signatures).
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterator
 from mpi4py import MPI
 
 __all__ = ["agree", "attempt", "on_rank0", "portable", "raise_agreed", "raise_first", "raise_found",
-           "require_same"]
+           "raise_listed", "require_same"]
 
 
 def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
@@ -76,6 +77,15 @@ def agree(comm: MPI.Intracomm, errors: tuple[type[BaseException], ...] = (Except
     raise_agreed(comm, error)
 
 
+def raise_listed(problems: list[str | None], cls: type[Exception] = ValueError) -> None:
+    """Raise one ``cls`` naming every distinct problem in ``problems`` (Nones skipped), if
+    any. Local: call it with a list every rank holds alike (or let :func:`raise_found`
+    gather it)."""
+    found = [p for p in problems if p]
+    if found:
+        raise cls("; ".join(dict.fromkeys(found)))
+
+
 def raise_found(comm: MPI.Intracomm, problems: list[str], cls: type[Exception] = ValueError,
                 name_ranks: bool = False) -> None:
     """Raise on every rank one ``cls`` naming every distinct problem any rank found (one
@@ -85,12 +95,10 @@ def raise_found(comm: MPI.Intracomm, problems: list[str], cls: type[Exception] =
     for rank, rank_problems in enumerate(comm.allgather(problems)):
         for msg in rank_problems:
             found.setdefault(msg, []).append(rank)
-    if not found:
-        return
-    if not name_ranks:
-        raise cls("; ".join(found))
-    raise cls("; ".join(f"{msg} (on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
-                        for msg, ranks in found.items()))
+    if name_ranks:
+        raise_listed([f"{msg} (on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+                      for msg, ranks in found.items()], cls)
+    raise_listed(list(found), cls)
 
 
 def on_rank0(comm: MPI.Intracomm, fn: Callable[..., Any], *args: Any) -> Any:

@@ -15,7 +15,7 @@ import torch
 from .layout import local_shape_and_offset
 from ..mesh import DeviceMesh
 from .placements import Placement, Replicate, Shard, normalize_placements
-from ..runtime.agreement import require_same
+from ..runtime.agreement import raise_listed, require_same
 
 
 def check_same_tensor_meta(tensor: torch.Tensor, mesh: DeviceMesh, what: str) -> None:
@@ -37,9 +37,9 @@ def global_shape_from_locals(
     if isinstance(placements, Placement) or not any(isinstance(p, Shard) for p in placements):
         return local.shape  # nothing sharded: no rank's shape says more than another's
     shapes = mesh.comm.allgather(tuple(local.shape))
-    _raise_if(_ndim_problems(shapes))
+    raise_listed(_ndim_problems(shapes))
     placements = normalize_placements(placements, mesh.ndim, len(shapes[0]))
-    _raise_if(_shape_problems(shapes, mesh, placements, None))
+    raise_listed(_shape_problems(shapes, mesh, placements, None))
     return torch.Size(_implied_shape(shapes, mesh, placements))
 
 
@@ -53,12 +53,12 @@ def check_local_tensors(
     given = None if shape is None else tuple(shape)
     facts = mesh.comm.allgather((tuple(local.shape), str(local.dtype), zlib.crc32(data), given))
     if len({f[3] for f in facts}) > 1:
-        _raise_if(["ranks passed different shape= arguments: " + str([f[3] for f in facts])])
+        raise_listed(["ranks passed different shape= arguments: " + str([f[3] for f in facts])])
     shapes = [f[0] for f in facts]
     problems = _ndim_problems(shapes)
     if len({f[1] for f in facts}) > 1:
         problems.append("local tensors have different dtypes: " + str([f[1] for f in facts]))
-    _raise_if(problems)
+    raise_listed(problems)
     placements = normalize_placements(placements, mesh.ndim, len(given if given is not None else shapes[0]))
     problems = _shape_problems(shapes, mesh, placements, given)
     if not problems:
@@ -67,7 +67,7 @@ def check_local_tensors(
                 for group in _groups_along(mesh.shape, m):
                     if len({facts[r][2] for r in group}) > 1:
                         problems.append(f"ranks {group} replicate mesh dim {m} but hold different values")
-    _raise_if(problems)
+    raise_listed(problems)
 
 
 def check_local_shape(local: torch.Tensor, spec) -> None:
@@ -139,7 +139,3 @@ def _groups_along(mesh_shape, mesh_dim: int) -> list[list[int]]:
         groups.setdefault(c[:mesh_dim] + c[mesh_dim + 1:], []).append(rank)
     return list(groups.values())
 
-
-def _raise_if(problems: list[str]) -> None:
-    if problems:
-        raise ValueError("; ".join(problems))
