@@ -109,14 +109,14 @@ def from_hf_plan(tp_plan: Mapping[str, str], *, expert_dispatch: Dispatch = "all
     tp_experts = {key for key, style in tp_plan.items() if style == "moe_tp_experts"}
     if model is not None:  # a weight, not a module: grouped_gemm's, or a moe_tp_experts module's
         tp_plan = {key: style for key, style in tp_plan.items() if matching_submodules(model, key)
-                   or style == "grouped_gemm" or key.rsplit(".", 1)[0] in tp_experts}
+                   or style == "grouped_gemm" or key.rpartition(".")[0] in tp_experts}
         tp_experts = {key for key in tp_experts if key in tp_plan}
     owners = {key for key, style in tp_plan.items() if style == "ep_dispatch_experts"}
     orphans = sorted(key for key, style in tp_plan.items()
                      if style == "grouped_gemm" and key.rsplit(".", 1)[0] not in owners)
     if orphans:
         raise ValueError(f"grouped_gemm weights {orphans} have no ep_dispatch_experts module in the plan")
-    owned = {key: style for key, style in tp_plan.items() if key.rsplit(".", 1)[0] in tp_experts}  # their weights
+    owned = {key: style for key, style in tp_plan.items() if key.rpartition(".")[0] in tp_experts}  # their weights
     unplaceable = sorted(f"{key}: {style}" for key, style in owned.items() if style not in PARAM_STYLES)
     if unplaceable:
         raise ValueError(f"moe_tp_experts weights with no parameter style of {PARAM_STYLES}: {unplaceable}")
@@ -125,8 +125,8 @@ def from_hf_plan(tp_plan: Mapping[str, str], *, expert_dispatch: Dispatch = "all
         if style == "ep_dispatch_experts":
             plan[key] = ExpertParallel(dispatch=expert_dispatch)
         elif style == "moe_tp_experts":
-            plan[key] = ExpertTensorParallel({k.rsplit(".", 1)[1]: s for k, s in owned.items()
-                                              if k.rsplit(".", 1)[0] == key})
+            plan[key] = ExpertTensorParallel({k.rpartition(".")[2]: s for k, s in owned.items()
+                                              if k.rpartition(".")[0] == key})
         elif style != "grouped_gemm" and key not in owned:  # those are sharded by their module's style
             plan[key] = _STYLES[style]()
     return plan
