@@ -9,7 +9,7 @@ mpidtensor's styles, so the same model is sharded on an MPI mesh::
     parallelize_module(model, mesh, from_hf_plan(model.tp_plan))
 
 Expert-parallel plans (``model.ep_plan``: ``ep_dispatch_experts``, ``grouped_gemm``) map to
-:class:`ExpertParallel`. The packed styles map to :mod:`.packed`'s: ``packed_colwise`` and
+:class:`ExpertParallel`. The packed styles map to :mod:`.fused`'s: ``packed_colwise`` and
 ``packed_rowwise`` on a module to :class:`PackedColwiseParallel` / :class:`PackedRowwiseParallel`
 (weights ``_StridedShard``), and ``moe_tp_experts`` on an experts module to
 :class:`ExpertTensorParallel`, which shards that module's parameters by the plan's entries
@@ -24,7 +24,7 @@ from torch import nn
 from ..tensor.placements import Partial, Replicate
 from .api import matching_submodules
 from .experts import Dispatch, ExpertParallel
-from .packed import PARAM_STYLES, ExpertTensorParallel, PackedColwiseParallel, PackedRowwiseParallel
+from .fused import PARAM_STYLES, ExpertTensorParallel, PackedColwiseParallel, PackedRowwiseParallel
 from .style import PrepareModuleOutput
 from .sequence import SequenceParallel
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
