@@ -48,12 +48,12 @@ PROGRAMS = Path(__file__).parent / "programs"
 @pytest.fixture
 def switched():
     """The import hook and the ``torch.distributed`` overrides for one test (the switch
-    proper is for a whole program; here it must not outlive the test)."""
-    views.OVERRIDES["torch.distributed"] = switch_dist.OVERRIDES
+    proper is for a whole program; here the hook must not outlive the test: the views stay,
+    unreachable without it)."""
+    views.override("torch.distributed", switch_dist.OVERRIDES)
     importer.install()
     yield
     importer.uninstall()
-    views.OVERRIDES.pop("torch.distributed", None)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ EFFECT = "torch.distributed switch"
 def _install() -> None:
     distributed.export_launcher_environment()
     process_group.init_process_group()
-    views.OVERRIDES["torch.distributed"] = distributed.OVERRIDES
+    views.override("torch.distributed", distributed.OVERRIDES)
     importer.install()
 
 

@@ -17,7 +17,9 @@ so replacing them breaks torch. User code gets, from the import hook, a *view*:
   reach the aliases.
 
 Views are plain ``types.ModuleType`` objects with a module ``__getattr__`` (PEP 562), so
-``torch.compile`` and ``inspect`` treat them as modules.
+``torch.compile`` and ``inspect`` treat them as modules. What a view reads through is kept
+in its namespace: the first read of a name costs a Python call, later ones are as fast as
+on torch's module (an attribute of torch's reassigned after that is not seen through it).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Any
 
 from .aliases import ALIASES
 
-__all__ = ["OVERRIDES", "PARENTS", "stand_in", "view"]
+__all__ = ["OVERRIDES", "PARENTS", "override", "stand_in", "view"]
 
 # Every package above an aliased path ("torch", "torch.distributed", ...).
 PARENTS = frozenset(path.rsplit(".", k)[0] for path in ALIASES for k in range(1, path.count(".") + 1))
@@ -60,6 +62,14 @@ def view(path: str) -> types.ModuleType | None:
     return made
 
 
+def override(path: str, names: dict[str, Any]) -> None:
+    """Give ``names`` in place of the module's own in the view of ``path`` (made or to come)."""
+    OVERRIDES[path] = names
+    made = _VIEWS.get(path)
+    if made is not None:
+        vars(made).update(names)
+
+
 def _target(path: str) -> types.ModuleType | None:
     """The mpidtensor module of ``path``'s row, or ``None`` when it does not exist (yet)."""
     name = ALIASES[path]
@@ -76,7 +86,15 @@ def _module(path: str, source: types.ModuleType, target: types.ModuleType | None
     made = types.ModuleType(path, source.__doc__)
     for name in _HIDDEN:
         vars(made).pop(name, None)
-    made.__getattr__ = lambda name: _attribute(path, source, target, name)
+    namespace = vars(made)
+
+    def __getattr__(name: str) -> Any:  # noqa: N807 - the module hook's name
+        found = _attribute(path, source, target, name)
+        if not name.startswith("__"):
+            namespace[name] = found  # read once: later reads are plain module attribute reads
+        return found
+
+    made.__getattr__ = __getattr__
     made.__dir__ = lambda: sorted(set(dir(source)) | {c.rsplit(".", 1)[1] for c in _children(path)})
     if target is not None:
         made.__alias_of__ = target.__name__
