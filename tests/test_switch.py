@@ -299,6 +299,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_unmodified_program(case):
     ours, reference, reference_ranks = CASES[case]
+    if reference_ranks == N:
+        pytest.skip(f"the reference is this program at {N} rank(s)")
     folder = WORLD.bcast(tempfile.mkdtemp(prefix="mpidtensor-switch-") if RANK == 0 else None)
     ours, reference = ([a.replace("{dir}", folder) for a in argv] for argv in (ours, reference))
     start = time.monotonic()

@@ -15,9 +15,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 class ToyModel(nn.Module):
     def __init__(self):
         super().__init__()
-        self.in_proj = nn.Linear(10, 32)
+        self.in_proj = nn.Linear(10, 24)
         self.relu = nn.ReLU()
-        self.out_proj = nn.Linear(32, 5)
+        self.out_proj = nn.Linear(24, 5)
 
     def forward(self, x):
         return self.out_proj(self.relu(self.in_proj(x)))
