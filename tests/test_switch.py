@@ -104,7 +104,14 @@ def test_user_imports_get_mpidtensor(switched):
         "torch.nn (not aliased)": (torch.nn, nn),
         "dist.all_reduce (torch's)": (dist.all_reduce, torch_dist.all_reduce),
     }
-    wrong = [name for name, (got, want) in expected.items() if got is not want]
+    import torch.distributed.pipelining as pipelining  # mpidtensor's once it exists, until then torch's
+
+    try:
+        user_importlib.import_module("mpidtensor.pipelining")
+        expected["pipelining"] = (pipelining.__alias_of__, "mpidtensor.pipelining")
+    except ModuleNotFoundError:
+        expected["pipelining"] = (pipelining, sys.modules["torch.distributed.pipelining"])
+    wrong = [name for name, (got, want) in expected.items() if got is not want and got != want]
     assert_all_ranks(not wrong, f"not mpidtensor's under the switch: {wrong}")
 
 
