@@ -56,7 +56,7 @@ def test_joint_mesh_of_a_flattened_slice_and_the_rest(shape, names):
     """FSDP over ``mesh["dp", "cp"]._flatten("dp_cp")`` beside TP over ``mesh["tp"]`` (torch's
     recipe for context parallelism): the joint mesh has the merged dim, whose groups are
     the flattened mesh's, and the tp dim, whose groups are the slice's."""
-    from mpidtensor.mesh.device_mesh import joint_mesh
+    from mpidtensor.mesh.relations import joint_mesh
 
     if WORLD.size != 4:
         pytest.skip("a 3-D mesh of 4 ranks")

@@ -22,7 +22,7 @@ from torch import nn
 from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
 from ..runtime.agreement import attempt, raise_agreed
-from ..mesh.device_mesh import joint_mesh
+from ..mesh.relations import joint_mesh
 from ..tensor.placements import Shard
 from .group import ParamGroup
 from .module import FSDPModule

@@ -25,7 +25,7 @@ from ..tensor.layout import chunk_span, contiguous_strides
 from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..comm import accounting
-from ..mesh.device_mesh import joint_mesh
+from ..mesh.relations import joint_mesh
 from ..tensor.placements import Placement, Replicate, Shard
 from ..tensor.spec import DTensorSpec
 from .policies import MixedPrecisionPolicy
