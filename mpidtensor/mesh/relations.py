@@ -17,7 +17,8 @@ def joint_mesh(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, tuple[int, .
     """The mesh of which ``dp`` and ``tp`` are complementary sub-meshes, with the dims each
     takes in it, or None if there is none.
 
-    Two slices of one mesh give that mesh (``mesh["dp"]`` and ``mesh["tp"]``); otherwise
+    Two slices that together cover one mesh give that mesh (``mesh["dp"]`` and
+    ``mesh["tp"]``); otherwise
     the joint mesh has ``dp``'s dims then ``tp``'s, and every copy of each is one of its
     slices: ``mesh["dp", "cp"]._flatten("dp_cp")`` beside ``mesh["tp"]``, or meshes from
     two unflattens of one world mesh (torchtitan's FSDP and TP meshes). Its ranks need not
@@ -27,9 +28,8 @@ def joint_mesh(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, tuple[int, .
     parent = tp._parent
     if parent is not None and dp._parent is parent:
         dp_dims, tp_dims = dp._parent_dims, tp._parent_dims
-        if set(dp_dims) & set(tp_dims) or len(dp_dims) + len(tp_dims) != parent.ndim:
-            return None
-        return parent, dp_dims, tp_dims
+        if not set(dp_dims) & set(tp_dims) and len(dp_dims) + len(tp_dims) == parent.ndim:
+            return parent, dp_dims, tp_dims
     if dp.device_type != tp.device_type or dp._parent_comm != tp._parent_comm:
         return None
     key = ("joint", tp._key)
