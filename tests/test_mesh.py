@@ -71,7 +71,7 @@ def test_joint_mesh_of_a_flattened_slice_and_the_rest(shape, names):
     assert_all_ranks(joint_mesh(flat, mesh["tp"])[0] is joint, "the joint mesh is cached")
     # two slices that leave a dim out compose over the ranks they span, as torch's do
     part, dp_dims, tp_dims = joint_mesh(mesh["dp"], mesh["tp"])
-    assert_all_ranks(part.shape == (mesh.size(0), mesh.size(2)) and part["tp"] == mesh["tp"]
+    assert_all_ranks(part.shape == (mesh.size("dp"), mesh.size("tp")) and part["tp"] == mesh["tp"]
                      and part["dp"] == mesh["dp"] and (dp_dims, tp_dims) == ((0,), (1,)), repr(part))
     with_cp = [mesh[[n for n in names if n != drop]] for drop in ("tp", "dp")]
     assert_all_ranks((joint_mesh(*with_cp) is None) == (mesh.size("cp") > 1), "dp x cp and cp x tp overlap on cp")

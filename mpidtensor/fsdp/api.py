@@ -268,16 +268,20 @@ def _data(param: nn.Parameter) -> torch.Tensor:
 
 
 def _check_tp(params: list, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
-    """FSDP x TP: ``mesh`` (1-D FSDP or 2-D HSDP) and the 1-D ``tp_mesh`` must be
-    complementary sub-meshes of one mesh (e.g. ``mesh3d["dp_replicate", "dp_shard"]`` and
-    ``mesh3d["tp"]``, or ``mesh3d["dp", "cp"]._flatten("dp_cp")`` and ``mesh3d["tp"]``),
-    and the TP placements must not be Partial. Plain parameters beside them are sharded
-    over ``mesh`` alone. Collective (the joint mesh of a flattened one is made here)."""
+    """FSDP x TP: ``mesh`` (1-D FSDP or 2-D HSDP) and the 1-D ``tp_mesh`` must compose into
+    one mesh (``mesh.relations.joint_mesh``): every data-parallel group meets every TP group
+    once, as for ``mesh3d["dp_replicate", "dp_shard"]`` and ``mesh3d["tp"]``,
+    ``mesh3d["dp", "cp"]._flatten("dp_cp")`` and ``mesh3d["tp"]``, or slices of two
+    ``_unflatten``s of one world mesh (torchtitan); and the TP placements must not be
+    Partial. Plain parameters beside them are sharded over ``mesh`` alone. Decided from the
+    meshes' rank grids, alike on every rank; collective over the joint mesh's ranks the
+    first time (its communicator is made here)."""
     if tp_mesh.ndim != 1 or joint_mesh(mesh, tp_mesh) is None:
         raise ValueError(
-            "parameters that are DTensors need fully_shard's mesh and theirs to be complementary sub-meshes "
-            "of one mesh (e.g. mesh['dp'] and mesh['tp'], mesh['dp_replicate', 'dp_shard'] and mesh['tp'], "
-            f"or mesh['dp', 'cp']._flatten('dp_cp') and mesh['tp']), got {mesh!r} and {tp_mesh!r}"
+            "parameters that are DTensors need fully_shard's mesh and theirs to compose into one mesh, each "
+            "data-parallel group meeting each TP group once (e.g. mesh['dp'] and mesh['tp'], "
+            "mesh['dp', 'cp']._flatten('dp_cp') and mesh['tp'], or slices of two _unflatten()s of one mesh), "
+            f"got {mesh!r} and {tp_mesh!r}"
         )
     for p in params:
         if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):
