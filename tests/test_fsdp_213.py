@@ -107,6 +107,21 @@ def test_dp_mesh_dims_hsdp_2x2(dims):
     _train_on(net, ref_losses, ref, WORLD)
 
 
+def test_dp_mesh_dims_hsdp_x_tp_3d():
+    """HSDP x TP on a (2, 1, 2) ("dp_replicate", "fsdp", "tp") SPMD mesh: the sharded
+    parameters stay on it, ``[Replicate(), Shard(d), <tp>]``; training equals one process."""
+    if WORLD.size != 4:
+        pytest.skip("a (2, 1, 2) mesh")
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "fsdp", "tp"))
+    ref, ref_losses = _reference(2, **NET)
+    net = shard_all(spmd_net(mesh, "tp", **NET), mesh=mesh,
+                    dp_mesh_dims=DataParallelMeshDims(shard="fsdp", replicate="dp_replicate"))
+    fc1 = net.blocks[0].fc1
+    assert_all_ranks(fc1.weight.device_mesh is mesh and fc1.weight.placements == (Replicate(), Shard(1), Shard(0)),
+                     f"{fc1.weight.placements}")
+    _train_on(net, ref_losses, ref, mesh["dp_replicate", "fsdp"]._flatten().get_group())
+
+
 def test_dp_mesh_dims_bad_input_every_rank(mesh1d):
     """A dim the mesh lacks, a dim TP uses, a plain parameter, a mesh without names: the
     same ValueError on every rank, before anything changes."""
@@ -154,6 +169,39 @@ def test_list_is_one_group(mesh1d):
     fully_shard([net2.inp, net2.head], mesh=mesh1d)
     fully_shard(net2, mesh=mesh1d)
     _train_on(net2, ref_losses, ref, WORLD)
+
+
+class Body(nn.Module):
+    """The test net's forward without its head (the head runs outside the root, per chunk
+    of the loss, as chunked-loss recipes call it)."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def test_list_partly_run_by_the_root(mesh1d):
+    """``fully_shard([net.inp, net.head])`` where the root's forward runs only ``inp`` and
+    the head runs afterwards on two chunks: the group is completed at the root's end and
+    gathered again for the head; training equals one process."""
+    ref, ref_losses, _ = reference(steps=3)
+    net = make_net()
+    net.__class__ = type("BodyNet", (Body, type(net)), {})
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh1d)
+    fully_shard([net.inp, net.head], mesh=mesh1d)
+    fully_shard(net, mesh=mesh1d)
+
+    def forward(x):
+        h = net(x)
+        return torch.cat([net.head(chunk) for chunk in h.chunk(2)])
+
+    _, (x, target) = batch(WORLD.size, WORLD.rank)
+    losses, _ = train(net, x, target, steps=3, comm=WORLD, forward=forward)
+    assert_close(losses, ref_losses, **TOL)
+    assert_same_model(net, ref, **TOL)
 
 
 def test_list_root_and_bad_lists(mesh1d):
