@@ -315,6 +315,21 @@ def test_divide_factor_scales_the_sum(mesh1d, reduce_dtype):
         assert_close(forced[name], g, **tol)
 
 
+def test_premul_sum_scales_before_the_hook(mesh1d):
+    """A factor other than the shard group's size is torch's ``PREMUL_SUM(1 / f)``: the
+    terms are scaled before the sum, so the all-reduce hook already sees ``sum / f``."""
+    net = shard_all(make_net(), mesh=mesh1d)
+    seen = []
+    net.blocks[0].set_gradient_divide_factor(3.0)
+    net.blocks[0].set_all_reduce_hook(lambda reduced: seen.append(reduced.clone()))
+    _, (x, target) = batch(WORLD.size, WORLD.rank)
+    torch.nn.functional.cross_entropy(net(x), target).backward()
+    weight = next(net.blocks[0].parameters())
+    n = weight._local_tensor.numel()
+    assert_all_ranks(len(seen) == 1, f"{len(seen)} hook calls")
+    assert_close(seen[0][:n].view_as(weight._local_tensor), weight.grad._local_tensor, **TOL)
+
+
 def test_setters_are_stored_and_harmless(mesh1d):
     """The five torch 2.13 setters and ``share_comm_ctx``: each setting is stored, training
     with them equals training without, and bad values raise as torch's do."""

@@ -453,7 +453,7 @@ class ParamGroup:
 
     def _factors(self) -> tuple[float | None, float | None, float | None]:
         return collectives.divide_factors(self.info.dp_size, self.gradient_divide_factor, self.reduce_dtype,
-                                          self.force_sum_reduction)
+                                          self.force_sum_reduction, self.info.shard_size)
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter and (HSDP) the all-reduce over the replicate dim,

@@ -99,7 +99,9 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel size, split
-        as torch's FSDP2 splits it (``collectives.divide_factors``)."""
+        as torch's FSDP2 splits it (``collectives.divide_factors``): a factor other than the
+        shard group's size is torch's ``PREMUL_SUM(1 / factor)``, each rank's gradient
+        scaled before the MPI reduction sums them; ``1.0`` (torchtitan) scales nothing."""
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.gradient_divide_factor = factor
 
