@@ -282,6 +282,26 @@ def test_two_unflattens_compose_fsdp_x_tp(case):
     _train_on(net, ref_losses, ref, loading["batch"].get_group())
 
 
+def test_pipeline_stages_build_joint_meshes_apart_2x2():
+    """With a "pp" dim of 2, each stage's joint FSDP x TP mesh is built by that stage's
+    ranks alone: stage 1 builds its own only after stage 0 has finished (a world-wide
+    collective would hang here)."""
+    if WORLD.size != 4:
+        pytest.skip("2 stages of 2 ranks")
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    loading = world._unflatten(0, (2, 2, 1, 1), ("pp", "batch", "cp", "tp"))
+    dense = world._unflatten(0, (2, 1, 2, 1), ("pp", "dp_replicate", "fsdp", "tp"))
+    stage = WORLD.rank // 2
+    if stage == 1:
+        WORLD.recv(source=WORLD.rank - 2)
+    joint, _, _ = joint_mesh(dense["fsdp"], loading["tp"])
+    if stage == 0:
+        WORLD.send("built", dest=WORLD.rank + 2)
+    mine = [2 * stage, 2 * stage + 1]
+    assert_all_ranks(joint.mesh.flatten().tolist() == mine and joint.get_group("fsdp").allgather(WORLD.rank) == mine,
+                     repr(joint))
+
+
 # --- gradient division (PREMUL_SUM) and the setters ----------------------------------------------
 def _one_backward(net, setup=lambda net: None):
     setup(net)
