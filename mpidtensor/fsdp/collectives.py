@@ -6,7 +6,8 @@ classes, or any object with the same two methods): ``allocate(size, *, dtype, de
 returns the buffer a collective reads or writes, and ``comm(output_tensor=...,
 input_tensor=..., group=..., [op=...,] async_op=True)`` runs it. mpidtensor has no
 ProcessGroup: ``group`` is the mpi4py communicator of the mesh's shard dim, and the
-reduce-scatter's ``op`` is ``"sum"`` (FSDP scales separately, see ``divide_factors``).
+reduce-scatter's ``op`` is ``"sum"`` (FSDP scales separately, see ``divide_factors``: torch's
+``PREMUL_SUM`` is a scaling of each rank's term before this sum).
 The call may return an object with ``wait()`` (a started collective) or ``None`` (done).
 """
 from __future__ import annotations
@@ -85,17 +86,22 @@ def start_reduce_scatter(custom: Any, send: torch.Tensor, comm: MPI.Intracomm,
 
 
 def divide_factors(dp_size: int, factor: float | None, reduce_dtype: torch.dtype,
-                   force_sum: bool) -> tuple[float | None, float | None, float | None]:
+                   force_sum: bool, shard_size: int | None = None) -> tuple[float | None, float | None, float | None]:
     """``(pre, with_comm, post)``: the gradient sum over the data-parallel ranks is divided
     by ``factor`` (default ``dp_size``) as torch's FSDP2 splits it. ``pre`` divides before
-    the reduce-scatter, ``with_comm`` right after the collectives (torch's AVG / PREMUL_SUM
-    reductions: the all-reduce hook sees averaged gradients), ``post`` after the hook. In
-    float32/bfloat16 without ``force_sum`` the whole factor goes with the collective; in
-    other dtypes about its square root goes before the sum and the rest after (less
-    overflow); with ``force_sum`` in float32/bfloat16, all of it after the hook."""
+    the reduce-scatter, ``with_comm`` right after the collectives, ``post`` after the
+    all-reduce hook. In float32/bfloat16 without ``force_sum`` torch reduces with ``AVG``
+    (no factor, or the shard group's size: sum, then divide: ``with_comm``) or with
+    ``PREMUL_SUM(1 / factor)`` (any other factor: each rank's term scaled, then summed:
+    ``pre``, which the reduction then sums); either way the all-reduce hook sees the
+    scaled result. In other dtypes about the factor's square root goes before the sum and
+    the rest after (less overflow); with ``force_sum`` in float32/bfloat16, all of it after
+    the hook."""
     overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
     if not overflow_risk and not force_sum:
-        return None, float(dp_size if factor is None else factor), None
+        if factor is None or factor == shard_size:
+            return None, float(dp_size if factor is None else factor), None
+        return float(factor), None, None
     factor = float(dp_size if factor is None else factor)
     if not overflow_risk:
         return None, None, factor
