@@ -22,6 +22,7 @@ from mpi4py import MPI
 from ..runtime import caches, effects
 from .cuda import bind_local_gpu
 from .launch import check_launch_once
+from . import pickling
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -83,6 +84,7 @@ class DeviceMesh:
             cart = ordered.Create_cart(list(ranks.shape), periods=[False] * ranks.ndim, reorder=False)
             ordered.Free()
         self._setup(device_type, ranks, names, comm, cart)
+        pickling.remember_root(self)
         if device_type == "cuda":
             bind_local_gpu(comm)
 
@@ -103,6 +105,7 @@ class DeviceMesh:
         self._parent_dims: tuple[int, ...] | None = None  # its dims in that mesh
         self._flattened_from: DeviceMesh | None = None  # the mesh _flatten() made this one of
         self._merged_groups: tuple[tuple[int, ...], ...] | None = None  # _merged(): source dims per dim
+        self._merged_from: DeviceMesh | None = None  # the mesh _merged() made this one of
         self._subcomms: dict[tuple[int, ...], MPI.Cartcomm] = {}
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}  # get_group's views of _subcomms
         self._submeshes: dict[tuple[int, ...], DeviceMesh] = {}
@@ -201,7 +204,7 @@ class DeviceMesh:
             cart = ordered.Create_cart(shape, periods=[False] * len(shape), reorder=False)
             ordered.Free()
             merged = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, cart)
-            merged._merged_groups = tuple(groups)
+            merged._merged_groups, merged._merged_from = tuple(groups), self
             self._submeshes[key] = merged
         return merged
 
@@ -292,6 +295,17 @@ class DeviceMesh:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self):
+        """Pickled as its layout and its path from the root mesh, without MPI handles;
+        unpickled as the live mesh (:mod:`mpidtensor.mesh.pickling`)."""
+        return pickling.reduce_mesh(self)
+
+    def __copy__(self) -> "DeviceMesh":  # a mesh owns communicators: a copy is the mesh itself
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "DeviceMesh":
+        return self
+
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
@@ -326,6 +340,7 @@ def init_device_mesh(
     cart = comm.Create_cart(list(mesh_shape), periods=[False] * len(mesh_shape), reorder=False)
     ranks = torch.arange(comm.size).reshape(mesh_shape)
     mesh = DeviceMesh._from_cart(device_type, ranks, names, comm, cart)
+    pickling.remember_root(mesh)
     if device_type == "cuda":
         bind_local_gpu(comm)
     return mesh
