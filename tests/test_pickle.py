@@ -282,7 +282,7 @@ def test_loading_in_a_job_of_another_size_raises_on_every_rank(ckpt_dir, tmp_pat
     WORLD.Barrier()
     script = LOAD.replace("{DIR}", ckpt_dir).replace("SAVED", str(WORLD.size))
     saved = f"saved on DeviceMesh('cpu', shape (1, {WORLD.size}), names ('dp', 'tp'))['tp'] of {WORLD.size} ranks"
-    for ranks in (1, WORLD.size + 1):
+    for ranks in sorted({1, WORLD.size + 1} - {WORLD.size}):  # a single process, a larger job
         result = run_job(script, tmp_path, ranks=ranks, timeout=180)
         problems = [] if result.returncode == 0 else [f"exit {result.returncode}"]
         for r in range(ranks):
