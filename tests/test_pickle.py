@@ -22,6 +22,7 @@ from helpers import assert_all_ranks, global_tensor, raises_everywhere
 from mpidtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from mpidtensor.mesh.pickling import restore_mesh
 from mpidtensor.runtime import effects
+from mpidtensor.tensor import placements as placement_kinds
 from mpidtensor.tensor.placements import Placement
 from subjob import run_job
 from test_fsdp import batch
@@ -65,6 +66,8 @@ def mesh3d():
 # --- placements and specs ------------------------------------------------------------------------
 def test_placements_pickle(mesh1d):  # the first mesh registers the safe globals
     kinds = [Shard(0), Shard(2), Shard(-1), Replicate(), Partial(), Partial("max"), Partial("avg")]
+    strided = getattr(placement_kinds, "_StridedShard", None)  # torch's placement, added beside the others
+    kinds += [] if strided is None else [strided(1, split_factor=2)]
     for p in kinds:
         for weights_only in (False, True):
             back = round_trip([p], weights_only)[0] if weights_only else pickle.loads(pickle.dumps(p))
@@ -156,6 +159,19 @@ def test_a_mesh_no_longer_held_is_rebuilt(mesh1d):
         assert_all_ranks(total == WORLD.size ** 2, f"{how}: the rebuilt sub-mesh's communicator: {total}")
         new_root.free()
         gc.collect()
+
+
+def test_of_equal_roots_the_pickled_one_comes_back(mesh1d):
+    """Two roots of one layout: each pickle gives back its own; once one is freed, its
+    pickles give the one still held."""
+    first, second = (init_device_mesh("cpu", (WORLD.size,), mesh_dim_names=("x",)) for _ in range(2))
+    data = pickle.dumps([first, second])
+    back = pickle.loads(data)
+    assert_all_ranks(back[0] is first and back[1] is second, f"{[id(m) for m in back]} for {id(first), id(second)}")
+    second.free()
+    back = pickle.loads(data)
+    assert_all_ranks(back[0] is first and back[1] is first, "a freed root's pickle does not give the live one")
+    first.free()
 
 
 def test_a_mesh_of_unknown_origin_is_rebuilt_as_its_group(mesh3d):

@@ -7,11 +7,13 @@ what every rank shares: the device type, the world size, the layout of the root 
 as ``device_mesh.py`` records them). Which sub-mesh a rank gets follows from its place in
 the root, as when the program sliced it.
 
-Unpickling returns the live mesh: the root the program already built (a weak, bounded
-registry of roots by layout; a freed or collected root does not count) and its cached
-sub-meshes, or else builds them. Building is collective over ``COMM_WORLD``: every rank
-must unpickle the same structure in the same order, as torch requires of its own
-``torch.load`` of DTensors. Whether a root is live is decided after a garbage collection,
+Unpickling returns the live mesh: the root the program already built and its cached
+sub-meshes, or else builds them. Roots are kept in a weak, bounded registry by layout,
+numbered in the order the program built them (the same on every rank), so that of two
+equal roots the pickled one comes back, or else the last one built that is still held (a
+freed or collected root does not count). Building is collective over ``COMM_WORLD``: every
+rank must unpickle the same structure in the same order, as torch requires of its own
+``torch.load`` of DTensors. Whether a root is held is decided after a garbage collection,
 so that a root kept only by garbage cycles (collected at different times on different
 ranks) cannot be found on some ranks and rebuilt on others. A job of another world size
 (a single process included) raises ``ValueError`` naming the saved layout and this job's,
@@ -37,17 +39,55 @@ from .launch import check_launch_once
 __all__ = ["describe", "layout_text", "reduce_mesh", "remember_root", "restore_mesh"]
 
 VERSION = 1
-ROOT, GROUP = "root", "group"  # a registered root, or this rank's group of an unknown partition
+_PRUNE_AT = 64  # roots of one layout kept before the collected and freed ones are dropped
 
-# Roots by (device type, world size, shape, ranks, names): weak references, so a mesh the
-# program dropped can be collected. Insertion order is the program's (the same on every
+
+class _Roots:
+    """The roots of one layout, numbered in the order the program built them (the same on
+    every rank), by weak reference."""
+
+    __slots__ = ("built", "refs")
+
+    def __init__(self) -> None:
+        self.built = 0
+        self.refs: dict[int, weakref.ref] = {}
+
+    def add(self, mesh) -> None:
+        self.refs[self.built] = weakref.ref(mesh)
+        self.built += 1
+        if len(self.refs) > _PRUNE_AT:  # dropping dead ones changes no other root's number
+            self.refs = {n: ref for n, ref in self.refs.items() if _live(ref)}
+
+    def number(self, mesh) -> int | None:
+        return next((n for n, ref in self.refs.items() if ref() is mesh), None)
+
+    def find(self, number: int):
+        """Root ``number`` if the program still holds it, else the last-built root of the
+        layout it holds, else None: the same answer on every rank, because liveness is
+        decided after a garbage collection (a root kept only by garbage cycles would be
+        collected at different moments on different ranks)."""
+        if not any(_live(ref) for ref in self.refs.values()):
+            return None
+        gc.collect()
+        if _live(self.refs.get(number)):
+            return self.refs[number]()
+        live = [n for n, ref in self.refs.items() if _live(ref)]
+        return self.refs[max(live)]() if live else None
+
+
+# Roots by (device type, world size, shape, ranks, names). Weak references: a mesh the
+# program dropped can be collected. Keys are added in the program's order (the same on every
 # rank), so dropping the oldest past the bound drops the same entries everywhere.
-_ROOTS: dict[tuple, weakref.ref] = caches.cache("mesh.pickled_roots", 1024, holds_meshes=False)
+_ROOTS: dict[tuple, _Roots] = caches.cache("mesh.pickled_roots", 1024, holds_meshes=False)
 
 
 def remember_root(mesh) -> None:
     """Register ``mesh``, built by the program (not derived), as a root unpickling may return."""
-    _ROOTS[_root_key(mesh.device_type, mesh._parent_comm.size, mesh.mesh, mesh.mesh_dim_names)] = weakref.ref(mesh)
+    key = _key_of(mesh)
+    roots = _ROOTS.get(key)
+    if roots is None:
+        roots = _ROOTS[key] = _Roots()
+    roots.add(mesh)
 
 
 def reduce_mesh(mesh) -> tuple:
@@ -56,11 +96,12 @@ def reduce_mesh(mesh) -> tuple:
 
 
 def describe(mesh) -> tuple:
-    """``(version, device type, world size, kind, root shape, root ranks, root names, path)``:
-    plain tuples, ints and strings, so ``torch.load(weights_only=True)`` may read it."""
+    """``(version, device type, world size, root number, root shape, root ranks, root names,
+    path)``: plain tuples, ints and strings, so ``torch.load(weights_only=True)`` may read it.
+    The root number is its place among the program's roots of that layout (None: a group)."""
     mesh._require_live()
     path = []
-    while not _is_root(mesh):
+    while True:
         if mesh._parent is not None:
             path.append(("slice", tuple(mesh._parent_dims), mesh.mesh_dim_names))
             mesh = mesh._parent
@@ -73,15 +114,19 @@ def describe(mesh) -> tuple:
             path.append(("merge", dims, name))
             mesh = source
         else:
-            return _description(mesh, GROUP, path)
-    return _description(mesh, ROOT, path)
+            break
+    roots = _ROOTS.get(_key_of(mesh))
+    number = None if roots is None else roots.number(mesh)
+    return (VERSION, mesh.device_type, mesh._parent_comm.size, number, tuple(mesh.mesh.shape),
+            tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, tuple(reversed(path)))
 
 
 def restore_mesh(cls: type, description: tuple) -> Any:
     """The live mesh ``description`` names (see the module docstring); collective when it
     must be built."""
-    version, device, world, kind, shape, ranks, names, path = _checked(description)
-    root = _find_root(_root_key(device, world, torch.tensor(ranks).reshape(shape), names)) if kind == ROOT else None
+    version, device, world, number, shape, ranks, names, path = _checked(description)
+    roots = _ROOTS.get((device, world, shape, ranks, names)) if number is not None else None
+    root = None if roots is None else roots.find(number)
     if root is None:
         size = MPI.COMM_WORLD.size if MPI.Is_initialized() and not MPI.Is_finalized() else 0
         if size != world:
@@ -90,7 +135,7 @@ def restore_mesh(cls: type, description: tuple) -> Any:
                 f"this job has {size} rank{'' if size == 1 else 's'}: load it in a job of {world} ranks "
                 f"(torch.load rebuilds the mesh there)")
         layout = torch.tensor(ranks, dtype=torch.int64).reshape(shape)
-        root = cls(device, layout, mesh_dim_names=names) if kind == ROOT else _build_group(cls, device, layout, names)
+        root = _build_group(cls, device, layout, names) if number is None else cls(device, layout, mesh_dim_names=names)
     for step in path:
         root = _replay(root, step)
     return root
@@ -98,9 +143,9 @@ def restore_mesh(cls: type, description: tuple) -> Any:
 
 def layout_text(description: tuple) -> str:
     """``DeviceMesh('cpu', shape (2, 2), names ('dp', 'tp'))['tp']``: the saved layout in words."""
-    _, device, _, kind, shape, ranks, names, path = description
+    _, device, _, number, shape, ranks, names, path = description
     text = f"DeviceMesh('{device}', shape {tuple(shape)}" + (f", names {tuple(names)}" if names else "")
-    text += ")" if kind == ROOT else f", ranks {list(ranks)})"
+    text += ")" if number is not None else f", ranks {list(ranks)})"
     for step in path:
         if step[0] == "slice":
             text += f"[{', '.join(map(repr, step[2]))}]" if step[2] else f"[dims {step[1]}]"
@@ -112,33 +157,14 @@ def layout_text(description: tuple) -> str:
 
 
 # --- helpers ---------------------------------------------------------------------------------
-def _root_key(device: str, world: int, ranks: torch.Tensor, names) -> tuple:
-    return device, world, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names
-
-
-def _is_root(mesh) -> bool:
-    ref = _ROOTS.get(_root_key(mesh.device_type, mesh._parent_comm.size, mesh.mesh, mesh.mesh_dim_names))
-    return ref is not None and ref() is mesh
+def _key_of(mesh) -> tuple:
+    return (mesh.device_type, mesh._parent_comm.size, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()),
+            mesh.mesh_dim_names)
 
 
 def _live(ref: weakref.ref | None) -> bool:
     mesh = None if ref is None else ref()
     return mesh is not None and not mesh._freed
-
-
-def _find_root(key: tuple):
-    """The registered root of ``key`` if the program still holds it, else None; the same
-    answer on every rank (a root found is checked again after a garbage collection)."""
-    ref = _ROOTS.get(key)
-    if not _live(ref):
-        return None
-    gc.collect()
-    return ref() if _live(ref) else None
-
-
-def _description(mesh, kind: str, path: list) -> tuple:
-    return (VERSION, mesh.device_type, mesh._parent_comm.size, kind, tuple(mesh.mesh.shape),
-            tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, tuple(reversed(path)))
 
 
 def _replay(mesh, step: tuple):
@@ -173,8 +199,9 @@ def _checked(description: Any) -> tuple:
     """``description`` if it is one this module wrote (a pickle is input: check before use)."""
     ok = isinstance(description, tuple) and len(description) == 8 and description[0] == VERSION
     if ok:
-        _, device, world, kind, shape, ranks, names, path = description
-        ok = (isinstance(device, str) and isinstance(world, int) and world > 0 and kind in (ROOT, GROUP)
+        _, device, world, number, shape, ranks, names, path = description
+        ok = (isinstance(device, str) and isinstance(world, int) and world > 0
+              and (number is None or (isinstance(number, int) and number >= 0))
               and _ints(shape) and _ints(ranks) and torch.Size(shape).numel() == len(ranks)
               and (names is None or (isinstance(names, tuple) and all(isinstance(n, str) for n in names)))
               and isinstance(path, tuple) and all(_step_ok(step) for step in path))
