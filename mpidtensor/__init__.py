@@ -10,7 +10,7 @@ from .tensor.dtensor import DTensor
 from . import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
 from .tensor.factories import empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, init_device_mesh
-from .tensor.placements import Partial, Placement, Replicate, Shard
+from .tensor.placements import Partial, Placement, Replicate, Shard, _StridedShard
 from .runtime.caches import clear_all as clear_cache
 from .runtime.settings import settings
 from . import ops  # noqa: F401  (registers the sharding rules)

@@ -10,6 +10,8 @@
 # powered-down cloud node that never starts (its resume program does nothing; the real
 # node has the lower weight, so jobs go there): sbatch --test-only then accepts 2-node
 # scripts, which is all that can be checked of them here.
+# CLUSTER_NAME (default mpidtensor-local) and GHOST=0 (no second node) make it another,
+# single-node cluster, as on a workstation: tests/test_slurm.py then skips the 2-node checks.
 # The config lives in $SLURM_LOCAL (default /tmp/mpidtensor-slurm); the scripts export
 # SLURM_CONF to point there, so nothing under /etc/slurm is touched.
 set -euo pipefail
@@ -30,7 +32,7 @@ write_config() {
   local cpus=$1
   mkdir -p "$BASE"/{ctld,slurmd,log,run}
   cat >"$SLURM_CONF" <<EOF
-ClusterName=mpidtensor-local
+ClusterName=${CLUSTER_NAME:-mpidtensor-local}
 SlurmctldHost=$NODE
 SlurmUser=root
 SlurmdUser=root
@@ -57,7 +59,7 @@ SchedulerType=sched/backfill
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 NodeName=$NODE CPUs=$cpus Weight=1 State=UNKNOWN
-NodeName=ghost NodeAddr=127.0.0.2 CPUs=$cpus Weight=100 State=CLOUD
+$( [ "${GHOST:-1}" = 1 ] && echo "NodeName=ghost NodeAddr=127.0.0.2 CPUs=$cpus Weight=100 State=CLOUD" )
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }

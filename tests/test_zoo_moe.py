@@ -2,7 +2,7 @@
 (``ExpertParallel``, from the models' own ``ep_plan``), against one process.
 
 * Tensor parallelism: the model's ``tp_plan`` without its tensor-parallel MoE styles
-  (``moe_tp_experts``, ``packed_colwise``: no mpidtensor translation) plus its ``ep_plan``
+  (``moe_tp_experts``, ``packed_colwise``: test_strided_shard.py has them) plus its ``ep_plan``
   with ``expert_dispatch="all_reduce"``: every rank holds the whole batch, runs its own
   experts on the routes to them, and one all-reduce sums the outputs.
 * Expert parallelism over data-parallel ranks (``"all_to_all"``): each rank trains on its

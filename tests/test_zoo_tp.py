@@ -64,7 +64,8 @@ def test_to_local_takes_a_gradient_of_any_layout(mesh1d):
 
 
 def test_hf_plan_translation_rejects_unknown_styles():
-    raises_everywhere(ValueError, lambda: from_hf_plan({"layers.*.experts": "moe_tp_experts"}), match="moe_tp_experts")
+    raises_everywhere(ValueError, lambda: from_hf_plan({"layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj"}),
+                      match="mla_kv_a_proj")
     raises_everywhere(TypeError, lambda: from_hf_plan(["colwise"]), match="mapping")
 
 
