@@ -23,8 +23,7 @@ from helpers import assert_all_ranks, global_tensor, raises_everywhere
 from mpidtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from mpidtensor.mesh.pickling import restore_mesh
 from mpidtensor.runtime import effects
-from mpidtensor.tensor import placements as placement_kinds
-from mpidtensor.tensor.placements import Placement
+from mpidtensor.tensor.placements import Placement, _StridedShard
 from subjob import run_job
 from test_fsdp import batch
 from test_fsdp_tp import fsdp_net, tp_net
@@ -66,9 +65,8 @@ def mesh3d():
 
 # --- placements and specs ------------------------------------------------------------------------
 def test_placements_pickle(mesh1d):  # the first mesh registers the safe globals
-    kinds = [Shard(0), Shard(2), Shard(-1), Replicate(), Partial(), Partial("max"), Partial("avg")]
-    strided = getattr(placement_kinds, "_StridedShard", None)  # torch's placement, added beside the others
-    kinds += [] if strided is None else [strided(1, split_factor=2)]
+    kinds = [Shard(0), Shard(2), Shard(-1), Replicate(), Partial(), Partial("max"), Partial("avg"),
+             _StridedShard(1, split_factor=2)]
     for p in kinds:
         for weights_only in (False, True):
             back = round_trip([p], weights_only)[0] if weights_only else pickle.loads(pickle.dumps(p))
@@ -92,7 +90,8 @@ SHAPES = [(7, 5), (3,), (2, 9, 4)]  # uneven at 2-4 ranks; one dim shorter than 
 
 @pytest.mark.parametrize("weights_only", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("placement", [Shard(0), Shard(-1), Replicate(), Partial(), Partial("max")], ids=repr)
+@pytest.mark.parametrize("placement", [Shard(0), Shard(-1), Replicate(), Partial(), Partial("max"),
+                                       _StridedShard(0, split_factor=2)], ids=repr)
 def test_round_trip_1d(mesh1d, placement, shape, weights_only):
     full = global_tensor(shape)
     if isinstance(placement, Partial):
@@ -106,7 +105,7 @@ def test_round_trip_1d(mesh1d, placement, shape, weights_only):
 
 
 PLACEMENTS_2D = [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(0)], [Replicate(), Shard(1)],
-                 [Shard(1), Partial()], [Partial(), Replicate()]]
+                 [Shard(1), Partial()], [Partial(), Replicate()], [_StridedShard(0, split_factor=2), Shard(0)]]
 
 
 @pytest.mark.parametrize("placements", PLACEMENTS_2D, ids=str)
