@@ -30,6 +30,7 @@ EXPLAINED_BY = {
     "foreach types": "foreach type",
     "aten::tensor_split kernel": "tensor_split",
     "threads": "thread",
+    "torch.load safe globals": "add_safe_globals",
 }
 
 

@@ -167,6 +167,7 @@ def state():
                          + [repr(t) for t in opt._foreach_supported_types],
         "aten::tensor_split kernel": torch._C._dispatch_dump("aten::tensor_split.tensor_indices_or_sections"),
         "threads": sorted(t.name for t in threading.enumerate()),
+        "torch.load safe globals": sorted(map(repr, torch.serialization.get_safe_globals())),
     }
 
 def changed(before, after):

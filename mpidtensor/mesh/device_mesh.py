@@ -23,6 +23,7 @@ from ..runtime import caches, effects
 from . import grids
 from .cuda import bind_local_gpu
 from .launch import check_launch_once
+from . import pickling
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -84,6 +85,7 @@ class DeviceMesh:
             cart = ordered.Create_cart(list(ranks.shape), periods=[False] * ranks.ndim, reorder=False)
             ordered.Free()
         self._setup(device_type, ranks, names, comm, cart)
+        pickling.remember_root(self)
         if device_type == "cuda":
             bind_local_gpu(comm)
 
@@ -104,6 +106,8 @@ class DeviceMesh:
         self._coord = tuple(cart.Get_coords(cart.rank)) if cart is not None else None
         self._parent: DeviceMesh | None = None  # the mesh this one was sliced from (FSDP x TP)
         self._parent_dims: tuple[int, ...] | None = None  # its dims in that mesh
+        self._flattened_from: DeviceMesh | None = None  # the mesh _flatten() made this one of
+        self._unflattened_from: tuple | None = None  # (mesh, dim, sizes, names) of _unflatten()
         self._subcomms: dict[tuple[int, ...], MPI.Cartcomm] = {}
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}  # get_group's views of _subcomms
         self._submeshes: dict[tuple[int, ...], DeviceMesh] = {}
@@ -176,7 +180,9 @@ class DeviceMesh:
     def _flatten(self, mesh_dim_name: str | None = None) -> "DeviceMesh":
         """A 1-D mesh over all dims of this mesh; its communicator is one ``Cart_sub``."""
         name = mesh_dim_name or "_".join(self.mesh_dim_names or ("flat",))
-        return self._submesh(tuple(range(self.ndim)), (name,), flatten=True)
+        flat = self._submesh(tuple(range(self.ndim)), (name,), flatten=True)
+        flat._flattened_from = self
+        return flat
 
     def _unflatten(self, dim: int | str, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str],
                    backend_override: dict | Sequence | None = None) -> "DeviceMesh":
@@ -207,8 +213,10 @@ class DeviceMesh:
         cart = None
         if self._cart is not None:  # rank order is row-major in the coordinates, so a reshape keeps it
             cart = self._cart.Create_cart(list(shape), periods=[False] * len(shape), reorder=False)
-        return DeviceMesh._from_cart(self.device_type, ranks, all_names, self._parent_comm, cart,
-                                     grids.unflatten_grid(self._grid, index, sizes))
+        unflat = DeviceMesh._from_cart(self.device_type, ranks, all_names, self._parent_comm, cart,
+                                       grids.unflatten_grid(self._grid, index, sizes))
+        unflat._unflattened_from = (self, index, sizes, names)
+        return unflat
 
     # --- communicators ---------------------------------------------------------------------
     def comm_for(self, dims: Iterable[int]) -> MPI.Cartcomm:
@@ -298,6 +306,17 @@ class DeviceMesh:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self):
+        """Pickled as its layout and its path from the root mesh, without MPI handles;
+        unpickled as the live mesh (:mod:`mpidtensor.mesh.pickling`)."""
+        return pickling.reduce_mesh(self)
+
+    def __copy__(self) -> "DeviceMesh":  # a mesh owns communicators: a copy is the mesh itself
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "DeviceMesh":
+        return self
+
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
@@ -332,6 +351,7 @@ def init_device_mesh(
     cart = comm.Create_cart(list(mesh_shape), periods=[False] * len(mesh_shape), reorder=False)
     ranks = torch.arange(comm.size).reshape(mesh_shape)
     mesh = DeviceMesh._from_cart(device_type, ranks, names, comm, cart)
+    pickling.remember_root(mesh)
     if device_type == "cuda":
         bind_local_gpu(comm)
     return mesh

@@ -19,7 +19,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .layout import contiguous_strides, strides_like
-from . import validate
+from . import pickling, validate
 from ..mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, normalize_placements
 from .redistribute import redistribute_local
@@ -71,6 +71,10 @@ class DTensor(torch.Tensor):
             f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
             f"placements={self._spec.placements})"
         )
+
+    def __reduce_ex__(self, protocol: int):
+        """Pickled as its local tensor and spec; unpickled on the live mesh (:mod:`.pickling`)."""
+        return pickling.reduce_dtensor(self)
 
     def __tensor_flatten__(self):
         return ["_local_tensor"], self._spec
@@ -350,3 +354,10 @@ def _install_graph_breaks() -> None:
         "torch.Tensor.to_dtensor(device_mesh, placements): DTensor.from_local as a tensor method")
 def _install_to_dtensor() -> None:
     torch.Tensor.to_dtensor = to_dtensor
+
+
+@effect("safe globals for torch.load", "first mesh",
+        "torch.serialization.add_safe_globals: DTensor, DeviceMesh, the spec, the placements and their "
+        "rebuild functions, so torch.load(weights_only=True) loads DTensors (torch registers its own alike)")
+def _install_safe_globals() -> None:
+    torch.serialization.add_safe_globals(pickling.safe_globals(DTensor))
