@@ -10,9 +10,10 @@ from .tensor.dtensor import DTensor
 from . import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
 from .tensor.factories import empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, init_device_mesh
-from .tensor.placements import Partial, Placement, Replicate, Shard
+from .tensor.placements import Partial, Placement, Replicate, Shard, _StridedShard
 from .runtime.caches import clear_all as clear_cache
 from .runtime.settings import settings
+from .compat.switch import install_torch_distributed
 from . import ops  # noqa: F401  (registers the sharding rules)
 
 # The optimizer fast paths register their hooks as effects installed at the first mesh:
@@ -33,6 +34,7 @@ __all__ = [
     "empty",
     "full",
     "init_device_mesh",
+    "install_torch_distributed",
     "ones",
     "rand",
     "randn",

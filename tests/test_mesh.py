@@ -56,7 +56,7 @@ def test_joint_mesh_of_a_flattened_slice_and_the_rest(shape, names):
     """FSDP over ``mesh["dp", "cp"]._flatten("dp_cp")`` beside TP over ``mesh["tp"]`` (torch's
     recipe for context parallelism): the joint mesh has the merged dim, whose groups are
     the flattened mesh's, and the tp dim, whose groups are the slice's."""
-    from mpidtensor.mesh.device_mesh import joint_mesh
+    from mpidtensor.mesh.relations import joint_mesh
 
     if WORLD.size != 4:
         pytest.skip("a 3-D mesh of 4 ranks")
@@ -69,7 +69,12 @@ def test_joint_mesh_of_a_flattened_slice_and_the_rest(shape, names):
     assert_all_ranks(joint.get_group("dp_cp").allgather(rank) == flat.get_group().allgather(rank)
                      and joint.get_group("tp").allgather(rank) == mesh["tp"].get_group().allgather(rank), repr(joint))
     assert_all_ranks(joint_mesh(flat, mesh["tp"])[0] is joint, "the joint mesh is cached")
-    assert_all_ranks(joint_mesh(mesh["dp"], mesh["tp"]) is None, "dp and tp do not cover the mesh")
+    # two slices that leave a dim out compose over the ranks they span, as torch's do
+    part, dp_dims, tp_dims = joint_mesh(mesh["dp"], mesh["tp"])
+    assert_all_ranks(part.shape == (mesh.size("dp"), mesh.size("tp")) and part["tp"] == mesh["tp"]
+                     and part["dp"] == mesh["dp"] and (dp_dims, tp_dims) == ((0,), (1,)), repr(part))
+    with_cp = [mesh[[n for n in names if n != drop]] for drop in ("tp", "dp")]
+    assert_all_ranks((joint_mesh(*with_cp) is None) == (mesh.size("cp") > 1), "dp x cp and cp x tp overlap on cp")
 
 
 def test_arbitrary_layout():

@@ -6,7 +6,7 @@ import torch
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
-from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from mpidtensor import DTensor, Partial, Replicate, Shard, _StridedShard, distribute_tensor
 from mpidtensor.debug import CommDebugMode
 from mpidtensor import clear_cache
 
@@ -216,3 +216,83 @@ def test_empty_tensors_gather_along_a_later_dim(mesh1d, shape):
         d = distribute_tensor(full, mesh1d, placements)
         out = d.full_tensor()
         assert_all_ranks(out.shape == full.shape, f"{placements}: {tuple(out.shape)}")
+
+
+# --- _StridedShard in the sweep: every transition to and from it, checked against torch's own
+# placement (its _split_tensor, a pure function of the global tensor), 1-D and 2x2 meshes
+
+STRIDED_1D = [Shard(0), Shard(1), Replicate(), _StridedShard(0, split_factor=2), _StridedShard(1, split_factor=3),
+              _StridedShard(-2, split_factor=3), _StridedShard(1, split_factor=2)]
+
+
+def _torch_block(full: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """This rank's block as torch lays it out: each mesh dim's placement applied in turn."""
+    import torch.distributed.tensor.placement_types as torch_placements
+
+    block = full
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            block = torch_placements.Shard(p.dim % full.ndim)._split_tensor(
+                block, mesh.shape[m], with_padding=False)[0][mesh.get_coordinate()[m]]
+        elif isinstance(p, _StridedShard):
+            block = torch_placements._StridedShard(p.dim % full.ndim, split_factor=p.split_factor)._split_tensor(
+                block, mesh.shape[m], with_padding=False)[0][mesh.get_coordinate()[m]]
+    return block
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (2, 9), (12, 6)])
+@pytest.mark.parametrize("src,dst", list(itertools.product(STRIDED_1D, STRIDED_1D)))
+def test_1d_strided_transitions(mesh1d, shape, src, dst):
+    full = global_tensor(shape)
+    d = distribute_tensor(full, mesh1d, [src])
+    assert_close(d.to_local(), _torch_block(full, mesh1d, [src]))
+    out = d.redistribute(mesh1d, [dst])
+    assert_close(out.to_local(), _torch_block(full, mesh1d, [dst]))
+    assert_close(out.full_tensor(), full)
+
+
+@pytest.mark.parametrize("dst", STRIDED_1D[3:])
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_partial_to_strided(mesh1d, dst, op):
+    parts = [global_tensor((7, 5), seed=20 + r) for r in range(WORLD.size)]
+    expected = torch.stack(parts).sum(0) if op == "sum" else torch.stack(parts).amax(0)
+    out = DTensor.from_local(parts[WORLD.rank], mesh1d, [Partial(op)]).redistribute(mesh1d, [dst])
+    assert_close(out.to_local(), _torch_block(expected, mesh1d, [dst]))
+
+
+STRIDED_2D = [Shard(0), Shard(1), Replicate(), _StridedShard(0, split_factor=2), _StridedShard(1, split_factor=3)]
+STRIDED_2D_LAYOUTS = [list(p) for p in itertools.product(STRIDED_2D, STRIDED_2D)]
+
+
+@pytest.mark.parametrize("src", STRIDED_2D_LAYOUTS)
+@pytest.mark.parametrize("dst", STRIDED_2D_LAYOUTS)
+def test_2d_strided_transitions(mesh2d, src, dst):
+    if not any(isinstance(p, _StridedShard) for p in src + dst):
+        pytest.skip("no _StridedShard: test_2d_transitions")
+    full = global_tensor((7, 5))
+    d = distribute_tensor(full, mesh2d, src)
+    out = d.redistribute(mesh2d, dst)
+    assert_close(out.to_local(), _torch_block(full, mesh2d, dst))
+    assert_close(out.full_tensor(), full)
+
+
+@pytest.mark.parametrize("src", [[_StridedShard(0, split_factor=2), Shard(0)], [Shard(0), _StridedShard(0, split_factor=2)]])
+@pytest.mark.parametrize("dst", [[Replicate(), Replicate()], [Shard(0), Shard(0)], [Replicate(), Shard(0)],
+                                 [Shard(1), Shard(0)]])
+def test_2d_fsdp_tp_strided_backward(mesh2d, src, dst):
+    """torch's layout of an FSDP x TP parameter, ``(_StridedShard(0, tp), Shard(0))``: gradients
+    come back in the same layout, whatever the target."""
+    full = global_tensor((9, 4)).requires_grad_()
+    weight = global_tensor((9, 4), seed=3)
+    d = distribute_tensor(full, mesh2d, src)
+    (d.redistribute(mesh2d, dst).full_tensor() * weight).sum().backward()
+    assert_all_ranks(d.grad.placements == d.placements, f"grad placements {d.grad.placements}")
+    assert_close(d.grad.full_tensor(), weight)
+
+
+def test_2d_strided_gather_is_one_collective(mesh2d):
+    d = distribute_tensor(global_tensor((9, 3)), mesh2d, [_StridedShard(0, split_factor=2), Shard(0)])
+    with CommDebugMode() as comm:
+        out = d.redistribute(mesh2d, [Replicate(), Replicate()])
+    assert_all_ranks(dict(comm.get_comm_counts()) == {"all_gather": 1}, str(comm.get_comm_counts()))
+    assert_close(out.to_local(), global_tensor((9, 3)))

@@ -72,7 +72,8 @@ def _placeable(sharding: registry.Sharding | None, specs, out_metas) -> bool:
 
 def rule_of(func: torch._ops.OpOverload) -> Callable | None:
     """The rule the dispatcher uses for ``func`` (the fast paths ask the same one); an
-    in-place view op (``squeeze_``, ``t_``…) uses its functional form's."""
+    in-place view op (``squeeze_``, ``t_``…) uses its functional form's. A rule that does
+    not place ``_StridedShard`` inputs itself gets them as ``Replicate`` (:func:`registry.strided_safe`)."""
     rule = registry.rule_for(func)
     if rule is None and torch.Tag.inplace_view in func.tags:
         packet = getattr(torch.ops.aten, func._schema.name.split("::")[1].removesuffix("_"), None)
@@ -80,7 +81,7 @@ def rule_of(func: torch._ops.OpOverload) -> Callable | None:
         rule = registry.rule_for(functional) if functional is not None else None
     if rule is None and is_pointwise(func):
         rule = pointwise_rule
-    return rule
+    return None if rule is None else registry.strided_safe(rule)
 
 
 def _decomposed_plan(func, decomposed, specs, mesh) -> Plan:

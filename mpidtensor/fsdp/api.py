@@ -22,12 +22,13 @@ from torch import nn
 from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
 from ..runtime.agreement import attempt, raise_agreed
-from ..mesh.device_mesh import joint_mesh
+from ..mesh.relations import joint_mesh
 from ..tensor.placements import Shard
 from .group import ParamGroup
 from .module import FSDPModule
 from .param import FSDPParam, MeshInfo
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_offload_policy
+from .spmd import DataParallelMeshDims, SpmdLayout
 from .state import FSDPState
 
 # Parameters that a fully_shard call replaced by its sharded DTensors: another module that
@@ -37,16 +38,24 @@ _REPLACED: dict[int, weakref.ref] = {}
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
-) -> nn.Module:
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over the data-parallel ``mesh`` (FSDP2 semantics).
+
+    ``module``: a module, or a list of modules sharded as ONE group (one all-gather, one
+    reduce-scatter), as torch 2.13 does: gathered on the first forward of any of them,
+    resharded after the last of them in that forward (or at the root's end, if some did not
+    run); torchtitan shards ``[model.norm, model.output]`` this way. Returns it as given.
+    ``dp_mesh_dims``: ``mesh`` is then the full SPMD mesh, the parameters DTensors on it
+    replicated over the named data-parallel dims (``fsdp.spmd``).
 
     ``mesh``: 1-D (FSDP; default: all ranks) or 2-D ``(replicate, shard)`` (HSDP). A
     sub-mesh whose parent's one remaining dim holds the parameters' tensor-parallel
@@ -58,7 +67,8 @@ def fully_shard(
     ``Shard(0)``, or for a TP parameter the first dim TP leaves whole; a TP parameter
     with no such dim (a ColwiseParallel bias) stays replicated over ``mesh``: used as
     is, without an all-gather, its gradient all-reduced instead of reduce-scattered.
-    ``reshard_after_forward``: ``True`` frees the gathered parameters after forward (backward
+    ``reshard_after_forward``: ``None`` (the default, as torch's) is ``True`` (the root
+    keeps its parameters while gradients are on either way); ``True`` frees the gathered parameters after forward (backward
     gathers them again), ``False`` keeps them; an int ``k`` (a divisor of the shard group
     size) keeps each rank's ``1/k`` of them, so that backward gathers over ``k`` ranks
     only (``1`` is ``False``, the group size is ``True``, as in torch). With ``True`` or an
@@ -70,29 +80,34 @@ def fully_shard(
     already split over the ranks.
     Returns ``module``, whose class is now an ``FSDPModule`` subclass.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    modules = _modules(module)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if reshard_after_forward is None:
+        reshard_after_forward = True
     if not isinstance(reshard_after_forward, int):
         raise TypeError(f"reshard_after_forward must be a bool or an int, got {reshard_after_forward!r}")
-    managed = _managed_params(module, _ignored_ids(ignored_params))
+    managed = _managed_params(modules, _ignored_ids(ignored_params))
     if mesh is None:
         mesh = _default_mesh(_device_type(managed))
+    spmd = None
+    if dp_mesh_dims is not None:
+        spmd = SpmdLayout(mesh, dp_mesh_dims)
+        for users, param in managed:
+            spmd.check(param, f"{type(users[0][0]).__name__}.{users[0][1]}")
+        mesh = spmd.dp_mesh
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard needs a 1-D (FSDP) or 2-D (HSDP) DeviceMesh, got {mesh!r}")
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable, got {shard_placement_fn!r}")
     reshard_after_forward = _post_forward_size(reshard_after_forward, mesh)
     check_offload_policy(offload_policy, {p.device for _, p in managed}, mesh)
-    _check_params(managed, mesh, mp_policy, offload_policy)
+    _check_params(managed, mesh, mp_policy, offload_policy, spmd)
     _check_not_tied_across_groups(managed)
-    cls = _fsdp_class(type(module))  # (before any change: a class that cannot be subclassed raises here)
+    classes = [_fsdp_class(type(m)) for m in modules]  # (before any change: a class that cannot be subclassed raises here)
     dims = [_shard_dim(param, shard_placement_fn) for _, param in managed]
     info = MeshInfo(mesh)
-    params, error = attempt(lambda: [FSDPParam(users, param, info, mp_policy, dim)
+    params, error = attempt(lambda: [FSDPParam(users, param, info, mp_policy, dim, spmd)
                                      for (users, param), dim in zip(managed, dims)])
     if any(hasattr(_data(param), "fsdp_pre_all_gather") for _, param in managed):
         raise_agreed(mesh.comm, error)  # a subclass's own split / copy may fail on some ranks only
@@ -101,9 +116,26 @@ def fully_shard(
     group = ParamGroup(params, info, mp_policy, reshard_after_forward, offload_policy) if params else None
     for _, param in managed:
         _REPLACED[id(param)] = weakref.ref(param, lambda _, key=id(param): _REPLACED.pop(key, None))
-    module._fsdp_state = FSDPState(module, group, mp_policy)
-    module.__class__ = cls
+    state = FSDPState(modules, group, mp_policy)
+    for m, cls in zip(modules, classes):
+        m._fsdp_state = state
+        m.__class__ = cls
     return module
+
+
+def _modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """``fully_shard``'s module argument as a list of distinct modules not yet sharded."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard needs at least one module, got an empty list")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard got the same module twice in its list")
+    return modules
 
 
 @cache
@@ -126,13 +158,17 @@ def _ignored_ids(ignored_params: Iterable[nn.Parameter] | None) -> set[int]:
     return {id(p) for p in ignored_params}
 
 
-def _managed_params(module: nn.Module, ignored: set[int]) -> list[tuple[list[tuple[nn.Module, str]], nn.Parameter]]:
-    """Each parameter ``module`` owns, with every (module, name) that refers to it; the
+def _managed_params(modules: list[nn.Module], ignored: set[int]) -> list[tuple[list[tuple[nn.Module, str]], nn.Parameter]]:
+    """Each parameter the ``modules`` own, with every (module, name) that refers to it; the
     sub-trees of ``fully_shard``-ed descendants and the ``ignored`` ids are left out."""
     found: dict[int, tuple[list[tuple[nn.Module, str]], nn.Parameter]] = {}
-    stack = [module]
+    stack = list(reversed(modules))
+    seen: set[int] = set()
     while stack:
         m = stack.pop()
+        if id(m) in seen:  # (a module reached from two of the list)
+            continue
+        seen.add(id(m))
         for name, param in m._parameters.items():
             if param is not None and id(param) not in ignored:
                 found.setdefault(id(param), ([], param))[0].append((m, name))
@@ -158,7 +194,8 @@ def _post_forward_size(value: bool | int, mesh: DeviceMesh) -> bool | int:
     return False if value == 1 else True if value == size else value
 
 
-def _check_params(managed: list, mesh: DeviceMesh, mp: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
+def _check_params(managed: list, mesh: DeviceMesh, mp: MixedPrecisionPolicy, offload: OffloadPolicy,
+                  spmd: SpmdLayout | None = None) -> None:
     """Raise before anything changes if the parameters cannot be sharded together on ``mesh``."""
     params = [param for _, param in managed]
     devices = {p.device for p in params}
@@ -174,7 +211,7 @@ def _check_params(managed: list, mesh: DeviceMesh, mp: MixedPrecisionPolicy, off
         if p.ndim == 0:
             raise ValueError("fully_shard cannot shard a 0-dimensional parameter")
     tp_mesh = next(iter(meshes)) if meshes else None
-    if tp_mesh is not None:
+    if tp_mesh is not None and spmd is None:  # (dp_mesh_dims: SpmdLayout.check did it)
         _check_tp(params, mesh, tp_mesh)
     trainable = {p.dtype for p in params if p.requires_grad}
     if len(trainable) > 1 and mp.reduce_dtype is None and mp.param_dtype is None:
@@ -231,16 +268,20 @@ def _data(param: nn.Parameter) -> torch.Tensor:
 
 
 def _check_tp(params: list, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
-    """FSDP x TP: ``mesh`` (1-D FSDP or 2-D HSDP) and the 1-D ``tp_mesh`` must be
-    complementary sub-meshes of one mesh (e.g. ``mesh3d["dp_replicate", "dp_shard"]`` and
-    ``mesh3d["tp"]``, or ``mesh3d["dp", "cp"]._flatten("dp_cp")`` and ``mesh3d["tp"]``),
-    and the TP placements must not be Partial. Plain parameters beside them are sharded
-    over ``mesh`` alone. Collective (the joint mesh of a flattened one is made here)."""
+    """FSDP x TP: ``mesh`` (1-D FSDP or 2-D HSDP) and the 1-D ``tp_mesh`` must compose into
+    one mesh (``mesh.relations.joint_mesh``): every data-parallel group meets every TP group
+    once, as for ``mesh3d["dp_replicate", "dp_shard"]`` and ``mesh3d["tp"]``,
+    ``mesh3d["dp", "cp"]._flatten("dp_cp")`` and ``mesh3d["tp"]``, or slices of two
+    ``_unflatten``s of one world mesh (torchtitan); and the TP placements must not be
+    Partial. Plain parameters beside them are sharded over ``mesh`` alone. Decided from the
+    meshes' rank grids, alike on every rank; collective over the joint mesh's ranks the
+    first time (its communicator is made here)."""
     if tp_mesh.ndim != 1 or joint_mesh(mesh, tp_mesh) is None:
         raise ValueError(
-            "parameters that are DTensors need fully_shard's mesh and theirs to be complementary sub-meshes "
-            "of one mesh (e.g. mesh['dp'] and mesh['tp'], mesh['dp_replicate', 'dp_shard'] and mesh['tp'], "
-            f"or mesh['dp', 'cp']._flatten('dp_cp') and mesh['tp']), got {mesh!r} and {tp_mesh!r}"
+            "parameters that are DTensors need fully_shard's mesh and theirs to compose into one mesh, each "
+            "data-parallel group meeting each TP group once (e.g. mesh['dp'] and mesh['tp'], "
+            "mesh['dp', 'cp']._flatten('dp_cp') and mesh['tp'], or slices of two _unflatten()s of one mesh), "
+            f"got {mesh!r} and {tp_mesh!r}"
         )
     for p in params:
         if isinstance(p, DTensor) and any(pl.is_partial() for pl in p.placements):

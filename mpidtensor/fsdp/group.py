@@ -94,6 +94,11 @@ class ParamGroup:
         self.force_sum_reduction = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.custom_all_gather = self.custom_reduce_scatter = None
+        self.reduce_scatter_unused_params = False  # zero gradients for parameters backward left out
+        self.reduce_scatter_max_input_buffers = 1  # reduce-scatters left in flight (FSDPState._reduced)
+        self.reduce_scatter_comm = info.shard_comm  # set_separate_reduce_scatter_group: a duplicate
+        self.allocate_from_process_group = False  # stored only: NCCL's allocator (FSDPModule docstring)
+        self.symm_mem_backend: str | None = None  # stored only: NCCL symmetric memory
         trainable = [p for p in params if p.requires_grad]
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype or (trainable[0].orig_dtype if trainable else None)
         self.gathered = [p for p in params if not p.replicated]
@@ -388,14 +393,14 @@ class ParamGroup:
         for p in self.params:
             unsharded = p.unsharded
             g = unsharded.grad if unsharded is not None and p.requires_grad else None
+            if g is None and self.reduce_scatter_unused_params and unsharded is not None and p.requires_grad:
+                g = torch.zeros(p.shape, dtype=p.param_dtype, device=self.device)  # a term every rank sends
             if g is None:
                 continue
             params.append(p)
             unsharded.grad = None
             if isinstance(g, DTensor):
-                if g._spec.placements != p.tp_spec.placements:
-                    g = g.redistribute(p.tp_spec.mesh, p.tp_spec.placements)
-                g = g._local_tensor
+                g = p.local_grad(g)
             if type(g) is not torch.Tensor:
                 g = _plain_grad(g, p)
             if p.grad_acc is not None:
@@ -432,13 +437,19 @@ class ParamGroup:
                                             reusable=True)
                 packing.pack_ranks(send.view(world, total), sharded)
                 collectives.divide(send, pre)
-                scatter = collectives.start_reduce_scatter(self.custom_reduce_scatter, send, self.info.shard_comm,
+                scatter = collectives.start_reduce_scatter(self.custom_reduce_scatter, send, self.reduce_scatter_comm,
                                                            self._scatters)
             if replicated:
                 flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for _, g in replicated])
                 collectives.divide(flat, pre)
                 reduce = iall_reduce(flat, self.info.mesh.comm_for(tuple(range(self.info.mesh.ndim))), "sum", inplace=True)
         self._pending = (scatter, [p for p, _ in sharded], reduce, [p for p, _ in replicated])
+
+    def use_separate_reduce_scatter(self, enable: bool) -> None:
+        """Reduce-scatter over a duplicate of the shard communicator (``enable``) or the
+        shard communicator itself. Collective over the shard ranks the first time."""
+        self.reduce_scatter_comm = self.info.separate_comm() if enable else self.info.shard_comm
+        self._scatters = {}  # prepared for the other communicator
 
     def _factors(self) -> tuple[float | None, float | None, float | None]:
         return collectives.divide_factors(self.info.dp_size, self.gradient_divide_factor, self.reduce_dtype,

@@ -150,6 +150,59 @@ class FSDPModule:
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.custom_reduce_scatter = comm
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """With ``True``, a parameter that took part in forward but got no gradient in backward
+        (conditional control flow, unrouted experts) sends zeros to the reduce-scatter, so
+        that every rank reduce-scatters the same parameters (as DDP's
+        ``find_unused_parameters``); on MPI ranks that sent different parameters would mix
+        up their buffers."""
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many gradient reduce-scatters (each with its input buffer) may be in flight at
+        once (torch: ``>= 1``, default 1): the next group's reduce-scatter starts without
+        waiting for the previous ones until this many are running; more overlap, more
+        memory. With MPI progress ``off`` (the default) a reduce-scatter is done when it
+        returns, so only the ``hooks`` and ``thread`` modes see a difference."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for group in self._groups(recurse):
+            group.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """With ``True`` gradient reduce-scatters run on their own communicator, a duplicate
+        (``MPI_Comm_dup``) of the shard communicator, one per mesh, so that they never queue
+        behind an all-gather on the same communicator; ``False`` goes back to the shard
+        communicator. Collective over the shard ranks, as torch's: call it on every rank."""
+        for group in self._groups(recurse):
+            group.use_separate_reduce_scatter(enable)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """torch: allocate the collectives' staging buffers with the ProcessGroup's own
+        allocator (NCCL's zero-copy transfers over SHARP). Stored and otherwise a no-op on
+        MPI: the buffers come from mpidtensor's pool (``MPIDTENSOR_BUFFER_POOL_MB``) either
+        way. Like torch, refused with a custom all-gather or reduce-scatter."""
+        group = self._fsdp_state.group
+        if group is not None:
+            if enable and (group.custom_all_gather is not None or group.custom_reduce_scatter is not None):
+                raise ValueError("set_allocate_memory_from_process_group_for_comm cannot be combined with "
+                                 "set_custom_all_gather / set_custom_reduce_scatter")
+            group.allocate_from_process_group = enable
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """torch: allocate the all-gather staging buffers in NCCL symmetric memory (copy-engine
+        or symmetric-kernel all-gathers). Stored and otherwise a no-op on MPI, which has no
+        symmetric memory: the all-gathers run as before. ``backend`` must be ``"NCCL"``, as
+        in torch."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm supports the backend 'NCCL' only, got {backend!r}")
+        group = self._fsdp_state.group
+        if group is not None:
+            group.symm_mem_backend = backend
+
     def reset_iter_state(self) -> None:
         """After an exception interrupted forward or backward: finish and drop every
         collective in flight, reshard every group and clear the iteration's bookkeeping, so
@@ -159,7 +212,23 @@ class FSDPModule:
 
     def _groups(self, recurse: bool) -> list[ParamGroup]:
         modules = self.modules() if recurse else [self]
-        return [m._fsdp_state.group for m in modules if isinstance(m, FSDPModule) and m._fsdp_state.group is not None]
+        groups = {id(m._fsdp_state.group): m._fsdp_state.group for m in modules
+                  if isinstance(m, FSDPModule) and m._fsdp_state.group is not None}
+        return list(groups.values())  # (a list fully_shard's group once)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """torch: let several FSDP roots (pipeline stages' model chunks) share one set of CUDA
+    streams for their collectives. MPI collectives have no streams: the modules are
+    checked, as torch checks them, and the shared context is recorded (``comm_ctx``) and
+    changes nothing else."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
+    if modules:
+        shared = modules[0]._fsdp_state.comm_ctx
+        for module in modules[1:]:
+            module._fsdp_state.comm_ctx = shared
 
 
 def _prefetch_state(module: nn.Module) -> FSDPState:

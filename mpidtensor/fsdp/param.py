@@ -25,10 +25,11 @@ from ..tensor.layout import chunk_span, contiguous_strides
 from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..comm import accounting
-from ..mesh.device_mesh import joint_mesh
+from ..mesh.relations import joint_mesh
 from ..tensor.placements import Placement, Replicate, Shard
 from ..tensor.spec import DTensorSpec
 from .policies import MixedPrecisionPolicy
+from .spmd import SpmdLayout
 
 
 class MeshInfo:
@@ -54,6 +55,17 @@ class MeshInfo:
             comm = self.mesh._subcomms[key] = self.shard_comm.Split(self.shard_rank // size, self.shard_rank)
         return comm
 
+    def separate_comm(self) -> MPI.Comm:
+        """A duplicate of the shard communicator for gradient reduce-scatters
+        (``set_separate_reduce_scatter_group``): MPI matches collectives per communicator,
+        so on it a reduce-scatter in flight never queues behind an all-gather. One per
+        mesh, kept with its communicators; collective over the shard ranks on first use."""
+        key = ("fsdp_reduce_scatter",)
+        comm = self.mesh._subcomms.get(key)
+        if comm is None:
+            comm = self.mesh._subcomms[key] = self.shard_comm.Dup()
+        return comm
+
     def spec_for(self, tp_spec: DTensorSpec | None, dim: int | None) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """Mesh and placements of a sharded parameter (``tp_spec``: its TP layout, if any;
         ``dim``: the dim FSDP shards, ``None``: replicated over the data-parallel mesh)."""
@@ -74,11 +86,16 @@ class FSDPParam:
     """Layout and state of one managed parameter (shared parameters: several ``users``)."""
 
     def __init__(self, users: list[tuple[nn.Module, str]], param: nn.Parameter, info: MeshInfo,
-                 mp: MixedPrecisionPolicy, dim: int | None) -> None:
+                 mp: MixedPrecisionPolicy, dim: int | None, spmd: SpmdLayout | None = None) -> None:
         self.users = users
         self.requires_grad = param.requires_grad
-        self.tp_spec = param._spec if isinstance(param, DTensor) else None
-        data = param._local_tensor if self.tp_spec is not None else param.detach()
+        is_dtensor = isinstance(param, DTensor)
+        # the unsharded form's layout (the module computes with it), and its TP part: the
+        # same, except under dp_mesh_dims (its layout on the full mesh's other dims)
+        self.unsharded_spec = param._spec if is_dtensor else None
+        self.tp_spec = spmd.tp_view(param._spec) if spmd is not None else self.unsharded_spec
+        self.dp_indices = spmd.dp_indices if spmd is not None else frozenset()
+        data = param._local_tensor if is_dtensor else param.detach()
         self.shape = data.shape  # what FSDP shards: the whole tensor, or the local TP block
         self.dim = dim
         self.replicated = dim is None
@@ -135,12 +152,24 @@ class FSDPParam:
         self.install(param)
 
     def wrap_unsharded(self, tensor: torch.Tensor) -> nn.Parameter:
-        """The unsharded parameter around ``tensor`` (as a TP DTensor if the parameter was one)."""
-        if self.tp_spec is not None:
-            tp = self.tp_spec
+        """The unsharded parameter around ``tensor`` (as a DTensor if the parameter was one)."""
+        if self.unsharded_spec is not None:
+            tp = self.unsharded_spec
             spec = DTensorSpec(tp.mesh, tp.placements, tp.shape, tp.stride, tensor.dtype)
             tensor = DTensor(tensor, spec, requires_grad=False)
         return nn.Parameter(tensor, requires_grad=self.requires_grad)
+
+    def local_grad(self, grad: DTensor) -> torch.Tensor:
+        """The local block of an unsharded DTensor gradient in the parameter's layout. Under
+        dp_mesh_dims a Partial on a data-parallel dim stays: its terms are what FSDP's
+        reduce-scatter sums."""
+        target = self.unsharded_spec.placements
+        if grad._spec.placements != target:
+            if self.dp_indices:
+                target = tuple(g if i in self.dp_indices and g.is_partial() else t
+                               for i, (g, t) in enumerate(zip(grad._spec.placements, target)))
+            grad = grad.redistribute(self.unsharded_spec.mesh, target)
+        return grad._local_tensor
 
     # --- all-gather extension (tensor subclasses with fsdp_pre/post_all_gather) -----------------
     def pre_all_gather(self, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> tuple[tuple[torch.Tensor, ...], object]:

@@ -36,8 +36,12 @@ from .policies import MixedPrecisionPolicy, cast_floats
 class FSDPState:
     """Per-module FSDP state; the root's also holds the order and pending work of all."""
 
-    def __init__(self, module: nn.Module, group: ParamGroup | None, mp: MixedPrecisionPolicy) -> None:
-        self.module = module
+    def __init__(self, modules: list[nn.Module], group: ParamGroup | None, mp: MixedPrecisionPolicy) -> None:
+        self.module = modules[0]
+        # fully_shard([a, b]): one group for several modules, gathered on the first forward of
+        # any of them and resharded after the last (or the root's end); ids not yet run
+        self.modules = modules
+        self._to_run: set[int] = set()
         self.group = group
         self.mp = mp
         self.is_root: bool | None = None
@@ -60,14 +64,20 @@ class FSDPState:
         self._reducing: list[ParamGroup] = []
         self.is_last_backward = True
         self.post_optim_event: Any = None
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
+        self.comm_ctx: object = self  # share_comm_ctx: the context these hooks share (no streams on MPI)
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward)
 
     # --- root -------------------------------------------------------------------------------------
     def _lazy_init(self) -> None:
         """The first state to run forward becomes the root of every state below it."""
+        if len(self.modules) > 1:
+            raise RuntimeError("the root fully_shard module must be one module, not a list: apply fully_shard "
+                               f"to a module holding {[type(m).__name__ for m in self.modules]} as well")
         self.is_root = True
-        self.states = [state for state in map(state_of, self.module.modules()) if state is not None]
+        found = {id(s): s for s in map(state_of, self.module.modules()) if s is not None}  # (a group's state once)
+        self.states = list(found.values())
         for state in self.states[1:]:
             state.is_root, state.root = False, self
 
@@ -77,6 +87,7 @@ class FSDPState:
             if state.group is not None and state.group.has_pending_grads:
                 state._reduce()
             state._uses = 0
+            state._to_run.clear()
         if self.is_last_backward:
             for group in self._reducing:
                 group.finish_reduce()
@@ -87,12 +98,14 @@ class FSDPState:
         self._callback_queued = False
 
     def _reduced(self, group: ParamGroup) -> None:
-        """Record ``group``'s reduce-scatter; complete the ones started before it."""
+        """Record ``group``'s reduce-scatter; complete the ones started before it but the
+        last ``reduce_scatter_max_input_buffers - 1`` (default: all)."""
         if not group.reducing:
             return
-        for earlier in self._reducing:
-            earlier.finish_reduce()
-        self._reducing = [group]
+        keep = group.reduce_scatter_max_input_buffers - 1
+        while len(self._reducing) > keep:
+            self._reducing.pop(0).finish_reduce()
+        self._reducing.append(group)
 
     def reset_iter_state(self) -> None:
         """The root's recovery after an exception (``FSDPModule.reset_iter_state``)."""
@@ -113,6 +126,14 @@ class FSDPState:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.method_depth:  # forward called by a registered forward method: already gathered
             return args, kwargs
+        if len(self.modules) > 1:
+            if self._to_run:  # a later module of the group in this pass: gathered by the first
+                if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
+                    args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
+                if self.group is not None:
+                    self.group.finish_unshard()
+                return args, kwargs
+            self._to_run = {id(m) for m in self.modules}
         if self.is_root is None:
             self._lazy_init()
         root = self.root
@@ -152,6 +173,10 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.method_depth:
             return output
+        if len(self.modules) > 1:
+            self._to_run.discard(id(module))
+            if self._to_run:  # more modules of the group to run: keep the parameters gathered
+                return cast_floats(output, self.mp.output_dtype)
         progress.poke()
         root = self.root
         grad = torch.is_grad_enabled()
@@ -167,6 +192,10 @@ class FSDPState:
                 if state.group.sharded_state is UNSHARDED:
                     state.group.reshard()
             root._kept = []
+            for state in root.states:  # groups whose forward ran some of their modules only
+                if state._to_run and state is not self:
+                    state._to_run.clear()
+                    output = state._post_forward(state.module, (), output)
             if root._recording:
                 root._recording = False
                 root.last_call = {id(s): i for i, s in enumerate(root.forward_order)}

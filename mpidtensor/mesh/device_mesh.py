@@ -20,6 +20,7 @@ import torch
 from mpi4py import MPI
 
 from ..runtime import caches, effects
+from . import grids
 from .cuda import bind_local_gpu
 from .launch import check_launch_once
 
@@ -87,22 +88,22 @@ class DeviceMesh:
             bind_local_gpu(comm)
 
     @classmethod
-    def _from_cart(cls, device_type, ranks, names, parent_comm, cart) -> "DeviceMesh":
+    def _from_cart(cls, device_type, ranks, names, parent_comm, cart, grid=None) -> "DeviceMesh":
         mesh = cls.__new__(cls)
-        mesh._setup(device_type, ranks, names, parent_comm, cart)
+        mesh._setup(device_type, ranks, names, parent_comm, cart, grid)
         return mesh
 
-    def _setup(self, device_type, ranks, names, parent_comm, cart) -> None:
+    def _setup(self, device_type, ranks, names, parent_comm, cart, grid=None) -> None:
         self.device_type = device_type
         self.mesh = ranks
         self.mesh_dim_names = names
+        # every copy of this mesh among the ranks, alike on all ranks (mesh.grids)
+        self._grid = grids.root_grid(ranks) if grid is None else grid
         self._parent_comm = parent_comm
         self._cart = cart
         self._coord = tuple(cart.Get_coords(cart.rank)) if cart is not None else None
         self._parent: DeviceMesh | None = None  # the mesh this one was sliced from (FSDP x TP)
         self._parent_dims: tuple[int, ...] | None = None  # its dims in that mesh
-        self._flattened_from: DeviceMesh | None = None  # the mesh _flatten() made this one of
-        self._merged_groups: tuple[tuple[int, ...], ...] | None = None  # _merged(): source dims per dim
         self._subcomms: dict[tuple[int, ...], MPI.Cartcomm] = {}
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}  # get_group's views of _subcomms
         self._submeshes: dict[tuple[int, ...], DeviceMesh] = {}
@@ -175,35 +176,39 @@ class DeviceMesh:
     def _flatten(self, mesh_dim_name: str | None = None) -> "DeviceMesh":
         """A 1-D mesh over all dims of this mesh; its communicator is one ``Cart_sub``."""
         name = mesh_dim_name or "_".join(self.mesh_dim_names or ("flat",))
-        flat = self._submesh(tuple(range(self.ndim)), (name,), flatten=True)
-        flat._flattened_from = self
-        return flat
+        return self._submesh(tuple(range(self.ndim)), (name,), flatten=True)
 
-    def _merged(self, dims: tuple[int, ...], name: str) -> "DeviceMesh":
-        """This mesh with ``dims`` (ascending) merged into one dim named ``name``, placed
-        where the first of them is, its ranks row-major in their coordinates: the dim of
-        ``self[dims]._flatten(name)`` beside the others (FSDP over a flattened mesh with
-        TP over the rest keeps each parameter on it). Collective over this mesh on first
-        use, then cached."""
-        key = ("merged", dims, name)
-        merged = self._submeshes.get(key)
-        if merged is None or merged._freed:
-            self._require_member()
-            groups = [(d,) for d in range(self.ndim) if d < dims[0] and d not in dims] + [dims] \
-                + [(d,) for d in range(self.ndim) if d > dims[0] and d not in dims]
-            order = [d for group in groups for d in group]
-            shape = [prod(self.shape[d] for d in group) for group in groups]
-            ranks = self.mesh.permute(order).reshape(shape)
-            names = None if self.mesh_dim_names is None else tuple(
-                name if group == dims else self.mesh_dim_names[group[0]] for group in groups)
-            flat = ranks.flatten().tolist()
-            ordered = self._cart.Split(0, flat.index(self.get_rank()))
-            cart = ordered.Create_cart(shape, periods=[False] * len(shape), reorder=False)
-            ordered.Free()
-            merged = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, cart)
-            merged._merged_groups = tuple(groups)
-            self._submeshes[key] = merged
-        return merged
+    def _unflatten(self, dim: int | str, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str],
+                   backend_override: dict | Sequence | None = None) -> "DeviceMesh":
+        """This mesh with dim ``dim`` split row-major into dims of ``mesh_sizes`` named
+        ``mesh_dim_names`` (torch 2.13's ``DeviceMesh._unflatten``): a 1-D world mesh
+        unflattened to ``(2, 2)`` is ``[[0, 1], [2, 3]]``. Its slices relate to those of any
+        other unflatten, flatten or slice of the same ranks by the ranks each dim spans
+        (``mesh.relations``), as torch's relate through their root. ``backend_override``
+        (torch: a process-group backend per new dim, e.g. ``"fake"`` for a dim of size 1)
+        is checked and ignored: MPI is the one backend. Collective over this mesh; every
+        check depends only on the arguments and the mesh's shape, so bad input raises
+        ``ValueError`` on every rank."""
+        self._require_live()
+        index = self._dim_index(dim)
+        sizes, names = tuple(mesh_sizes), tuple(mesh_dim_names)
+        if not sizes or not all(isinstance(n, int) and n > 0 for n in sizes) or prod(sizes) != self.shape[index]:
+            raise ValueError(f"_unflatten: mesh_sizes {sizes} must be positive ints whose product is the size "
+                             f"{self.shape[index]} of dim {dim!r}")
+        if len(names) != len(sizes):
+            raise ValueError(f"_unflatten: mesh_dim_names {names} must name each of the {len(sizes)} new dims")
+        if self.mesh_dim_names is None and self.ndim > 1:
+            raise ValueError("_unflatten of a mesh of more than one dimension needs its mesh_dim_names")
+        _check_backend_override(backend_override, names)
+        kept = self.mesh_dim_names or ("",)
+        all_names = _check_names(kept[:index] + names + kept[index + 1:], self.ndim - 1 + len(sizes))
+        shape = self.shape[:index] + sizes + self.shape[index + 1:]
+        ranks = self.mesh.reshape(shape)
+        cart = None
+        if self._cart is not None:  # rank order is row-major in the coordinates, so a reshape keeps it
+            cart = self._cart.Create_cart(list(shape), periods=[False] * len(shape), reorder=False)
+        return DeviceMesh._from_cart(self.device_type, ranks, all_names, self._parent_comm, cart,
+                                     grids.unflatten_grid(self._grid, index, sizes))
 
     # --- communicators ---------------------------------------------------------------------
     def comm_for(self, dims: Iterable[int]) -> MPI.Cartcomm:
@@ -261,7 +266,8 @@ class DeviceMesh:
             if flatten:
                 ranks = ranks.flatten()
                 comm = _flat_cart(comm)
-            sub = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, comm)
+            grid = grids.flat_grid(self._grid) if flatten else grids.sub_grid(self._grid, dims)
+            sub = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, comm, grid)
             if not flatten:
                 sub._parent, sub._parent_dims = self, dims
             self._submeshes[key] = sub
@@ -331,32 +337,6 @@ def init_device_mesh(
     return mesh
 
 
-def joint_mesh(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, tuple[int, ...], tuple[int, ...]] | None:
-    """The mesh of which ``dp`` and ``tp`` are complementary sub-meshes, with the dims each
-    takes in it (FSDP x TP keeps each parameter on it), or None if there is none.
-
-    ``dp`` is a slice of one mesh (``mesh["dp"]``, ``mesh["dp_replicate", "dp_shard"]``) or
-    a flattened slice (``mesh["dp", "cp"]._flatten("dp_cp")``, as torch's recipes shard
-    over data and context parallel ranks together: then the joint mesh is that mesh with
-    those dims merged); ``tp`` a slice of the same mesh. Collective on first use."""
-    parent = tp._parent
-    if parent is None:
-        return None
-    source = dp._flattened_from
-    if source is not None and source._parent is parent and source.ndim > 1:
-        merged = parent._merged(source._parent_dims, dp.mesh_dim_names[0])
-        where = {d: i for i, group in enumerate(merged._merged_groups) for d in group}
-        dp_dims, tp_dims = (where[source._parent_dims[0]],), tuple(where[d] for d in tp._parent_dims)
-        parent = merged
-    elif dp._parent is parent:
-        dp_dims, tp_dims = dp._parent_dims, tp._parent_dims
-    else:
-        return None
-    if set(dp_dims) & set(tp_dims) or len(dp_dims) + len(tp_dims) != parent.ndim:
-        return None
-    return parent, dp_dims, tp_dims
-
-
 def _flat_cart(comm: MPI.Cartcomm) -> MPI.Cartcomm:
     """A 1-D Cartesian communicator with the same ranks in the same order."""
     flat = comm.Create_cart([comm.size], periods=[False], reorder=False)
@@ -367,6 +347,19 @@ def _flat_cart(comm: MPI.Cartcomm) -> MPI.Cartcomm:
 def _check_device_type(device_type: str) -> None:
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
+
+
+def _check_backend_override(override: dict | Sequence | None, names: tuple[str, ...]) -> None:
+    """torch's ``backend_override``: None, a dict keyed by new dim names (or indices), or
+    one entry per new dim."""
+    if override is None:
+        return
+    if isinstance(override, dict):
+        unknown = [k for k in override if k not in names and not (isinstance(k, int) and 0 <= k < len(names))]
+        if unknown:
+            raise ValueError(f"_unflatten: backend_override names {unknown}, not among the new dims {names}")
+    elif len(override) != len(names):
+        raise ValueError(f"_unflatten: backend_override needs one entry per new dim {names}, got {override!r}")
 
 
 def _check_names(names: Sequence[str] | None, ndim: int) -> tuple[str, ...] | None:

@@ -4,15 +4,17 @@ are elementwise over their lists of parameters and states.
 
 Per mesh dim the output is sharded like one of the inputs, replicated, or (for
 linear ops) kept ``Partial``; the choice moving the fewest bytes wins. Inputs
-broadcast along a dim cannot be sharded along it and are replicated there.
+broadcast along a dim cannot be sharded along it and are replicated there. A
+``_StridedShard`` input is followed like a ``Shard``: every input sharded alike holds
+the same positions of the output, so the local op is the global one's block.
 """
 from __future__ import annotations
 
 import torch
 
-from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.placements import Partial, Placement, Replicate, Shard, _StridedShard
 from ..tensor.spec import DTensorSpec
-from .registry import OpCall, Sharding, register, replicated, transition_cost
+from .registry import OpCall, Sharding, register, replicated, takes_strided, transition_cost
 
 aten = torch.ops.aten
 
@@ -48,12 +50,14 @@ def _is_inplace(func) -> bool:
     return func._schema.name.endswith("_")
 
 
+@takes_strided
 def pointwise_rule(call: OpCall) -> Sharding:
     out = call.out_metas()[0]
     inputs, output = _choose(call.func, call.tensor_specs, out.shape, call.ndim)
     return Sharding(inputs, [output] * len(call.out_metas()))
 
 
+@takes_strided
 def _foreach_rule(call: OpCall) -> Sharding:
     """``_foreach_op(list, list | tensor | scalar, ...)`` and the fused optimizer steps: the
     pointwise choice made per list position (an in-place op keeps its first list's
@@ -121,23 +125,26 @@ def _options(specs, out_shape, m: int, linearity: str | None, divides: bool):
     current = tuple(s.placements[m] for s in specs)
     options = [(Replicate(), tuple(Replicate() for _ in specs))]
 
-    def shard_all(od: int):
+    def shard_all(od: int, split_factor: int):
+        def like(d):
+            return Shard(d) if split_factor == 0 else _StridedShard(d, split_factor=split_factor)
+
         targets = []
         for s in specs:
             d = od - (out_ndim - s.ndim)
-            targets.append(Shard(d) if d >= 0 and s.shape[d] == out_shape[od] else Replicate())
-        return (Shard(od), tuple(targets))
+            targets.append(like(d) if d >= 0 and s.shape[d] == out_shape[od] else Replicate())
+        return (like(od), tuple(targets))
 
-    shard_dims = set()
+    shard_dims = set()  # (output dim, split factor: 0 for a Shard)
     for s, p in zip(specs, current):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             od = p.dim + out_ndim - s.ndim
             if s.shape[p.dim] == out_shape[od]:
-                shard_dims.add(od)
+                shard_dims.add((od, p.split_factor if isinstance(p, _StridedShard) else 0))
     partials = [p for p in current if isinstance(p, Partial)]
     if partials:
-        shard_dims.update(range(out_ndim))  # a reduce-scatter can feed any output shard
-    options += [shard_all(od) for od in sorted(shard_dims)]
+        shard_dims.update((od, 0) for od in range(out_ndim))  # a reduce-scatter can feed any output shard
+    options += [shard_all(od, sf) for od, sf in sorted(shard_dims)]
     if partials and len(set(partials)) == 1 and partials[0].reduce_op in ("sum", "avg"):
         p = partials[0]
         if linearity == "additive" and len(partials) == len(specs) >= 2:  # x + scalar is not linear

@@ -10,12 +10,12 @@ result is cached by the dispatcher, so they may be slow but must be pure.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.placements import Partial, Placement, Replicate, Shard, _StridedShard, shard_dim
 from ..tensor.spec import DTensorSpec
 
 Placements = tuple[Placement, ...]
@@ -90,6 +90,53 @@ def rule_for(func: torch._ops.OpOverload) -> Rule | None:
     return _RULES.get(func)
 
 
+def takes_strided(rule: Rule) -> Rule:
+    """Mark a rule that places ``_StridedShard`` inputs itself (the pointwise ones)."""
+    rule.takes_strided = True
+    return rule
+
+
+def strided_safe(rule: Rule) -> Rule:
+    """``rule``, made safe for ``_StridedShard`` inputs when it does not place them itself:
+    a call with one is shown to it with those mesh dims ``Replicate``, and each such input
+    the rule would keep is moved there, so the rule decides on the placements it knows.
+    Planning-time only (the dispatcher and the fast paths ask rules through this)."""
+    if getattr(rule, "takes_strided", False):
+        return rule
+
+    def safe(call: OpCall) -> Sharding | None:
+        plain = [_without_strided(s) for s in call.tensor_specs]
+        if all(p is s for p, s in zip(plain, call.tensor_specs)):
+            return rule(call)
+        swap = {id(s): p for s, p in zip(call.tensor_specs, plain)}
+        shown = replace(call, args=_swap_specs(call.args, swap), kwargs=_swap_specs(call.kwargs, swap),
+                        tensor_specs=plain)
+        sharding = rule(shown)
+        if sharding is None:
+            return None
+        inputs = [p.placements if t is None and p is not s else t
+                  for t, p, s in zip(sharding.inputs, plain, call.tensor_specs)]
+        return replace(sharding, inputs=inputs)
+
+    return safe
+
+
+def _without_strided(spec: DTensorSpec) -> DTensorSpec:
+    if not any(type(p) is _StridedShard for p in spec.placements):
+        return spec
+    return spec.with_placements([Replicate() if type(p) is _StridedShard else p for p in spec.placements])
+
+
+def _swap_specs(obj, swap: dict):
+    if isinstance(obj, DTensorSpec):
+        return swap.get(id(obj), obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_swap_specs(x, swap) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _swap_specs(v, swap) for k, v in obj.items()}
+    return obj
+
+
 def _overloads(op) -> Iterable[torch._ops.OpOverload]:
     if isinstance(op, torch._ops.OpOverloadPacket):
         return [getattr(op, name) for name in op.overloads()]
@@ -112,9 +159,9 @@ def transition_cost(current: Placement, target: Placement) -> float:
     if current == target:
         return 0.0
     if isinstance(current, Partial):
-        return COST["reduce_scatter" if isinstance(target, Shard) else "all_reduce"]
-    if isinstance(current, Shard):
-        return COST["all_to_all" if isinstance(target, Shard) else "all_gather"]
+        return COST["reduce_scatter" if shard_dim(target) is not None else "all_reduce"]
+    if shard_dim(current) is not None:
+        return COST["all_to_all" if shard_dim(target) is not None else "all_gather"]
     return 0.01  # a local chunk or partition
 
 
@@ -141,8 +188,8 @@ def cheapest(call: OpCall, candidates: Iterable[Sharding]) -> Sharding:
 
 
 def valid_placements(placements: Placements, ndim: int) -> bool:
-    """Whether every ``Shard`` in ``placements`` names one of a tensor's ``ndim`` dims."""
-    return all(not isinstance(p, Shard) or 0 <= p.dim < ndim for p in placements)
+    """Whether every ``Shard`` (or ``_StridedShard``) in ``placements`` names one of a tensor's ``ndim`` dims."""
+    return all(shard_dim(p) is None or 0 <= p.dim < ndim for p in placements)
 
 
 def replicated(ndim: int) -> Placements:
@@ -169,9 +216,12 @@ def broadcast_placements(placements: Placements, out_shape: Sequence[int], spec:
     lead = len(out_shape) - spec.ndim
     result = []
     for p in placements:
-        if isinstance(p, Shard):
+        if shard_dim(p) is not None:
             d = p.dim - lead
-            p = Shard(d) if d >= 0 and spec.shape[d] == out_shape[p.dim] else Replicate()
+            if d < 0 or spec.shape[d] != out_shape[p.dim]:
+                p = Replicate()
+            else:
+                p = Shard(d) if isinstance(p, Shard) else _StridedShard(d, split_factor=p.split_factor)
         result.append(p)
     return tuple(result)
 

@@ -1,22 +1,24 @@
 """Tensor ops that keep their input's layout: detach, alias, clones and casts,
-``*_like`` factories, fills, ``copy_``."""
+``*_like`` factories, fills, ``copy_``. They keep a ``_StridedShard`` as they keep a ``Shard``."""
 from __future__ import annotations
 
 import torch
 
 from ..tensor.placements import Partial, Replicate, Shard
-from .registry import OpCall, Sharding, broadcast_placements, register, same_as_input
+from .registry import OpCall, Sharding, broadcast_placements, register, same_as_input, takes_strided
 
 aten = torch.ops.aten
 
 
 @register(aten.detach, aten.alias, aten.lift_fresh, aten.clone, aten.contiguous, aten._to_copy)
+@takes_strided
 def keep_layout(call: OpCall) -> Sharding:
     """Local op, same placements (Partial stays Partial: these ops are linear)."""
     return same_as_input(call)
 
 
 @register(aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.fill_, aten.zero_)
+@takes_strided
 def fill_like(call: OpCall) -> Sharding:
     """A constant tensor laid out like its input; Partial becomes Replicate (a constant is not a partial sum)."""
     placements = tuple(Replicate() if isinstance(p, Partial) else p for p in call.tensor_specs[0].placements)
@@ -27,6 +29,7 @@ def fill_like(call: OpCall) -> Sharding:
 
 
 @register(aten.copy_)
+@takes_strided
 def copy_(call: OpCall) -> Sharding:
     """``dst.copy_(src)``: src takes dst's placements, mapped through the broadcast of src to dst."""
     dst, src = call.tensor_specs[:2]

@@ -3,6 +3,7 @@ from .api import parallelize_module
 from .experts import ExpertParallel
 from .hf_plan import from_hf_plan
 from .loss import loss_parallel
+from .fused import ExpertTensorParallel, PackedColwiseParallel, PackedRowwiseParallel
 from .style import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from .sequence import SequenceParallel
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -10,6 +11,9 @@ from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
 __all__ = [
     "ColwiseParallel",
     "ExpertParallel",
+    "ExpertTensorParallel",
+    "PackedColwiseParallel",
+    "PackedRowwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",

@@ -9,11 +9,11 @@ mpidtensor's styles, so the same model is sharded on an MPI mesh::
     parallelize_module(model, mesh, from_hf_plan(model.tp_plan))
 
 Expert-parallel plans (``model.ep_plan``: ``ep_dispatch_experts``, ``grouped_gemm``) map to
-:class:`ExpertParallel`. The tensor-parallel MoE and packed-weight styles (``moe_tp_experts``,
-``packed_colwise``, ``packed_rowwise``) need a strided-shard placement mpidtensor does not
-have; a plan that uses them is refused with a ``ValueError`` naming them. Such a model's
-experts split over a tensor-parallel mesh by its ``ep_plan`` instead, with
-``expert_dispatch="all_reduce"`` (the ranks share their tokens).
+:class:`ExpertParallel`. The packed styles map to :mod:`.fused`'s: ``packed_colwise`` and
+``packed_rowwise`` on a module to :class:`PackedColwiseParallel` / :class:`PackedRowwiseParallel`
+(weights ``_StridedShard``), and ``moe_tp_experts`` on an experts module to
+:class:`ExpertTensorParallel`, which shards that module's parameters by the plan's entries
+for them (``experts.gate_up_proj: packed_colwise``, ``experts.down_proj: rowwise``).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from torch import nn
 from ..tensor.placements import Partial, Replicate
 from .api import matching_submodules
 from .experts import Dispatch, ExpertParallel
+from .fused import PARAM_STYLES, ExpertTensorParallel, PackedColwiseParallel, PackedRowwiseParallel
 from .style import PrepareModuleOutput
 from .sequence import SequenceParallel
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -76,9 +77,12 @@ _STYLES: dict[str, Callable[[], ParallelStyle]] = {
     # a module whose output is partial: all-reduced
     "all_reduce": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
     "gather": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+    # fused projections side by side (gate and up): each part sharded, a _StridedShard
+    "packed_colwise": PackedColwiseParallel,
+    "packed_rowwise": PackedRowwiseParallel,
 }
 # the expert-parallel plan's (``model.ep_plan``): whole experts per rank
-_EXPERT_STYLES = ("ep_dispatch_experts", "grouped_gemm")
+_EXPERT_STYLES = ("ep_dispatch_experts", "grouped_gemm", "moe_tp_experts")
 
 
 def from_hf_plan(tp_plan: Mapping[str, str], *, expert_dispatch: Dispatch = "all_to_all",
@@ -102,18 +106,27 @@ def from_hf_plan(tp_plan: Mapping[str, str], *, expert_dispatch: Dispatch = "all
     unknown = sorted({s for s in tp_plan.values() if s not in _STYLES and s not in _EXPERT_STYLES})
     if unknown:
         raise ValueError(f"no mpidtensor style for the transformers plan styles {unknown}")
-    if model is not None:
-        tp_plan = {key: style for key, style in tp_plan.items()
-                   if matching_submodules(model, key) or style == "grouped_gemm"}  # a weight, not a module
+    tp_experts = {key for key, style in tp_plan.items() if style == "moe_tp_experts"}
+    if model is not None:  # a weight, not a module: grouped_gemm's, or a moe_tp_experts module's
+        tp_plan = {key: style for key, style in tp_plan.items() if matching_submodules(model, key)
+                   or style == "grouped_gemm" or key.rpartition(".")[0] in tp_experts}
+        tp_experts = {key for key in tp_experts if key in tp_plan}
     owners = {key for key, style in tp_plan.items() if style == "ep_dispatch_experts"}
     orphans = sorted(key for key, style in tp_plan.items()
                      if style == "grouped_gemm" and key.rsplit(".", 1)[0] not in owners)
     if orphans:
         raise ValueError(f"grouped_gemm weights {orphans} have no ep_dispatch_experts module in the plan")
+    owned = {key: style for key, style in tp_plan.items() if key.rpartition(".")[0] in tp_experts}  # their weights
+    unplaceable = sorted(f"{key}: {style}" for key, style in owned.items() if style not in PARAM_STYLES)
+    if unplaceable:
+        raise ValueError(f"moe_tp_experts weights with no parameter style of {PARAM_STYLES}: {unplaceable}")
     plan: dict[str, ParallelStyle] = {}
     for key, style in tp_plan.items():
         if style == "ep_dispatch_experts":
             plan[key] = ExpertParallel(dispatch=expert_dispatch)
-        elif style != "grouped_gemm":  # sharded by its module's ExpertParallel
+        elif style == "moe_tp_experts":
+            plan[key] = ExpertTensorParallel({k.rpartition(".")[2]: s for k, s in owned.items()
+                                              if k.rpartition(".")[0] == key})
+        elif style != "grouped_gemm" and key not in owned:  # those are sharded by their module's style
             plan[key] = _STYLES[style]()
     return plan

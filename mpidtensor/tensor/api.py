@@ -5,13 +5,13 @@ from typing import Sequence
 
 import torch
 
-from .layout import chunk_sizes, contiguous_strides, local_span
+from .layout import chunk_sizes, contiguous_strides, dim_runs, split_order, split_runs
 from . import validate
 from .dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..comm import collectives
-from .placements import Partial, Placement, Replicate, Shard, normalize_placements
-from .redistribute import ToPartial
+from .placements import Partial, Placement, Replicate, Shard, normalize_placements, shard_dim
+from .redistribute import Take, ToPartial
 from .spec import DTensorSpec
 
 
@@ -47,8 +47,11 @@ def distribute_tensor(
     if src_data_rank is None:
         local = data
         for d in range(data.ndim):
-            offset, size = local_span(data.shape[d], d, placements, mesh_shape, coord)
-            local = local.narrow(d, offset, size)
+            runs = dim_runs(data.shape[d], d, placements, mesh_shape, coord)
+            if len(runs) == 1:
+                local = local.narrow(d, *runs[0])
+            elif runs != ((0, data.shape[d]),):  # none (an empty block) or a _StridedShard's several
+                local = Take(d, runs).run(local, device_mesh)
         local = local.clone(memory_format=torch.contiguous_format)
     else:
         local = _send_from(data, device_mesh, placements, src_data_rank)
@@ -87,6 +90,13 @@ def _send_from(data: torch.Tensor, mesh: DeviceMesh, placements, src: int) -> to
             local = collectives.scatter(
                 local, comm, src, dim=p.dim, sizes=chunk_sizes(local.shape[p.dim], mesh.shape[m])
             )
+        elif shard_dim(p) is not None:  # a _StridedShard: its pieces listed rank after rank, scattered
+            length, parts = local.shape[p.dim], mesh.shape[m]
+            sizes, order = split_order(p, length, parts)
+            if order is not None:
+                runs = tuple(run for r in range(parts) for run in split_runs(p, length, parts, r))
+                local = Take(p.dim, runs).run(local, mesh)
+            local = collectives.scatter(local, comm, src, dim=p.dim, sizes=sizes)
         else:
             local = collectives.broadcast(local, comm, src)
     return local

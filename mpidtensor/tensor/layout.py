@@ -2,13 +2,18 @@
 
 Shards follow ``torch.chunk``: chunks of ``ceil(n / parts)`` elements, so trailing
 ranks may hold fewer or none. Nested sharding of one tensor dim over several mesh
-dims applies the mesh dims in order (outer mesh dim first).
+dims applies the mesh dims in order (outer mesh dim first), each to the block the
+outer ones left. A ``_StridedShard`` gives a rank several runs of its block (one per
+piece of the split factor); where one shards a dim, a rank's indices along it are a
+list of runs (:func:`dim_runs`) instead of one span.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from .placements import Placement, Shard
+from .placements import Placement, Shard, _StridedShard, shard_dim
+
+Runs = tuple[tuple[int, int], ...]  # (offset, size) pairs, in order, none empty
 
 
 def chunk_sizes(length: int, parts: int) -> tuple[int, ...]:
@@ -24,6 +29,93 @@ def chunk_span(length: int, parts: int, index: int) -> tuple[int, int]:
     return offset, min(step, length - offset)
 
 
+def split_runs(p: Placement, length: int, parts: int, index: int) -> Runs:
+    """The runs of a block of ``length`` that piece ``index`` of ``parts`` holds under the
+    shard placement ``p`` (one run for ``Shard``, up to ``split_factor`` for a
+    ``_StridedShard``: the ``index``-th chunk of each of its pieces)."""
+    if type(p) is _StridedShard:
+        runs = []
+        for j in range(p.split_factor):
+            piece_offset, piece = chunk_span(length, p.split_factor, j)
+            offset, size = chunk_span(piece, parts, index)
+            if size:
+                runs.append((piece_offset + offset, size))
+        return tuple(runs)
+    offset, size = chunk_span(length, parts, index)
+    return ((offset, size),) if size else ()
+
+
+def split_order(p: Placement, length: int, parts: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """How shard placement ``p`` splits a block of ``length`` over ``parts`` ranks, as
+    (sizes of the pieces, the block's positions listed piece after piece): the order in
+    which a gather concatenates them, None where it is the block's own (``Shard``)."""
+    if type(p) is not _StridedShard:
+        return chunk_sizes(length, parts), None
+    pieces = [split_runs(p, length, parts, r) for r in range(parts)]
+    sizes = tuple(sum(n for _, n in runs) for runs in pieces)
+    order = tuple(i for runs in pieces for o, n in runs for i in range(o, o + n))
+    return sizes, None if order == tuple(range(length)) else order
+
+
+def runs_of(positions: Sequence[int]) -> Runs:
+    """``positions`` (a sequence of indices) as runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for i in positions:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return tuple(runs)
+
+
+def inverse_order(order: Sequence[int]) -> list[int]:
+    """The permutation that undoes ``order`` (position ``i`` of the result: where ``i`` went)."""
+    inverse = [0] * len(order)
+    for at, i in enumerate(order):
+        inverse[i] = at
+    return inverse
+
+
+def _compose(outer: Runs, inner: Runs) -> Runs:
+    """The runs of global indices held when ``inner`` (positions in the block) selects
+    from a block whose positions are the global indices ``outer``."""
+    out = []
+    for pos, size in inner:
+        for o, n in outer:
+            if pos >= n:
+                pos -= n
+                continue
+            take = min(n - pos, size)
+            if out and out[-1][0] + out[-1][1] == o + pos:
+                out[-1] = (out[-1][0], out[-1][1] + take)
+            else:
+                out.append((o + pos, take))
+            size -= take
+            pos = 0
+            if not size:
+                break
+    return tuple(out)
+
+
+def dim_runs(
+    length: int,
+    tensor_dim: int,
+    placements: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    coord: Sequence[int],
+    upto: int | None = None,
+) -> Runs:
+    """The runs of global indices along ``tensor_dim`` that a rank holds after applying the
+    shards of mesh dims ``< upto`` (all of them by default)."""
+    runs: Runs = ((0, length),) if length else ()
+    for m in range(len(placements) if upto is None else upto):
+        p = placements[m]
+        if shard_dim(p) == tensor_dim:
+            held = sum(n for _, n in runs)
+            runs = _compose(runs, split_runs(p, held, mesh_shape[m], coord[m]))
+    return runs
+
+
 def local_span(
     length: int,
     tensor_dim: int,
@@ -33,9 +125,15 @@ def local_span(
     upto: int | None = None,
 ) -> tuple[int, int]:
     """(global offset, size) along ``tensor_dim`` of the block a rank holds after
-    applying the shards of mesh dims ``< upto`` (all of them by default)."""
+    applying the shards of mesh dims ``< upto`` (all of them by default). Under a
+    ``_StridedShard`` the block is several runs: the offset is its first index (the
+    dim's length when it is empty), as torch reports it."""
+    upto = len(placements) if upto is None else upto
+    if any(type(placements[m]) is _StridedShard and placements[m].dim == tensor_dim for m in range(upto)):
+        runs = dim_runs(length, tensor_dim, placements, mesh_shape, coord, upto)
+        return (runs[0][0] if runs else length), sum(n for _, n in runs)
     offset, size = 0, length
-    for m in range(len(placements) if upto is None else upto):
+    for m in range(upto):
         p = placements[m]
         if isinstance(p, Shard) and p.dim == tensor_dim:
             sub_offset, size = chunk_span(size, mesh_shape[m], coord[m])

@@ -19,7 +19,7 @@ class _PlacementType(type):
 
 
 class Placement(metaclass=_PlacementType):
-    """Base of ``Shard``, ``Replicate`` and ``Partial``.
+    """Base of ``Shard``, ``_StridedShard``, ``Replicate`` and ``Partial``.
 
     Called itself, it builds one of them from a name: ``Placement("shard", dim=0)``,
     ``Placement("replicate")``, ``Placement("partial", reduce_op="sum")``.
@@ -58,6 +58,49 @@ class Shard(Placement):
 
     def __repr__(self) -> str:
         return f"S({self.dim})"
+
+
+class _StridedShard(Placement):
+    """torch's placement for a tensor dim sharded twice in the order opposite to the mesh's
+    (FSDP over a dim tensor parallelism already sharded; packed TP weights): the block
+    is split into ``split_factor`` pieces as ``torch.chunk`` splits it, each piece is
+    chunked over the mesh dim, and rank ``r`` holds the ``r``-th chunk of every piece,
+    concatenated. ``(_StridedShard(0, split_factor=tp), Shard(0))`` on a (dp, tp) mesh is
+    the layout FSDP gives a weight that TP sharded on dim 0 first.
+
+    As in torch it is not a ``Shard`` (``is_shard()`` is False, and it never equals one);
+    ``split_factor=1`` lays data out as ``Shard`` does."""
+
+    __slots__ = ("dim", "split_factor")
+
+    def __init__(self, dim: int, *, split_factor: int = 1, sf: int | None = None) -> None:
+        if sf is not None:
+            if split_factor != 1:
+                raise TypeError("_StridedShard received both split_factor and sf")
+            split_factor = sf
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"_StridedShard dim must be an int, got {dim!r}")
+        if not isinstance(split_factor, int) or isinstance(split_factor, bool) or split_factor < 1:
+            raise ValueError(f"_StridedShard split_factor must be a positive int, got {split_factor!r}")
+        self.dim = dim
+        self.split_factor = split_factor
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _StridedShard and other.dim == self.dim and other.split_factor == self.split_factor
+
+    def __hash__(self) -> int:
+        return hash((self.dim, self.split_factor))
+
+    def __repr__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
+
+
+def shard_dim(p: Placement) -> int | None:
+    """The tensor dim a ``Shard`` or ``_StridedShard`` splits; None for other placements."""
+    return p.dim if type(p) is Shard or type(p) is _StridedShard else None
 
 
 class Replicate(Placement):
@@ -125,14 +168,15 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int) -> tuple[
     out = []
     for p in placements:
         if not isinstance(p, Placement):
-            raise TypeError(f"placements must be Shard, Replicate or Partial, got {p!r}")
-        if isinstance(p, Shard):
+            raise TypeError(f"placements must be Shard, _StridedShard, Replicate or Partial, got {p!r}")
+        if isinstance(p, (Shard, _StridedShard)):
             if not -tensor_ndim <= p.dim < tensor_ndim:
                 raise ValueError(
-                    f"Shard({p.dim}) is out of range for a {tensor_ndim}-D tensor "
+                    f"{p!r} is out of range for a {tensor_ndim}-D tensor "
                     f"(valid dims: {-tensor_ndim}..{tensor_ndim - 1})"
                 )
             if p.dim < 0:
-                p = Shard(p.dim + tensor_ndim)
+                p = Shard(p.dim + tensor_ndim) if isinstance(p, Shard) else _StridedShard(
+                    p.dim + tensor_ndim, split_factor=p.split_factor)
         out.append(p)
     return tuple(out)

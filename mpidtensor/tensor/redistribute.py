@@ -11,6 +11,12 @@ A. inner to outer: every mesh dim whose placement changes, or that shards a
 B. outer to inner: Replicate->Shard by a local chunk (no communication) and
    Replicate->Partial (internal: gradients) by keeping the value on one rank.
 
+A ``_StridedShard`` is planned as a ``Shard`` of its block listed in another order
+(:func:`layout.split_order`: its pieces, rank after rank): the same collectives with
+its piece sizes, a local :class:`Take` that lists the block in that order before a
+collective scatters it, and one that restores the block's order after a collective
+gathered it; Replicate->_StridedShard takes this rank's runs of the block.
+
 Adjacent all-gathers of one tensor dim, and adjacent all-reduces of one op, are
 merged into a single collective over the flattened communicator of their mesh dims.
 """
@@ -21,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
 
-from .layout import chunk_sizes, chunk_span, local_span, nested_sizes
+from .layout import Runs, chunk_span, inverse_order, local_span, nested_sizes, runs_of, split_order, split_runs
 from ..comm import collectives
 from ..comm.collectives import (
     Prepared,
@@ -30,7 +36,7 @@ from ..comm.collectives import (
     prepare_all_to_all,
     prepare_reduce_scatter,
 )
-from .placements import Partial, Placement, Replicate, Shard
+from .placements import Partial, Placement, Replicate, Shard, shard_dim
 from ..runtime import caches
 from .spec import DTensorSpec
 
@@ -66,6 +72,7 @@ class AllGather(_Collective):
     sizes: tuple[int, ...]
     block: int  # length along `dim` of the block gathered (for merging)
     parts: tuple[int, ...]  # mesh sizes of `mesh_dims` (for merging)
+    chunked: bool = True  # the pieces are torch.chunk's of the block (a Shard's), nested over `parts`
 
     def prepare(self, shape, dtype, comm, inplace):
         return prepare_all_gather(shape, dtype, comm, dim=self.dim, sizes=self.sizes)
@@ -137,6 +144,23 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Take:
+    """Keep runs of positions along ``dim``, in this order, as one contiguous tensor: a
+    rank's runs of a block (Replicate->_StridedShard), or the block listed in another
+    order (before a _StridedShard's pieces are scattered, after they were gathered)."""
+
+    dim: int
+    runs: Runs
+
+    def run(self, t, mesh):
+        if len(self.runs) == 1:
+            return t.narrow(self.dim, *self.runs[0]).contiguous()
+        if not self.runs:
+            return t.narrow(self.dim, 0, 0).contiguous()
+        return torch.cat([t.narrow(self.dim, o, n) for o, n in self.runs], self.dim)
+
+
+@dataclass(frozen=True)
 class ToPartial:
     """Replicate -> Partial(op): a value whose reduction over the mesh dim is the replica."""
 
@@ -164,7 +188,7 @@ class Restride:
         return t.permute(self.order).contiguous().permute(self.inverse)
 
 
-Step = AllGather | AllToAll | AllReduce | ReduceScatter | Chunk | ToPartial | Restride
+Step = AllGather | AllToAll | AllReduce | ReduceScatter | Chunk | Take | ToPartial | Restride
 
 # Plans by (source spec, target spec); specs hold their mesh, so freeing it clears these.
 _PLANS: dict[tuple[DTensorSpec, DTensorSpec], tuple[Step, ...]] = caches.cache("redistribute.plans", 4096)
@@ -220,7 +244,7 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
             local = step.run(local, mesh, inplace=True)  # MPI_IN_PLACE on our own buffer
         else:
             local = step.run(local, mesh)
-        made = isinstance(step, _MAKES_BUFFER)
+        made = isinstance(step, _MAKES_BUFFER) or (type(step) is Take and len(step.runs) > 1)
     return local
 
 
@@ -233,7 +257,7 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> list[Step]:
     steps: list[Step] = []
 
     def sharders(placements, dim, below):
-        return [m for m in range(below) if placements[m] == Shard(dim)]
+        return [(m, placements[m]) for m in range(below) if shard_dim(placements[m]) == dim]
 
     def block(dim, upto):
         """Length along ``dim`` of the block being split by mesh dim ``upto``."""
@@ -241,28 +265,42 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> list[Step]:
 
     def may_shard_at(i, dim):
         """Sharding ``dim`` at mesh dim ``i`` now gives the target's nesting for ``dim``."""
-        inner_free = all(cur[j] != Shard(dim) for j in range(i + 1, len(cur)))
+        inner_free = all(shard_dim(cur[j]) != dim for j in range(i + 1, len(cur)))
         return inner_free and sharders(cur, dim, i) == sharders(target, dim, i)
+
+    def scattered(i, t):
+        """The piece sizes of target ``t`` at mesh dim ``i``, after listing its block in
+        the order of its pieces (a step only for a _StridedShard)."""
+        piece_sizes, order = split_order(t, block(t.dim, i), sizes[i])
+        if order is not None:
+            steps.append(Take(t.dim, runs_of(order)))
+        return piece_sizes
+
+    def gathered(c, order):
+        """Put a gathered block of ``c``'s pieces back in the block's order."""
+        if order is not None:
+            steps.append(Take(c.dim, runs_of(inverse_order(order))))
 
     for i in reversed(range(len(cur))):
         c, t = cur[i], target[i]
-        if isinstance(c, Shard):
+        if shard_dim(c) is not None:
             stable = c == t and sharders(cur, c.dim, i) == sharders(target, c.dim, i)
             if stable:
                 continue
             length = block(c.dim, i)
-            if isinstance(t, Shard) and may_shard_at(i, t.dim):
-                split_len = block(t.dim, i)
-                steps.append(AllToAll(
-                    (i,), t.dim, c.dim, chunk_sizes(split_len, sizes[i]), chunk_sizes(length, sizes[i])
-                ))
+            piece_sizes, order = split_order(c, length, sizes[i])
+            if shard_dim(t) not in (None, c.dim) and may_shard_at(i, t.dim):
+                split_sizes = scattered(i, t)
+                steps.append(AllToAll((i,), t.dim, c.dim, split_sizes, piece_sizes))
+                gathered(c, order)
                 cur[i] = t
             else:
-                steps.append(AllGather((i,), c.dim, chunk_sizes(length, sizes[i]), length, (sizes[i],)))
+                steps.append(AllGather((i,), c.dim, piece_sizes, length, (sizes[i],), type(c) is Shard))
+                gathered(c, order)
                 cur[i] = Replicate()
         elif isinstance(c, Partial) and c != t:
-            if isinstance(t, Shard) and may_shard_at(i, t.dim):
-                steps.append(ReduceScatter((i,), c.reduce_op, t.dim, chunk_sizes(block(t.dim, i), sizes[i])))
+            if shard_dim(t) is not None and may_shard_at(i, t.dim):
+                steps.append(ReduceScatter((i,), c.reduce_op, t.dim, scattered(i, t)))
                 cur[i] = t
             else:
                 steps.append(AllReduce((i,), c.reduce_op))
@@ -277,6 +315,8 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> list[Step]:
         if isinstance(t, Shard):
             offset, size = chunk_span(block(t.dim, i), sizes[i], coord[i])
             steps.append(Chunk(t.dim, offset, size))
+        elif shard_dim(t) is not None:
+            steps.append(Take(t.dim, split_runs(t, block(t.dim, i), sizes[i], coord[i])))
         else:
             steps.append(ToPartial(t.reduce_op, coord[i] == 0))
         cur[i] = t
@@ -288,11 +328,12 @@ def _merge(steps: list[Step]) -> tuple[Step, ...]:
     out: list[Step] = []
     for step in steps:
         prev = out[-1] if out else None
-        if isinstance(step, AllGather) and isinstance(prev, AllGather) and prev.dim == step.dim:
-            # `prev` gathered the inner mesh dims; `step` the next outer ones.
-            parts = step.parts + prev.parts
-            sizes = tuple(nested_sizes(step.block, parts))
-            out[-1] = AllGather(step.mesh_dims + prev.mesh_dims, step.dim, sizes, step.block, parts)
+        if isinstance(step, AllGather) and isinstance(prev, AllGather) and prev.dim == step.dim and prev.chunked:
+            # `prev` gathered the inner mesh dims, torch.chunk's pieces of each of the
+            # pieces `step` gathers over the next outer ones.
+            sizes = tuple(n for piece in step.sizes for n in nested_sizes(piece, prev.parts))
+            out[-1] = AllGather(step.mesh_dims + prev.mesh_dims, step.dim, sizes, step.block,
+                                step.parts + prev.parts, step.chunked)
         elif isinstance(step, AllReduce) and isinstance(prev, AllReduce) and prev.op == step.op:
             out[-1] = AllReduce(tuple(sorted(step.mesh_dims + prev.mesh_dims)), step.op)
         else:

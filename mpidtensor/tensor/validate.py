@@ -14,7 +14,7 @@ import torch
 
 from .layout import local_shape_and_offset
 from ..mesh import DeviceMesh
-from .placements import Placement, Replicate, Shard, normalize_placements
+from .placements import Placement, Replicate, normalize_placements, shard_dim
 from ..runtime.agreement import raise_listed, require_same
 
 
@@ -34,7 +34,7 @@ def global_shape_from_locals(
 
     ``placements`` as the user gave them: a negative ``Shard`` dim is resolved against the
     tensor rank the ranks agree on, not against this rank's local tensor."""
-    if isinstance(placements, Placement) or not any(isinstance(p, Shard) for p in placements):
+    if isinstance(placements, Placement) or not any(shard_dim(p) is not None for p in placements):
         return local.shape  # nothing sharded: no rank's shape says more than another's
     shapes = mesh.comm.allgather(tuple(local.shape))
     raise_listed(_ndim_problems(shapes))
@@ -100,7 +100,7 @@ def _shape_problems(shapes, mesh: DeviceMesh, placements, shape: Sequence[int] |
         return [f"local tensors have {ndim} dims, shape= {tuple(shape)} has {len(shape)}"]
     problems = []
     for d in range(ndim):
-        if not any(p == Shard(d) for p in placements) and len({s[d] for s in shapes}) > 1:
+        if not any(shard_dim(p) == d for p in placements) and len({s[d] for s in shapes}) > 1:
             problems.append(f"local sizes of unsharded dim {d} differ across ranks: {[s[d] for s in shapes]}")
     if problems:
         return problems
@@ -121,7 +121,7 @@ def _implied_shape(shapes, mesh: DeviceMesh, placements) -> list[int]:
     coords = list(product(*map(range, mesh.shape)))
     out = list(shapes[0])
     for d in range(len(out)):
-        sharders = [m for m, p in enumerate(placements) if p == Shard(d)]
+        sharders = [m for m, p in enumerate(placements) if shard_dim(p) == d]
         if sharders:
             out[d] = sum(
                 shapes[r][d]

@@ -11,12 +11,17 @@ torch's default group over the MPI ranks; ``dist.new_group(ranks)`` gets a
 sub-communicator. Functional collectives (``torch.distributed._functional_collectives``)
 reach the same methods.
 
-Collectives: ``all_reduce`` (sum, avg, product, min, max), ``broadcast``, ``all_gather``,
+Collectives: ``all_reduce`` (sum, avg, product, min, max, and ``PREMUL_SUM``: scaled by its
+factor, then summed, as NCCL does for FSDP's gradient division), ``broadcast``, ``all_gather``,
 ``all_gather_into_tensor``, ``reduce_scatter``, ``reduce_scatter_tensor``,
 ``all_to_all_single`` (its splits agreed by one small ``allgather`` first: a mismatch is a
 ``ValueError`` on every rank), ``barrier``. Each runs to completion when called (MPI
-blocking calls): the returned work is done. Others (point-to-point, ``gather``, ``scatter``,
-coalesced ones) are not implemented: torch's base ``ProcessGroup`` raises for them.
+blocking calls): the returned work is done. Point-to-point ``send``/``recv`` (and so
+``isend``/``irecv``/``batch_isend_irecv``) are MPI non-blocking sends and receives whose
+work completes them at ``wait()``. ``reduce``, ``gather`` and ``scatter`` reach a Python
+backend through no method torch lets it override: under the switch
+(:mod:`mpidtensor.compat.distributed`) ``torch.distributed``'s functions of those names
+are composed from the collectives above.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from torch.futures import Future
 
 from ..runtime import abort
 from ..comm import collectives
+from ..comm.buffers import as_buffer, stage
 from ..comm.exchange import exchange_rows
 from ..runtime import effects
 
@@ -87,6 +93,34 @@ class _Done(dist._Work):
         return self._future
 
 
+class _Pending(dist._Work):
+    """Point-to-point transfers in flight (MPI requests); ``wait`` completes them and copies
+    what was received into the caller's tensors where they were staged."""
+
+    def __init__(self, requests: list[MPI.Request], keep: list[torch.Tensor],
+                 copies: list[tuple[torch.Tensor, torch.Tensor]], result: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._requests, self._keep, self._copies, self._result = requests, keep, copies, result
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            MPI.Request.Waitall(self._requests)
+            for into, received in self._copies:
+                into.copy_(received)
+            self._done, self._keep = True, []
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or MPI.Request.Testall(self._requests) and self.wait()
+
+    def get_future(self) -> Future:
+        self.wait()
+        future: Future = Future()
+        future.set_result(self._result)
+        return future
+
+
 class MPIProcessGroup(dist.ProcessGroup):
     """A torch ``ProcessGroup`` whose collectives are mpidtensor's on ``comm``."""
 
@@ -106,9 +140,9 @@ class MPIProcessGroup(dist.ProcessGroup):
         return self._name
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Done:
-        op = _op(opts.reduceOp)
+        op, factor = _op(opts.reduceOp)
         for t in tensors:
-            t.copy_(collectives.all_reduce(t, self.comm, op))
+            t.copy_(collectives.all_reduce(_scaled(t, factor), self.comm, op))
         return _Done(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Done:
@@ -149,6 +183,20 @@ class MPIProcessGroup(dist.ProcessGroup):
     # torch 2.13's Python API calls these names; the C++ functional collectives the older ones
     all_gather_single, reduce_scatter_single, all_to_all_single = _allgather_base, _reduce_scatter_base, alltoall_base
 
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Pending:
+        staged = [stage(t) for t in tensors]
+        requests = [self.comm.Isend(as_buffer(t), dest=dst, tag=tag) for t in staged]
+        return _Pending(requests, staged, [], tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Pending:
+        if src < 0:  # torch's recv(src=None) asks any source; it has no override for Python backends
+            raise NotImplementedError("torch.distributed.recv without a source is not provided by mpidtensor's "
+                                      "MPI backend: name the source rank")
+        staged = [stage(t) for t in tensors]
+        requests = [self.comm.Irecv(as_buffer(t), source=src, tag=tag) for t in staged]
+        copies = [(t, s) for t, s in zip(tensors, staged) if s is not t]
+        return _Pending(requests, staged, copies, tensors)
+
     def barrier(self, opts: Any = None) -> _Done:
         self.comm.Barrier()
         return _Done([])
@@ -157,7 +205,8 @@ class MPIProcessGroup(dist.ProcessGroup):
         return collectives.all_gather(t.contiguous(), self.comm, dim=0, sizes=[t.shape[0]] * self.comm.size)
 
     def _scatter(self, t: torch.Tensor, opts: Any) -> torch.Tensor:
-        return collectives.reduce_scatter(t.contiguous(), self.comm, _op(opts.reduceOp), dim=0,
+        op, factor = _op(opts.reduceOp)
+        return collectives.reduce_scatter(_scaled(t, factor).contiguous(), self.comm, op, dim=0,
                                           sizes=[1] * self.comm.size)
 
 
@@ -177,9 +226,20 @@ def _check_splits(table: list[tuple[list[int], list[int], int, int]]) -> None:
                              f"{wrong}, which send it {[table[k][0][r] for k in wrong]}")
 
 
-def _op(reduce_op: Any) -> str:
-    """The collectives' name of a torch ``ReduceOp`` (it compares equal to its kind, not hashes)."""
+def _op(reduce_op: Any) -> tuple[str, Any]:
+    """The collectives' name of a torch ``ReduceOp`` (it compares equal to its kind, not
+    hashes) and the factor to scale by first (``PREMUL_SUM``'s, a number or a tensor; else None)."""
+    if reduce_op == dist.ReduceOp.PREMUL_SUM:
+        return "sum", reduce_op.factor
     op = next((name for kind, name in _OPS if reduce_op == kind), None)
     if op is None:
-        raise ValueError(f"the mpidtensor backend reduces with sum, avg, product, min or max, got {reduce_op}")
-    return op
+        raise ValueError(f"the mpidtensor backend reduces with sum, avg, product, min, max or premul_sum, "
+                         f"got {reduce_op}")
+    return op, None
+
+
+def _scaled(t: torch.Tensor, factor: Any) -> torch.Tensor:
+    """``t`` times ``factor`` (in ``t``'s dtype), or ``t`` itself when there is none."""
+    if factor is None:
+        return t
+    return t * (factor.to(t.device, t.dtype) if isinstance(factor, torch.Tensor) else factor)

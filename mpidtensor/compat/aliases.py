@@ -1,0 +1,39 @@
+"""The switch's one table: a torch module path and the mpidtensor module that user code
+gets in its place (docs/unchanged-programs.md).
+
+A plain data table; rows may be added by anyone. A row whose mpidtensor module does not
+import (``mpidtensor.pipelining`` before it exists) leaves user code with torch's module.
+Paths under a row that have no row of their own (``torch.distributed.tensor._utils``)
+resolve to torch's module.
+"""
+from __future__ import annotations
+
+ALIASES: dict[str, str] = {
+    # DTensor and its submodules
+    "torch.distributed.tensor": "mpidtensor",
+    "torch.distributed.tensor.parallel": "mpidtensor.parallel",
+    "torch.distributed.tensor.experimental": "mpidtensor.experimental",
+    "torch.distributed.tensor.experimental._attention": "mpidtensor.experimental._attention",
+    "torch.distributed.tensor.placement_types": "mpidtensor.tensor.placements",
+    "torch.distributed.tensor.debug": "mpidtensor.debug",
+    "torch.distributed.tensor.device_mesh": "mpidtensor.mesh.device_mesh",
+    "torch.distributed.device_mesh": "mpidtensor.mesh.device_mesh",
+    # FSDP2
+    "torch.distributed.fsdp": "mpidtensor.fsdp",
+    # distributed checkpoints
+    "torch.distributed.checkpoint": "mpidtensor.checkpoint",
+    "torch.distributed.checkpoint.state_dict": "mpidtensor.checkpoint.state_dict",
+    "torch.distributed.checkpoint.stateful": "mpidtensor.checkpoint.stateful",
+    "torch.distributed.checkpoint.filesystem": "mpidtensor.checkpoint.filesystem",
+    "torch.distributed.checkpoint.hf_storage": "mpidtensor.checkpoint.hf_storage",
+    "torch.distributed.checkpoint.format_utils": "mpidtensor.checkpoint.format_utils",
+    "torch.distributed.checkpoint.metadata": "mpidtensor.checkpoint.metadata",
+    "torch.distributed.checkpoint.storage": "mpidtensor.checkpoint.storage",
+    # older paths
+    "torch.distributed._tensor": "mpidtensor",
+    "torch.distributed._tensor.device_mesh": "mpidtensor.mesh.device_mesh",
+    "torch.distributed._tensor.placement_types": "mpidtensor.tensor.placements",
+    "torch.distributed._composable.fsdp": "mpidtensor.fsdp",
+    # pipeline parallelism (aliased once mpidtensor.pipelining imports)
+    "torch.distributed.pipelining": "mpidtensor.pipelining",
+}
