@@ -21,6 +21,8 @@ ALIASES: dict[str, str] = {
     "torch.distributed.tensor.debug": "mpidtensor.debug",
     "torch.distributed.tensor.device_mesh": "mpidtensor.mesh.device_mesh",
     "torch.distributed.device_mesh": "mpidtensor.mesh.device_mesh",
+    # functional collectives over mpidtensor's meshes and communicators
+    "torch.distributed._functional_collectives": "mpidtensor.compat.funcol",
     # FSDP2
     "torch.distributed.fsdp": "mpidtensor.fsdp",
     # distributed checkpoints
