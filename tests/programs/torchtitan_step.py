@@ -132,6 +132,7 @@ def main() -> None:
     training = TrainingConfig(local_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN, steps=STEPS,
                               mixed_precision_param="float32", max_norm=1.0)
     compile_config = CompileConfig(enable=compiled, components=["model"], backend="aot_eager")
+    tt_dist_utils.set_spmd_backend(parallelism.spmd_backend)  # as Trainer.__init__ does
     spec, config = model_config(args.layers, parallelism)
     weights = full_weights(config)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
