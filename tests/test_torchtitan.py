@@ -75,10 +75,13 @@ def reference(folder) -> dict:
     return figures
 
 
-def _differences(got: dict, want: dict) -> list[str]:
-    return [f"{key}[{step}]: {a} vs {b}" for key in ("losses", "grad_norms")
-            for step, (a, b) in enumerate(zip(got[key], want[key], strict=True))
-            if not math.isclose(a, b, rel_tol=RTOL, abs_tol=RTOL)]
+def _differences(got: dict, want: dict, norm_rtol: float = RTOL) -> list[str]:
+    """Losses against one process's; gradient norms against its norms in float64 (plain
+    torch's float32 norm of the 2048 x 256 head's gradient is off by 7e-5 relative)."""
+    pairs = [("losses", want["losses"], RTOL), ("grad_norms", want["grad_norms_float64"], norm_rtol)]
+    return [f"{key}[{step}]: {a} vs {b}" for key, expected, rtol in pairs
+            for step, (a, b) in enumerate(zip(got[key], expected, strict=True))
+            if not math.isclose(a, b, rel_tol=rtol, abs_tol=rtol)]
 
 
 @pytest.mark.parametrize("config,ranks", CASES)
@@ -104,5 +107,5 @@ def test_torch_on_gloo(config, reference, folder):
         assert_all_ranks(theirs is None and expected in log, f"torch's CP on CPU was expected to fail: {log}")
         return
     assert_all_ranks(theirs is not None, f"{config} on torch/gloo: {log}")
-    problems = _differences(theirs, reference)
+    problems = _differences(theirs, reference, norm_rtol=1e-4)  # torch's sharded float32 norms: 3e-5 off
     assert_all_ranks(not problems, f"{config} on torch/gloo against one process: {problems}")
