@@ -84,6 +84,7 @@ def _differences(got: dict, want: dict, norm_rtol: float = RTOL) -> list[str]:
             if not math.isclose(a, b, rel_tol=rtol, abs_tol=rtol)]
 
 
+@pytest.mark.every_case  # the quick tier's cases are chosen by the marks above, not sampled
 @pytest.mark.parametrize("config,ranks", CASES)
 def test_torchtitan_llama3(config, ranks, reference, folder):
     ours, log = _run([sys.executable, "-m", "mpidtensor.run", str(DRIVER), config], ranks,
