@@ -62,13 +62,25 @@ def run_job(script: str, tmp_dir: Path, *, ranks: int = 2, env: dict[str, str] |
     return bcast_after_rank0(result)  # the others sleep: the inner job needs the cores
 
 
+def run_command(argv: list[str], *, ranks: int | None, env: dict[str, str] | None = None, timeout: float = 600,
+                cwd: Path | None = None) -> Result:
+    """Run ``argv`` (a program written for torch.distributed, a driver...) on ``ranks`` fresh
+    MPI ranks, or alone as one process when ``ranks`` is None; collective, like :func:`run_job`."""
+    result = _start(argv, ranks, env or {}, timeout, cwd) if WORLD.rank == 0 else None
+    return bcast_after_rank0(result)
+
+
 def _launch(script: str, tmp_dir: Path, ranks: int, extra: dict[str, str], timeout: float) -> Result:
     path = tmp_dir / "job.py"
     path.write_text(textwrap.dedent(script))
+    return _start([sys.executable, str(path)], ranks, extra, timeout, None)
+
+
+def _start(argv: list[str], ranks: int | None, extra: dict[str, str], timeout: float, cwd: Path | None) -> Result:
     start = time.monotonic()
     proc = subprocess.Popen(
-        launcher.command(ranks, [sys.executable, str(path)]), env=launcher.nested_env(extra), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        argv if ranks is None else launcher.command(ranks, argv), env=launcher.nested_env(extra), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd,
     )
     try:
         output, _ = proc.communicate(timeout=timeout)

@@ -14,10 +14,15 @@ ALIASES: dict[str, str] = {
     "torch.distributed.tensor.parallel": "mpidtensor.parallel",
     "torch.distributed.tensor.experimental": "mpidtensor.experimental",
     "torch.distributed.tensor.experimental._attention": "mpidtensor.experimental._attention",
+    "torch.distributed.tensor.experimental._context_parallel": "mpidtensor.experimental._context_parallel",
+    "torch.distributed.tensor.experimental._context_parallel._attention":
+        "mpidtensor.experimental._context_parallel._attention",
     "torch.distributed.tensor.placement_types": "mpidtensor.tensor.placements",
     "torch.distributed.tensor.debug": "mpidtensor.debug",
     "torch.distributed.tensor.device_mesh": "mpidtensor.mesh.device_mesh",
     "torch.distributed.device_mesh": "mpidtensor.mesh.device_mesh",
+    # functional collectives over mpidtensor's meshes and communicators
+    "torch.distributed._functional_collectives": "mpidtensor.compat.funcol",
     # FSDP2
     "torch.distributed.fsdp": "mpidtensor.fsdp",
     # distributed checkpoints

@@ -108,6 +108,18 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     return work if async_op else None
 
 
+def get_rank(group: Any = None) -> int:
+    """``torch.distributed.get_rank``; an MPI communicator (what an mpidtensor mesh's
+    ``get_group()`` returns, which torchtitan's vocab-parallel embedding passes) answers
+    with its own rank."""
+    return group.Get_rank() if isinstance(group, MPI.Comm) else dist.get_rank(group)
+
+
+def get_world_size(group: Any = None) -> int:
+    """``torch.distributed.get_world_size``; an MPI communicator answers with its size."""
+    return group.Get_size() if isinstance(group, MPI.Comm) else dist.get_world_size(group)
+
+
 def _group(group: Any) -> Any:
     return dist.group.WORLD if group is None else group
 
@@ -145,5 +157,7 @@ OVERRIDES: dict[str, Any] = {
     "reduce": reduce,
     "gather": gather,
     "scatter": scatter,
+    "get_rank": get_rank,
+    "get_world_size": get_world_size,
     **{name: _refuse(name, why) for name, why in UNPROVIDED.items()},
 }

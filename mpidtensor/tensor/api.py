@@ -29,7 +29,8 @@ def distribute_tensor(
     as in torch: the data of the rank at coordinate ``(r, ..., r)`` is sent out (scatter
     for shards, broadcast for replicas, one collective per mesh dim) and the others'
     values are ignored, so every sub-mesh has its own source; with ``None`` every rank
-    already holds the data and keeps its own block, moving no data. ``Partial``
+    already holds the data and keeps its own block, moving no data (so does a meta
+    tensor: its result is a meta DTensor, as torch's). ``Partial``
     placements put the value on coordinate 0 of that mesh dim (the others hold the
     reduction's identity). The result is a leaf that requires grad if ``tensor`` does.
     """
@@ -44,7 +45,7 @@ def distribute_tensor(
     if device_mesh.device_type == "cuda" and not data.is_cuda:
         data = data.to(torch.cuda.current_device())
     mesh_shape, coord = device_mesh.shape, device_mesh._coord
-    if src_data_rank is None:
+    if src_data_rank is None or data.is_meta:  # a meta tensor (a model built on meta) has no data to send
         local = data
         for d in range(data.ndim):
             runs = dim_runs(data.shape[d], d, placements, mesh_shape, coord)

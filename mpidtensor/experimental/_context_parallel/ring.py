@@ -65,6 +65,37 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return _RingAttention.apply(query, key, value, attn_mask, ring)
 
 
+def ring_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, comm: MPI.Intracomm,
+                 is_causal: bool, scale: float | None, load_balanced: bool,
+                 rotate_method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of :func:`ring_attention` outside autograd (no mask, no dropout): the
+    output and the global log-sum-exp ``[B, H, S_local]``, which :func:`ring_backward`
+    takes back. For a caller that owns the autograd graph (the DTensor dispatcher of
+    ``_enable_context_parallel_dispatcher``, below the aten op and its backward)."""
+    ring = _ring(comm, query, key, value, is_causal, scale, load_balanced, rotate_method)
+    return _forward(ring, query, key, value, None)
+
+
+def ring_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor, *, comm: MPI.Intracomm, is_causal: bool,
+                  scale: float | None, load_balanced: bool,
+                  rotate_method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients wrt this rank's query, key and value blocks, from :func:`ring_forward`'s
+    output and log-sum-exp."""
+    ring = _ring(comm, query, key, value, is_causal, scale, load_balanced, rotate_method)
+    return _backward(ring, grad_out, query, key, value, out, lse, None)
+
+
+def _ring(comm, query, key, value, is_causal, scale, load_balanced, rotate_method) -> _Ring:
+    """The agreed layout and the kernel of one call (one small ``Allgather``)."""
+    _check_arguments(query, key, value, None, 0.0, is_causal, rotate_method)
+    enable_gqa = query.shape[1] != key.shape[1]
+    layout = agree(comm, query, key, value, None, balanced=load_balanced, causal=is_causal, enable_gqa=enable_gqa)
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    backend = choose_backend(query, key, value, None, is_causal, scale, enable_gqa)
+    return _Ring(comm, layout, backend, scale, rotate_method)
+
+
 def _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, rotate_method) -> None:
     """Checks on facts every rank shares (flags, ranks of tensors, dtypes)."""
     if dropout_p != 0.0:

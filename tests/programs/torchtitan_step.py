@@ -1,0 +1,223 @@
+"""Three AdamW steps of torchtitan's own Llama 3 ("debugmodel" flavor), parallelized by
+torchtitan's own ``ParallelDims`` and ``parallelize_llama``, as its ``Trainer.train_step``
+runs them (global valid tokens by ``dist_sum_tensor``, context-parallel input sharding,
+its loss, ``clip_grad_norm_``, the logged loss by ``dist_sum`` over the loss mesh).
+
+A program written for torch.distributed: it imports nothing from mpidtensor. It runs
+under ``torchrun`` (torch's DTensor on gloo), under ``mpiexec ... python -m
+mpidtensor.run`` (mpidtensor), or alone with ``--reference`` (one process, no
+parallelism: the losses the others must equal).
+
+    torchtitan_step.py CONFIG OUT.json [--reference] [--layers N]
+
+Only what torchtitan's API leaves to its caller is set here: the device (torchtitan
+picks "cuda" when no accelerator is visible; its module-level ``device_type`` is
+pointed at "cpu"), the inner attention (``ScaledDotProductAttention``: torchtitan's
+language-model registry offers only flex attention, which it always compiles with
+inductor), float32 parameters for FSDP's mixed precision (so that losses compare at
+1e-5), the sharding config that ``Llama3Model.Config.update_from_config`` would set
+(that method imports torchtitan's Trainer and so wandb and tensorboard), and the weights:
+torchtitan's ``init_weights`` on a full model with one seed, each parameter's part then
+copied into the sharded model by ``distribute_tensor`` (torchtitan's own ``init_weights``
+runs there too, for the buffers).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import torchtitan.distributed.parallel_dims as tt_parallel_dims
+import torchtitan.distributed.utils as tt_dist_utils
+import torchtitan.tools.utils as tt_utils
+
+# torchtitan chooses "cuda" when no accelerator is visible; it reads these module globals
+for _module in (tt_utils, tt_parallel_dims, tt_dist_utils):
+    _module.device_type = "cpu"
+tt_utils.device_module = tt_dist_utils.device_module = torch.cpu
+
+from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss  # noqa: E402
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402
+from torchtitan.distributed import ParallelDims  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: E402
+from torchtitan.distributed.context_parallel import prepare_context_parallel_input  # noqa: E402
+from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.llama3 import model_registry  # noqa: E402
+from torchtitan.models.llama3.sharding import set_llama3_sharding_config  # noqa: E402
+
+# name: (dp_replicate, dp_shard, cp, tp, sequence parallel, activation checkpointing, compile)
+CONFIGS = {
+    "fsdp": (1, -1, 1, 1, True, False, False),
+    "tp_sp": (1, 1, 1, -1, True, False, False),
+    "tp": (1, 1, 1, -1, False, False, False),
+    "fsdp_tp": (1, -1, 1, 2, True, False, False),
+    "hsdp": (2, -1, 1, 1, True, False, False),
+    "cp_fsdp": (1, -1, 2, 1, True, False, False),
+    "fsdp_ac": (1, -1, 1, 1, True, True, False),
+    "fsdp_compile": (1, -1, 1, 1, True, False, True),
+}
+STEPS, GLOBAL_BATCH, SEQ_LEN, SEED, LR = 3, 4, 32, 0, 8e-4
+
+
+def model_config(layers: int, parallelism: ParallelismConfig):
+    """torchtitan's debugmodel config with ``layers`` blocks and SDPA inner attention."""
+    spec = model_registry("debugmodel")
+    config = spec.model
+    config.layers = config.layers[:layers]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=SEQ_LEN)
+    set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
+    return spec, config
+
+
+def full_weights(config) -> dict[str, torch.Tensor]:
+    """torchtitan's own init of the whole model, seeded: the same on every rank."""
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return {name: tensor.detach().clone() for name, tensor in model.named_parameters()}
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Each parameter (a DTensor of any layout) gets its part of the full weight."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    wrappers = ("_checkpoint_wrapped_module.", "_orig_mod.")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            for wrapper in wrappers:
+                name = name.replace(wrapper, "")
+            full = weights[name]
+            if isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements)
+            param.copy_(full)
+
+
+def batches() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(SEED + 1)
+    return torch.randint(0, 2048, (STEPS, GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config", choices=sorted(CONFIGS))
+    parser.add_argument("out")
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--sum-reduction", action="store_true",
+                        help="FSDP reduces with SUM then divides (torch's gloo refuses PREMUL_SUM)")
+    args = parser.parse_args()
+    dp_replicate, dp_shard, cp, tp, sp, ac, compiled = CONFIGS[args.config]
+    reference = args.reference
+    if reference:
+        dp_replicate = dp_shard = cp = tp = 1
+    else:
+        dist.init_process_group(backend="gloo")
+    world_size = dist.get_world_size() if not reference else 1
+    if tp == -1:
+        tp = world_size
+    parallelism = ParallelismConfig(
+        data_parallel_replicate_degree=dp_replicate, data_parallel_shard_degree=dp_shard,
+        context_parallel_degree=cp, tensor_parallel_degree=tp, enable_sequence_parallel=sp,
+        spmd_backend="partial_dtensor", context_parallel_load_balancer="headtail",
+    )
+    training = TrainingConfig(local_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN, steps=STEPS,
+                              mixed_precision_param="float32", max_norm=1.0)
+    compile_config = CompileConfig(enable=compiled, components=["model"], backend="aot_eager")
+    tt_dist_utils.set_spmd_backend(parallelism.spmd_backend)  # as Trainer.__init__ does
+    spec, config = model_config(args.layers, parallelism)
+    weights = full_weights(config)
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
+    device = torch.device("cpu")
+
+    with torch.device("meta"):
+        model = config.build()
+    parallel_dims = None
+    if reference:
+        model.to_empty(device=device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)  # the buffers (RoPE) too
+        load_weights(model, weights)
+    else:
+        parallel_dims = ParallelDims.from_config(parallelism, world_size)
+        parallel_dims.build_mesh()
+        model = spec.parallelize_fn(
+            model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+            compile_config=compile_config, ac_config=FullAC.Config() if ac else None, dump_folder="",
+        )
+        model.to_empty(device=device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        load_weights(model, weights)
+        if args.sum_reduction:
+            from torch.distributed.fsdp import FSDPModule
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1,
+                                  foreach=True)
+
+    if parallel_dims is not None and parallel_dims.dp_enabled:
+        batch_mesh = parallel_dims.get_mesh("batch")
+        batch_degree, batch_rank = batch_mesh.size(), batch_mesh.get_local_rank()
+    else:
+        batch_degree, batch_rank = 1, 0
+    local = GLOBAL_BATCH // batch_degree
+    losses, norms, exact_norms, start = [], [], [], time.monotonic()
+    for tokens in batches():
+        tokens = tokens[batch_rank * local:(batch_rank + 1) * local]
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        optimizer.zero_grad()
+        # Trainer.train_step: the global valid-token count, then forward_backward_step
+        local_valid_tokens = (labels != IGNORE_INDEX).sum()
+        if parallel_dims is not None and parallel_dims.dp_enabled:
+            global_valid_tokens = tt_dist_utils.dist_sum_tensor(local_valid_tokens, batch_mesh)
+        else:
+            global_valid_tokens = local_valid_tokens
+        extra_kwargs = {}
+        if parallel_dims is not None and parallel_dims.cp_enabled:
+            extra_kwargs["positions"] = torch.arange(SEQ_LEN).expand(local, SEQ_LEN).contiguous()
+            inputs, labels, extra_kwargs = prepare_context_parallel_input(
+                inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), device,
+                parallelism.context_parallel_load_balancer,
+            )
+        pred = model(inputs, **extra_kwargs)
+        loss, _ = loss_fn(pred, labels, global_valid_tokens)
+        del pred
+        loss.backward()
+        if reference:  # plain torch's float32 norm of a large gradient is off by up to ~1e-4
+            exact_norms.append(float(torch.stack([p.grad.double().pow(2).sum() for p in model.parameters()]).sum().sqrt()))
+        grad_norm = tt_dist_utils.clip_grad_norm_(
+            list(model.parameters()), training.max_norm, foreach=True,
+            pp_mesh=None if parallel_dims is None else parallel_dims.get_optional_mesh("pp"),
+        )
+        optimizer.step()
+        loss = loss.detach()
+        if parallel_dims is not None and parallel_dims.dp_cp_enabled:
+            losses.append(tt_dist_utils.dist_sum(loss, parallel_dims.get_optional_mesh("loss")))
+        else:
+            losses.append(float(loss.item() if not hasattr(loss, "full_tensor") else loss.full_tensor().item()))
+        norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+    rank = 0 if reference else dist.get_rank()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"config": args.config, "world_size": world_size, "losses": losses, "grad_norms": norms,
+                       "grad_norms_float64": exact_norms,
+                       "seconds": time.monotonic() - start,
+                       "dtensor": type(model.lm_head.weight).__module__}, f)
+    if not reference:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
