@@ -5,16 +5,25 @@
 moving activations and gradients as non-blocking MPI messages on the pipeline group
 (docs/pipelining.md).
 """
+from .interleaved import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS
 from .microbatch import TensorChunkSpec
+from .runtime import StageFailed
 from .schedule import PipelineScheduleMulti, PipelineScheduleSingle
 from .single import Schedule1F1B, ScheduleGPipe
 from .stage import PipelineStage
+from .vshape import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
 __all__ = [
     "PipelineScheduleMulti",
     "PipelineScheduleSingle",
     "PipelineStage",
     "Schedule1F1B",
+    "ScheduleDualPipeV",
     "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleZBVZeroBubble",
+    "StageFailed",
     "TensorChunkSpec",
 ]
