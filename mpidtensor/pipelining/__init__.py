@@ -9,11 +9,17 @@ from .interleaved import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
 from .microbatch import TensorChunkSpec
 from .runtime import StageFailed
 from .schedule import PipelineScheduleMulti, PipelineScheduleSingle
+from .split import Pipe, SplitPoint, build_stage, pipe_split, pipeline
 from .single import Schedule1F1B, ScheduleGPipe
 from .stage import PipelineStage
 from .vshape import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
 __all__ = [
+    "Pipe",
+    "SplitPoint",
+    "build_stage",
+    "pipe_split",
+    "pipeline",
     "PipelineScheduleMulti",
     "PipelineScheduleSingle",
     "PipelineStage",
