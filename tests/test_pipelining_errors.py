@@ -191,7 +191,7 @@ def test_stage_raises_in_a_job_of_its_own(tmp_path) -> None:
             schedule.step(*((x,) if W.rank == 0 else ()), target=y if W.rank == 2 else None)
         except pp.StageFailed as err:
             print(f"rank {W.rank} raised: {err}", flush=True)
-    """ % str(pytest.importorskip("pathlib").Path(__file__).parent), tmp_path, ranks=3, timeout=120)
+    """ % str(pytest.importorskip("pathlib").Path(__file__).parent), tmp_path, ranks=3, timeout=300)
     expected = "raised: pipeline stage 2 failed in its forward of micro-batch 0: RuntimeError: last stage broke"
     lines = [f"rank {r} {expected}" for r in range(3)]
     missing = [line for line in lines if line not in result.output]
