@@ -192,3 +192,32 @@ def test_cuda_stages() -> None:
     schedule.step(*((x.to(device),) if stages[0].is_first else ()), target=y.to(device) if stages[0].is_last else None)
     grads = [p.grad is not None and p.grad.is_cuda for p in stages[0].submod.parameters()]
     assert_all_ranks(all(grads), "no CUDA gradients")
+
+
+class _TwoOut(nn.Module):
+    """Split by ``pipe_split()`` into two stages; the first passes two tensors on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(pm.WIDTH, pm.WIDTH), nn.Linear(pm.WIDTH, pm.WIDTH)
+
+    def forward(self, x):
+        h = self.a(x)
+        g = torch.tanh(h)
+        pp.pipe_split()
+        return self.b(h) * g
+
+
+@pytest.mark.skipif(P != 2, reason="a two-stage traced model")
+def test_traced_stage_passing_two_tensors() -> None:
+    torch.manual_seed(5)
+    model = _TwoOut()
+    reference = copy.deepcopy(model)
+    x, y = pm.batch(2)
+    stage = pp.pipeline(model, (x.chunk(2)[0],)).build_stage(WORLD.rank, "cpu")
+    schedule = pp.ScheduleGPipe(stage, 2, loss_fn=pm.loss_fn)
+    schedule.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None)
+    (sum(pm.loss_fn(reference(xm), ym) for xm, ym in zip(x.chunk(2), y.chunk(2))) / 2).backward()
+    want = dict(reference.named_parameters())
+    for name, p in stage.submod.named_parameters():
+        assert_close(p.grad, want[name].grad)

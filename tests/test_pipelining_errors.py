@@ -197,3 +197,24 @@ def test_stage_raises_in_a_job_of_its_own(tmp_path) -> None:
     missing = [line for line in lines if line not in result.output]
     assert_all_ranks(result.returncode == 0 and not missing, f"rc {result.returncode}, missing {missing}: "
                                                               f"{result.output[-2000:]}")
+
+
+class _Skip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(pm.WIDTH, pm.WIDTH) for _ in range(3))
+
+    def forward(self, x):
+        h = self.a(x)
+        pp.pipe_split()
+        h2 = self.b(h)
+        pp.pipe_split()
+        return self.c(h2) + h
+
+
+def test_traced_skip_connection_refused() -> None:
+    """Decided from the traced graph, which every rank has alike."""
+    pipe = pp.pipeline(_Skip(), (torch.zeros(2, pm.WIDTH),))
+    raises_everywhere(NotImplementedError, lambda: pp.build_stage(pipe.get_stage_module(2), 2, pipe.info(), "cpu"),
+                      match="stage 2 of the traced pipeline takes inputs other than all of the previous stage's "
+                            "outputs in order")
