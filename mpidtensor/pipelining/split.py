@@ -6,20 +6,38 @@ The model is traced and cut by torch's own tracer (``torch.distributed.pipelinin
 neighbouring stages only, so each stage must take exactly what the previous one returns,
 in order (the first stage: the model's positional inputs); a graph with skip connections
 across stages is refused by :func:`build_stage`, naming the stage.
+
+torch's tracer is imported when first used: importing it loads ``torch.distributed.tensor``
+and Dynamo, which would make ``import mpidtensor.pipelining`` slow and change torch's
+foreach type lists.
 """
 from __future__ import annotations
 
+import enum
 import operator
 from typing import Any, Callable
 
 import torch
 from torch import fx, nn
-from torch.distributed.pipelining import SplitPoint, pipe_split
-from torch.distributed.pipelining import pipeline as _torch_pipeline
 
 from .stage import PipelineStage
 
 __all__ = ["Pipe", "SplitPoint", "build_stage", "pipe_split", "pipeline"]
+
+
+class SplitPoint(enum.Enum):
+    """Where a ``split_spec`` cuts: before (``BEGINNING``) or after (``END``) the named
+    submodule (torch's names)."""
+
+    BEGINNING = 1
+    END = 2
+
+
+def pipe_split() -> None:
+    """Mark a cut in a model's ``forward`` (torch's ``pipe_split``; a no-op when not traced)."""
+    from torch.distributed.pipelining import pipe_split as torch_pipe_split
+
+    torch_pipe_split()
 
 
 class Pipe:
@@ -48,7 +66,12 @@ def pipeline(module: nn.Module, mb_args: tuple, mb_kwargs: dict | None = None,
     """Trace ``module`` on one micro-batch's inputs and cut it at ``split_spec`` (submodule
     name -> ``SplitPoint``), ``split_policy`` or its ``pipe_split()`` calls (torch's
     arguments and meaning)."""
-    return Pipe(_torch_pipeline(module, mb_args, mb_kwargs, split_spec=split_spec, split_policy=split_policy))
+    from torch.distributed.pipelining import SplitPoint as TorchSplitPoint
+    from torch.distributed.pipelining import pipeline as torch_pipeline
+
+    if split_spec is not None:
+        split_spec = {name: TorchSplitPoint[point.name] for name, point in split_spec.items()}
+    return Pipe(torch_pipeline(module, mb_args, mb_kwargs, split_spec=split_spec, split_policy=split_policy))
 
 
 def build_stage(stage_module: nn.Module, stage_index: int, pipe_info: Any, device: torch.device | str,
