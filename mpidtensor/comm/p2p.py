@@ -12,9 +12,9 @@ CUDA-aware, staged through host memory where not.
 Peer failure: a rank whose computation fails calls :meth:`Channel.notify`, a one-byte
 message to every other rank on a reserved tag; every wait of the channel also waits on
 that notice (``Waitany``), so no rank is left waiting for a message that will not come.
-The notice's receive is posted by :meth:`Channel.open` and cancelled by
-:meth:`Channel.close` (a few microseconds a step: nothing stays posted between steps).
-After a failure the channel is :meth:`abandon`-ed (its receives cancelled) and replaced.
+The notice's receive is posted by :meth:`Channel.open` and completed by
+:meth:`Channel.close` with a message to itself (a few microseconds a step: nothing stays
+posted between steps). After a failure the channel is :meth:`abandon`-ed and replaced.
 """
 from __future__ import annotations
 
@@ -68,8 +68,11 @@ class Channel:
         self._notice = self.comm.Irecv([self._notice_buf, MPI.BYTE], MPI.ANY_SOURCE, NOTICE_TAG)
 
     def close(self) -> None:
-        """End a round in which no rank failed: withdraw the notice's receive."""
-        _cancel(self._notice)
+        """End a round in which no rank failed: the notice's receive is completed by a
+        message of this rank to itself (no ``MPI_Cancel``: with MPICH over UCX a cancelled
+        receive was seen to stay posted inside UCX and take the next round's notice)."""
+        if self._notice != MPI.REQUEST_NULL:
+            MPI.Request.Waitall([self.comm.Isend([_ONE, MPI.BYTE], self.comm.rank, NOTICE_TAG), self._notice])
 
     # -- receiving ------------------------------------------------------------------------
     def post(self, source: int, tag: int, metas, device: torch.device) -> Pending:
@@ -135,24 +138,20 @@ class Channel:
         self.failed = True
         for rank in range(self.comm.size):
             if rank != self.comm.rank:
-                self._sends.append((self.comm.Isend([b"\x01", MPI.BYTE], rank, NOTICE_TAG), None))
+                self._sends.append((self.comm.Isend([_ONE, MPI.BYTE], rank, NOTICE_TAG), None))
 
     def abandon(self) -> None:
-        """Give the channel up after a failure: cancel its posted receives and forget its
-        sends (their buffers stay referenced by the old communicator's requests)."""
+        """Give the channel up after a failure: its posted receives are cancelled, and the
+        communicator, the receive buffers and whatever was being sent are kept for the rest
+        of the process (never freed or reused: a cancel that did not take, or a message
+        still on its way, then lands in memory nobody else uses)."""
         for request in [self._notice] + [p.request for p in self._posted]:
-            _cancel(request)
-        _abandoned.append(self._sends)  # a send whose receiver gave up never completes
+            if request != MPI.REQUEST_NULL and not request.Test():
+                request.Cancel()
+        _abandoned.append((self.comm, self._notice, self._notice_buf, self._posted, self._sends))
         self._posted, self._sends = [], []
-        self.comm.Free()
 
 
-def _cancel(request: MPI.Request) -> None:
-    """Withdraw a posted receive (a no-op once it completed)."""
-    if request != MPI.REQUEST_NULL and not request.Test():
-        request.Cancel()
-        request.Wait()
-
-
-# Sends of abandoned channels: kept alive (one list per failure) so MPI never reads freed memory.
-_abandoned: list[list] = []
+_ONE = b"\x01"
+# Abandoned channels' communicators, requests and buffers: kept alive (one entry per failure).
+_abandoned: list[tuple] = []
