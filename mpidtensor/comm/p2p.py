@@ -1,0 +1,150 @@
+"""Point-to-point transport of tensors: one message per hop, receives posted ahead.
+
+A :class:`Channel` owns a duplicate of a group's communicator, so its messages never
+match anyone else's. Both ends know the shapes and dtypes of what travels (agreed once,
+see ``pipelining.meta``), so a message is raw bytes with no header: a single C-contiguous
+tensor is sent from its own memory, several are packed into one buffer (each at a
+16-byte aligned offset), and a receive lands in one pooled buffer whose slices become the
+received tensors (no copy on the host). bfloat16 and any other dtype travel as bytes.
+GPU tensors go through :mod:`comm.buffers` like the collectives: handed to MPI where it is
+CUDA-aware, staged through host memory where not.
+
+Peer failure: a rank whose computation fails calls :meth:`Channel.notify`, a one-byte
+message to every other rank on a reserved tag; every wait of the channel also waits on
+that notice (``Waitany``), so no rank is left waiting for a message that will not come.
+The channel is then :meth:`abandon`-ed (its receives cancelled) and replaced.
+"""
+from __future__ import annotations
+
+from math import prod
+from typing import Sequence
+
+import torch
+from mpi4py import MPI
+
+from . import buffers
+
+ALIGN = 16  # bytes: each packed tensor starts at a multiple, so a dtype view of it is legal
+NOTICE_TAG = 0
+
+
+class PeerFailed(Exception):
+    """Another rank of the channel notified a failure."""
+
+
+def layout(metas: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
+    """Byte offset of each ``(shape, dtype)`` in a packed message, and its total size."""
+    offsets, end = [], 0
+    for shape, dtype in metas:
+        offsets.append(end)
+        end += -(-prod(shape) * dtype.itemsize // ALIGN) * ALIGN
+    return offsets, end
+
+
+class Pending:
+    """A posted receive: its request and the buffer it lands in."""
+
+    __slots__ = ("request", "buffer", "metas", "device")
+
+    def __init__(self, request: MPI.Request, buffer: torch.Tensor, metas, device: torch.device) -> None:
+        self.request, self.buffer, self.metas, self.device = request, buffer, metas, device
+
+
+class Channel:
+    """Tensor messages among the ranks of ``comm`` (collective: every rank makes one)."""
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm.Dup()
+        self.failed = False
+        self._sends: list[tuple[MPI.Request, object]] = []  # requests and what they read
+        self._notice_buf = bytearray(1)
+        self._notice = self.comm.Irecv([self._notice_buf, MPI.BYTE], MPI.ANY_SOURCE, NOTICE_TAG)
+        self._posted: list[Pending] = []
+
+    # -- receiving ------------------------------------------------------------------------
+    def post(self, source: int, tag: int, metas, device: torch.device) -> Pending:
+        """Post the receive of one message of tensors ``metas`` (``(shape, dtype)`` each)."""
+        _, nbytes = layout(metas)
+        buffer = buffers.empty((nbytes,), torch.empty(0, dtype=torch.uint8, device=device))
+        request = self.comm.Irecv([buffers.as_buffer(buffer), MPI.BYTE], source, tag)
+        pending = Pending(request, buffer, metas, torch.device(device))
+        self._posted.append(pending)
+        return pending
+
+    def wait(self, pending: Pending) -> list[torch.Tensor]:
+        """The tensors of a posted receive, once it has arrived; :class:`PeerFailed` if a
+        peer's failure notice comes first."""
+        self._wait_or_notice([pending.request])
+        self._posted.remove(pending)
+        offsets, _ = layout(pending.metas)
+        out = []
+        for (shape, dtype), offset in zip(pending.metas, offsets):
+            nbytes = prod(shape) * dtype.itemsize
+            view = pending.buffer[offset:offset + nbytes].view(dtype).view(shape)
+            out.append(view if view.device == pending.device else view.to(pending.device))
+        return out
+
+    # -- sending --------------------------------------------------------------------------
+    def send(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> None:
+        """Start sending ``tensors`` as one message; complete by :meth:`finish_sends`."""
+        if len(tensors) == 1:
+            data = buffers.stage(tensors[0])
+        else:
+            offsets, nbytes = layout([(tuple(t.shape), t.dtype) for t in tensors])
+            like = tensors[0]
+            data = buffers.empty((nbytes,), torch.empty(0, dtype=torch.uint8, device=buffers.comm_device(like)))
+            with torch.no_grad():
+                for t, offset in zip(tensors, offsets):
+                    piece = data[offset:offset + t.numel() * t.dtype.itemsize]
+                    piece.view(t.dtype).view(t.shape).copy_(t)
+        if data.is_cuda:
+            torch.cuda.current_stream(data.device).synchronize()
+        request = self.comm.Isend([buffers.as_buffer(data), MPI.BYTE], dest, tag)
+        self._sends.append((request, data))
+
+    def finish_sends(self) -> None:
+        """Wait until every started send is done (or raise :class:`PeerFailed`)."""
+        while self._sends:
+            index = self._wait_or_notice([r for r, _ in self._sends])
+            del self._sends[index]
+
+    def _wait_or_notice(self, requests: list[MPI.Request]) -> int:
+        """Index of one of ``requests`` that completed; :class:`PeerFailed` if the failure
+        notice arrives first (one ``Waitany`` over both: no polling)."""
+        if self.failed:
+            raise PeerFailed()
+        index = MPI.Request.Waitany([self._notice, *requests])
+        if index == 0:
+            self.failed = True
+            raise PeerFailed()
+        return index - 1
+
+    # -- failure --------------------------------------------------------------------------
+    def notify(self) -> None:
+        """Tell every other rank that this one failed (their waits raise :class:`PeerFailed`)."""
+        self.failed = True
+        for rank in range(self.comm.size):
+            if rank != self.comm.rank:
+                self._sends.append((self.comm.Isend([b"\x01", MPI.BYTE], rank, NOTICE_TAG), None))
+
+    def abandon(self) -> None:
+        """Give the channel up after a failure: cancel its posted receives and forget its
+        sends (their buffers stay referenced by the old communicator's requests)."""
+        for request in [self._notice] + [p.request for p in self._posted]:
+            if request != MPI.REQUEST_NULL and not request.Test():
+                request.Cancel()
+                request.Wait()
+        _abandoned.append(self._sends)  # a send whose receiver gave up never completes
+        self._posted, self._sends = [], []
+        self.comm.Free()
+
+    def close(self) -> None:
+        """Release a channel with nothing in flight (collective in effect: the notice
+        receive is cancelled on every rank)."""
+        self._notice.Cancel()
+        self._notice.Wait()
+        self.comm.Free()
+
+
+# Sends of abandoned channels: kept alive (one list per failure) so MPI never reads freed memory.
+_abandoned: list[list] = []

@@ -1,0 +1,105 @@
+"""The shapes and dtypes that cross stages: found once, on the first step, then fixed.
+
+Each stage's inputs come from its ``input_args`` or from what the previous stage sends;
+its outputs from its ``output_args`` or from running it once on inputs of those shapes
+(no gradients, the random state restored), as torch does. The stages do this in pipeline
+order, passing the shapes on (a small message per hop); then one ``allgather`` over the
+pipeline group lets every rank check every hop alike: a stage that sends what the next
+one does not expect, or a stage that failed, raises the same error on every rank before
+any data moves.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from mpi4py import MPI
+
+from ..runtime.agreement import portable, raise_first, raise_listed
+
+
+class Meta(NamedTuple):
+    """Shape and dtype of one tensor crossing stages."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def metas_of(values: Any) -> list[Meta]:
+    """The ``Meta`` of a tensor or of each tensor of a tuple or list; ``TypeError`` for
+    anything else (only tensors cross stages)."""
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    metas = []
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"only tensors cross pipeline stages, got a {type(v).__name__}")
+        metas.append(Meta(tuple(v.shape), v.dtype))
+    return metas
+
+
+def grad_carrying(meta: Meta) -> bool:
+    """Whether a gradient flows back for a tensor of this kind (floating or complex)."""
+    return meta.dtype.is_floating_point or meta.dtype.is_complex
+
+
+def fmt(metas: list[Meta] | None) -> str:
+    if metas is None:
+        return "nothing"
+    return "[" + ", ".join(f"{tuple(m.shape)} {str(m.dtype).removeprefix('torch.')}" for m in metas) + "]"
+
+
+def infer(stages: list, stage_rank: dict[int, int], ctl: MPI.Intracomm, first_args: tuple | None,
+          first_kwargs: dict | None, local_error: BaseException | None = None) -> None:
+    """Fix ``inputs_meta`` / ``outputs_meta`` of this rank's ``stages`` (collective over the
+    pipeline group ``ctl``). ``first_args`` / ``first_kwargs``: micro-batch 0 as the step
+    split it; ``local_error``: a failure this rank already met (it is raised everywhere)."""
+    error = local_error
+    found: dict[int, tuple[list[Meta] | None, list[Meta] | None]] = {}
+    local_out: dict[int, list[Meta] | None] = {}
+    sends = []
+    for stage in sorted(stages, key=lambda st: st.stage_index):
+        s = stage.stage_index
+        if stage.is_first:
+            incoming = None
+        elif stage_rank[s - 1] == ctl.rank:
+            incoming = local_out[s - 1]
+        else:
+            incoming = ctl.recv(source=stage_rank[s - 1], tag=s)
+        ins = outs = None
+        upstream_ok = stage.is_first or incoming is not None
+        if error is None and upstream_ok:
+            try:
+                ins = metas_of([a for a in first_args if isinstance(a, torch.Tensor)]) if stage.is_first \
+                    else (stage.given_inputs or incoming)
+                outs = None if stage.is_last else (stage.given_outputs or _run_once(stage, ins, first_args, first_kwargs))
+            except Exception as err:  # noqa: BLE001  (raised on every rank below)
+                error = RuntimeError(f"stage {s} failed while finding its output shapes: {type(err).__name__}: {err}")
+        if not stage.is_first:
+            ins = stage.given_inputs or incoming
+        found[s] = (ins, outs)
+        if not stage.is_last:
+            local_out[s] = outs
+            if stage_rank[s + 1] != ctl.rank:
+                sends.append(ctl.isend(outs, dest=stage_rank[s + 1], tag=s + 1))
+    MPI.Request.Waitall(sends)
+    table = ctl.allgather((portable(error), found))
+    raise_first([e for e, _ in table])
+    every = {s: v for _, part in table for s, v in part.items()}
+    problems = []
+    for s in sorted(every):
+        if s + 1 in every and every[s][1] != every[s + 1][0]:
+            problems.append(f"stage {s} sends {fmt(every[s][1])} but stage {s + 1} expects {fmt(every[s + 1][0])}")
+    raise_listed(problems)
+    for stage in stages:
+        stage.inputs_meta, stage.outputs_meta = every[stage.stage_index]
+
+
+def _run_once(stage, ins: list[Meta], first_args: tuple, first_kwargs: dict | None) -> list[Meta]:
+    """The output shapes of ``stage`` run once on micro-batch 0 (first stage) or on zeros
+    of its input shapes, without gradients and with the random state put back."""
+    args = first_args if stage.is_first else tuple(torch.zeros(m.shape, dtype=m.dtype, device=stage.device)
+                                                   for m in ins)
+    devices = [stage.device] if stage.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        out = stage.submod(*args, **(first_kwargs or {}))
+    return metas_of(out)

@@ -1,0 +1,76 @@
+"""Splitting a batch into micro-batches and merging the last stage's outputs.
+
+Tensors are split along their chunk spec's dim (dim 0 by default) into equal parts: the
+shapes between stages are fixed after the first step, so a batch that does not divide
+evenly is refused. Arguments that are not tensors (or whose spec is ``None``) go to every
+micro-batch whole. Any object with a ``split_dim`` attribute is a chunk spec, so torch's
+``TensorChunkSpec`` works as well as this one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+class TensorChunkSpec:
+    """Split a tensor argument along ``split_dim`` (torch's name and meaning)."""
+
+    def __init__(self, split_dim: int) -> None:
+        self.split_dim = split_dim
+
+    def __repr__(self) -> str:
+        return f"TensorChunkSpec({self.split_dim})"
+
+    @staticmethod
+    def from_tuple(dims: tuple[int, ...]) -> tuple["TensorChunkSpec", ...]:
+        return tuple(TensorChunkSpec(d) for d in dims)
+
+    @staticmethod
+    def from_dict(dims: dict[str, int]) -> dict[str, "TensorChunkSpec"]:
+        return {k: TensorChunkSpec(d) for k, d in dims.items()}
+
+
+def split_tensor(tensor: torch.Tensor, dim: int, n: int, what: str = "batch") -> list[torch.Tensor]:
+    """``tensor`` in ``n`` equal parts along ``dim``; ``ValueError`` when it does not divide."""
+    size = tensor.size(dim)
+    if size % n:
+        raise ValueError(f"the {what} has {size} rows along dim {dim}, which do not split into "
+                         f"{n} equal micro-batches")
+    return list(torch.chunk(tensor, n, dim))
+
+
+def _split_value(value: Any, spec: Any, n: int, what: str) -> list[Any]:
+    if isinstance(value, torch.Tensor) and (spec is None or hasattr(spec, "split_dim")):
+        dim = 0 if spec is None else spec.split_dim
+        return split_tensor(value, dim, n, what)
+    return [value] * n
+
+
+def split_args_kwargs(args: tuple, kwargs: dict, n: int, args_spec: tuple | None = None,
+                      kwargs_spec: dict | None = None) -> tuple[list[tuple], list[dict]]:
+    """``n`` micro-batches of positional and keyword arguments."""
+    if args_spec is not None and len(args_spec) != len(args):
+        raise ValueError(f"args_chunk_spec has {len(args_spec)} entries for {len(args)} arguments")
+    columns = [_split_value(a, args_spec[i] if args_spec else None, n, f"argument {i}") for i, a in enumerate(args)]
+    kw_columns = {k: _split_value(v, (kwargs_spec or {}).get(k), n, f"argument {k!r}") for k, v in kwargs.items()}
+    arg_mbs = [tuple(col[m] for col in columns) for m in range(n)]
+    kwarg_mbs = [{k: col[m] for k, col in kw_columns.items()} for m in range(n)]
+    return arg_mbs, kwarg_mbs
+
+
+def merge_chunks(chunks: list[Any], spec: Any = None) -> Any:
+    """The micro-batches' outputs as one batch: tensors concatenated along dim 0 (or the
+    ``split_dim`` of the matching leaf of ``spec``), other values from the first."""
+    leaves = [pytree.tree_flatten(c)[0] for c in chunks]
+    _, treedef = pytree.tree_flatten(chunks[0])
+    specs = pytree.tree_flatten(spec)[0] if spec is not None else [None] * len(leaves[0])
+    merged = []
+    for i, first in enumerate(leaves[0]):
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            dim = getattr(specs[i], "split_dim", 0) if i < len(specs) else 0
+            merged.append(torch.cat([leaf[i] for leaf in leaves], dim=dim))
+        else:
+            merged.append(first)
+    return pytree.tree_unflatten(merged, treedef)

@@ -1,0 +1,177 @@
+"""``PipelineStage``: one stage's module and its forward and backward on micro-batches.
+
+A stage computes; it does not communicate (the runtime moves its inputs, outputs and
+gradients, :mod:`.runtime`). What it keeps per micro-batch between its forward and its
+backward is the stage's outputs and the inputs whose gradients go back upstream.
+
+Backward comes whole (``B``: ``torch.autograd.backward`` from the outputs, gradients
+accumulating in the parameters' ``.grad`` across micro-batches) or split for the
+zero-bubble schedules: ``I`` computes only the input gradients
+(``torch.autograd.grad(outputs, inputs, retain_graph=True)``), so they can be sent at
+once, and ``W`` later runs ``torch.autograd.backward(outputs, inputs=parameters)``. ``W``
+walks again the part of the graph that leads to both (docs/pipelining.md gives the cost);
+a ``dw_builder`` replaces it, as in torch.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from .meta import Meta, fmt as _fmt, grad_carrying, metas_of
+
+__all__ = ["PipelineStage", "resolve_group"]
+
+
+def resolve_group(group: Any) -> MPI.Intracomm:
+    """The MPI communicator of a pipeline ``group``: ``None`` (the world), an MPI
+    communicator, a 1-D ``DeviceMesh`` (``mesh["pp"]``) or a process group of
+    ``mpidtensor.tools.process_group``."""
+    from ..mesh.device_mesh import DeviceMesh
+
+    if group is None:
+        return MPI.COMM_WORLD
+    if isinstance(group, MPI.Intracomm):
+        return group
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"a pipeline group must be a 1-D mesh (e.g. mesh['pp']), got a {group.ndim}-D mesh "
+                             f"with dims {group.mesh_dim_names}")
+        return group.get_group()
+    comm = getattr(group, "comm", None)
+    if isinstance(comm, MPI.Intracomm):
+        return comm
+    raise TypeError(f"group must be None, an MPI communicator, a 1-D DeviceMesh or an MPI process group, "
+                    f"got {type(group).__name__}")
+
+
+def as_tuple(output: Any) -> tuple:
+    """A stage's output as the tuple of what it passes on (torch's convention)."""
+    if isinstance(output, tuple):
+        return output
+    if isinstance(output, list):
+        return tuple(output)
+    return (output,)
+
+
+class PipelineStage:
+    """One stage of a pipeline (torch's ``PipelineStage``, same arguments).
+
+    ``group`` is the pipeline group (see :func:`resolve_group`). ``input_args`` /
+    ``output_args`` (example tensors of one micro-batch) fix the shapes that cross stages;
+    where absent they are inferred on the first step. ``output_grads``, ``input_grads``
+    and ``get_mesh`` are accepted for torch's signature: gradients have their tensor's
+    shape and dtype here.
+    """
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device | str,
+                 input_args: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+                 output_args: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+                 output_grads: Any = None, input_grads: Any = None, group: Any = None,
+                 dw_builder: Callable[[], Callable[..., None]] | None = None, get_mesh: Any = None) -> None:
+        self.submod = submodule
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = torch.device(device)
+        self.group = group
+        self.comm = resolve_group(group)
+        self.group_rank = self.comm.rank
+        self.group_size = self.comm.size
+        self.dw_builder = dw_builder
+        self.given_inputs: list[Meta] | None = metas_of(input_args) if input_args is not None else None
+        self.given_outputs: list[Meta] | None = metas_of(output_args) if output_args is not None else None
+        self.inputs_meta: list[Meta] | None = None  # fixed by the first step (pipelining.meta)
+        self.outputs_meta: list[Meta] | None = None
+        self.has_backward = False
+        self.output_chunks: list[Any] = []
+        self.fwd_cache: dict[int, tuple[tuple, list[torch.Tensor]]] = {}
+        self._deferred: dict[int, Callable[[], None]] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def __repr__(self) -> str:
+        return f"PipelineStage({self.stage_index}/{self.num_stages}, rank {self.group_rank} of {self.group_size})"
+
+    def clear_runtime_states(self) -> None:
+        """Forget the previous step's micro-batches."""
+        self.output_chunks.clear()
+        self.fwd_cache.clear()
+        self._deferred.clear()
+
+    # -- forward ------------------------------------------------------------------------
+    def forward_one_chunk(self, mb: int, args: tuple, kwargs: dict | None = None,
+                          save_forward_output: bool = True) -> Any:
+        """Run the module on micro-batch ``mb`` (its received or first-stage inputs) and keep
+        what its backward needs."""
+        output = self.submod(*args, **(kwargs or {}))
+        outputs = as_tuple(output)
+        if self.is_last and save_forward_output:
+            self.output_chunks.append(output)
+        if self.has_backward:
+            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            self.fwd_cache[mb] = (outputs, inputs)
+        return output
+
+    def check_outputs(self, outputs: tuple) -> None:
+        """``ValueError`` unless ``outputs`` match the shapes and dtypes fixed at the first
+        step (local and cheap: a comparison of tuples before each send)."""
+        found = metas_of(outputs)
+        if found != self.outputs_meta:
+            raise ValueError(f"stage {self.stage_index} output changed since the first step: it sent "
+                             f"{_fmt(self.outputs_meta)} and now gives {_fmt(found)}")
+
+    # -- backward -----------------------------------------------------------------------
+    def _roots(self, mb: int, loss: torch.Tensor | None, grads: list[torch.Tensor] | None):
+        outputs, inputs = self.fwd_cache.pop(mb)
+        if self.is_last:
+            if loss is None:
+                raise RuntimeError(f"stage {self.stage_index} is the last: its backward needs a loss (loss_fn)")
+            return [loss], None, inputs
+        carrying = [o for o, m in zip(outputs, self.outputs_meta) if grad_carrying(m)]
+        pairs = [(o, g) for o, g in zip(carrying, grads) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs], inputs
+
+    def backward_one_chunk(self, mb: int, loss: torch.Tensor | None = None,
+                           grads: list[torch.Tensor] | None = None, full_backward: bool = True) -> list[torch.Tensor]:
+        """Backward of micro-batch ``mb`` from ``loss`` (last stage) or the gradients of its
+        outputs; the gradients of its received inputs (zeros where unused). With
+        ``full_backward=False`` only those (``I``); the weight gradients wait for
+        :meth:`backward_weight_one_chunk` (``W``)."""
+        roots, root_grads, inputs = self._roots(mb, loss, grads)
+        if full_backward or self.dw_builder is not None:
+            if roots:
+                torch.autograd.backward(roots, root_grads)
+            if not full_backward:
+                self._deferred[mb] = self.dw_builder()
+            return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+        got = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True) \
+            if roots and inputs else [None] * len(inputs)
+        params = [p for p in self.submod.parameters() if p.requires_grad]
+
+        def weights() -> None:
+            if roots and params:
+                torch.autograd.backward(roots, root_grads, inputs=params)
+
+        self._deferred[mb] = weights
+        return [g if g is not None else torch.zeros_like(x) for g, x in zip(got, inputs)]
+
+    def backward_weight_one_chunk(self, mb: int) -> None:
+        """The weight gradients of micro-batch ``mb`` (after its ``I``)."""
+        self._deferred.pop(mb)()
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """Divide the parameters' gradients by ``grad_scale_factor`` (the micro-batch count
+        when the loss is a mean, as torch's schedules do with ``scale_grads=True``)."""
+        if grad_scale_factor != 1:
+            for p in self.submod.parameters():
+                if p.grad is not None:
+                    p.grad.div_(grad_scale_factor)
+
