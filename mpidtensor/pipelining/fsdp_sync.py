@@ -8,6 +8,11 @@ FSDP's own switches (``set_requires_gradient_sync``, ``set_reshard_after_backwar
 ``set_is_last_backward``), set before each backward as torch's pipeline stages do. After
 a step they are back at FSDP's defaults (all ``True``), so the module behaves as before
 outside the pipeline.
+
+The zero-bubble schedules split a backward into input gradients (``I``) and weight
+gradients (``W``) computed later; FSDP's reduction runs at the end of a backward pass,
+so with those a stage's last ``W`` would come after it: PP x FSDP is for the schedules
+whose backward is whole (GPipe, 1F1B, the interleaved and looped ones).
 """
 from __future__ import annotations
 
