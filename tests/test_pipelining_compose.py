@@ -106,3 +106,49 @@ def test_pipeline_composition_matches_single_process(layout, schedule_name):
         units = sum(len(s.layers) + 1 for s in stages)
         assert_all_ranks(all(n == units for n in reduce_counts), f"reduce-scatters per step {reduce_counts}, "
                                                                   f"expected {units}")
+
+
+# --- the 4-D example --------------------------------------------------------------------------------
+SMALL = ["--steps", "2", "--seq", "16", "--dim", "32", "--hidden", "64", "--vocab", "64", "--heads", "4",
+         "--kv-heads", "2", "--layers", "2", "--no-memory", "--check", "--double", "--tol", "1e-9"]
+
+
+def test_train_4d_example_matches_single_process():
+    """examples/train_4d.py's default layout for this world size (pp 2, and tp 2 at 4 ranks)."""
+    import train_4d
+
+    if WORLD.size % 2:
+        pytest.skip("the example's default layout pipelines over 2 ranks")
+    result = train_4d.run(train_4d.parse_args(SMALL), say=lambda *a: None)
+    assert_all_ranks(result.max_diff <= 1e-9, f"largest difference from one process {result.max_diff}")
+    assert_all_ranks(len(result.bubble_mean) == 2 and all(0 <= b < 1 for b in result.bubble_max), f"{result}")
+    assert_all_ranks(result.losses[1] < result.losses[0], f"loss did not fall: {result.losses}")
+
+
+FOUR_D = """
+    import sys
+    sys.path.insert(0, {examples!r})
+    import train_4d
+    from mpi4py import MPI
+    for layout in (["--pp", "2", "--dp", "1", "--cp", "2", "--tp", "2"], ["--pp", "2", "--dp", "2", "--cp", "1", "--tp", "2"]):
+        result = train_4d.run(train_4d.parse_args({small!r} + layout), say=lambda *a: None)
+        if MPI.COMM_WORLD.rank == 0:
+            print("LAYOUT", layout, "DIFF", result.max_diff, "LOSSES", result.losses, flush=True)
+"""
+
+
+@pytest.mark.quick_at(1)
+def test_4d_mesh_at_8_ranks(tmp_path):
+    """The (pp, dp, cp, tp) mesh at 8 ranks (a job of its own, oversubscribed): pp x cp x tp
+    and pp x dp x tp, each 2, against one process in float64. Its own job runs once (from
+    the one-rank run of the suite)."""
+    from subjob import run_job
+
+    if WORLD.size != 1:
+        pytest.skip("the 8-rank job is started once, from the one-rank run")
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    result = run_job(FOUR_D.format(examples=examples, small=SMALL), tmp_path, ranks=8, timeout=900)
+    diffs = [float(line.split("DIFF ")[1].split()[0]) for line in result.output.splitlines()
+             if line.startswith("LAYOUT")]
+    assert_all_ranks(result.returncode == 0 and len(diffs) == 2 and max(diffs) <= 1e-9,
+                     f"rc {result.returncode}, differences {diffs}\n{result.output[-3000:]}")
