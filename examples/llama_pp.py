@@ -69,7 +69,7 @@ class LlamaStage(nn.Module):
             from mpidtensor import DTensor, Shard
             h = DTensor.from_local(h, self.tp_mesh, [Shard(1)], run_check=False)
         if timeline is not None:
-            h = _Mark.apply(timeline, "backward_end", h)
+            h = timeline.mark_backward_end(h)
         for layer in self.layers.values():
             h = layer(h, self.rope)
         if self.last:
@@ -77,7 +77,7 @@ class LlamaStage(nn.Module):
         elif self.tp_mesh is not None and not self.dtensor_crossing:
             h = h.to_local()
         if timeline is not None:
-            h = _Mark.apply(timeline, "backward_start", h)
+            h = timeline.mark_backward_start(h)
             timeline.forward_end()
         return h
 
@@ -164,6 +164,15 @@ class Timeline:
         start = self._open.pop("B", None)
         if start is not None:
             self.spans.append(("B", start, time.perf_counter()))
+
+    def mark_backward_start(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` (a stage's output), whose gradient's arrival starts the backward span."""
+        return _Mark.apply(self, "backward_start", h)
+
+    def mark_backward_end(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` (a stage's input, or its first result that needs a gradient), whose
+        gradient's arrival ends the backward span."""
+        return _Mark.apply(self, "backward_end", h)
 
     @property
     def busy(self) -> float:
