@@ -109,7 +109,7 @@ def test_a_wrong_plugin_is_caught_before_the_program_runs():
     assert "all checks passed" not in out, out
 
 
-@pytest.mark.parametrize("script", ["slurm/multinode_2d.sbatch", "slurm/run_tests.sbatch"])
+@pytest.mark.parametrize("script", ["slurm/multinode_2d.sbatch", "slurm/run_tests.sbatch", "slurm/train_4d.sbatch"])
 def test_two_node_scripts_are_accepted(script):
     """Two-node scripts, validated against the cluster's configuration (its second node,
     declared but down, is never started): ``sbatch --test-only``."""
