@@ -12,7 +12,9 @@ CUDA-aware, staged through host memory where not.
 Peer failure: a rank whose computation fails calls :meth:`Channel.notify`, a one-byte
 message to every other rank on a reserved tag; every wait of the channel also waits on
 that notice (``Waitany``), so no rank is left waiting for a message that will not come.
-The channel is then :meth:`abandon`-ed (its receives cancelled) and replaced.
+The notice's receive is posted by :meth:`Channel.open` and cancelled by
+:meth:`Channel.close` (a few microseconds a step: nothing stays posted between steps).
+After a failure the channel is :meth:`abandon`-ed (its receives cancelled) and replaced.
 """
 from __future__ import annotations
 
@@ -58,8 +60,16 @@ class Channel:
         self.failed = False
         self._sends: list[tuple[MPI.Request, object]] = []  # requests and what they read
         self._notice_buf = bytearray(1)
-        self._notice = self.comm.Irecv([self._notice_buf, MPI.BYTE], MPI.ANY_SOURCE, NOTICE_TAG)
+        self._notice = MPI.REQUEST_NULL
         self._posted: list[Pending] = []
+
+    def open(self) -> None:
+        """Start a round of messages (a step): post the receive of a failure notice."""
+        self._notice = self.comm.Irecv([self._notice_buf, MPI.BYTE], MPI.ANY_SOURCE, NOTICE_TAG)
+
+    def close(self) -> None:
+        """End a round in which no rank failed: withdraw the notice's receive."""
+        _cancel(self._notice)
 
     # -- receiving ------------------------------------------------------------------------
     def post(self, source: int, tag: int, metas, device: torch.device) -> Pending:
@@ -131,19 +141,17 @@ class Channel:
         """Give the channel up after a failure: cancel its posted receives and forget its
         sends (their buffers stay referenced by the old communicator's requests)."""
         for request in [self._notice] + [p.request for p in self._posted]:
-            if request != MPI.REQUEST_NULL and not request.Test():
-                request.Cancel()
-                request.Wait()
+            _cancel(request)
         _abandoned.append(self._sends)  # a send whose receiver gave up never completes
         self._posted, self._sends = [], []
         self.comm.Free()
 
-    def close(self) -> None:
-        """Release a channel with nothing in flight (collective in effect: the notice
-        receive is cancelled on every rank)."""
-        self._notice.Cancel()
-        self._notice.Wait()
-        self.comm.Free()
+
+def _cancel(request: MPI.Request) -> None:
+    """Withdraw a posted receive (a no-op once it completed)."""
+    if request != MPI.REQUEST_NULL and not request.Test():
+        request.Cancel()
+        request.Wait()
 
 
 # Sends of abandoned channels: kept alive (one list per failure) so MPI never reads freed memory.

@@ -5,16 +5,31 @@
 moving activations and gradients as non-blocking MPI messages on the pipeline group
 (docs/pipelining.md).
 """
+from .interleaved import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS
 from .microbatch import TensorChunkSpec
+from .runtime import StageFailed
 from .schedule import PipelineScheduleMulti, PipelineScheduleSingle
+from .split import Pipe, SplitPoint, build_stage, pipe_split, pipeline
 from .single import Schedule1F1B, ScheduleGPipe
 from .stage import PipelineStage
+from .vshape import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
 __all__ = [
+    "Pipe",
+    "SplitPoint",
+    "build_stage",
+    "pipe_split",
+    "pipeline",
     "PipelineScheduleMulti",
     "PipelineScheduleSingle",
     "PipelineStage",
     "Schedule1F1B",
+    "ScheduleDualPipeV",
     "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleZBVZeroBubble",
+    "StageFailed",
     "TensorChunkSpec",
 ]

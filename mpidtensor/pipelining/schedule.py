@@ -118,6 +118,7 @@ class _PipelineSchedule:
                        arg_mbs[0] if arg_mbs else None, kwarg_mbs[0] if kwarg_mbs else None, error)
             self._ready = True
         got = {}
+        self._channel.open()
         if error is None:
             try:
                 got = self._runtime.run(self._channel, arg_mbs, kwarg_mbs, target_mbs, self._loss_fn, loss_kwargs,
@@ -166,6 +167,7 @@ class _PipelineSchedule:
         channel (with whatever was left in flight) is replaced by a fresh one."""
         try:
             raise_agreed(self._ctl, error)
+            self._channel.close()
         except BaseException:
             self._channel.abandon()
             self._channel = Channel(self._comm)
