@@ -102,8 +102,9 @@ def test_pipeline_composition_matches_single_process(layout, schedule_name):
               for s in stages for name, p in s.named_parameters()
               if not torch.allclose(_full(p.detach()), ref_params[name].detach(), **TOL)}
     assert_all_ranks(not differ, f"parameters differ from one process: {differ}")
-    if dp > 1:  # one reduce-scatter per FSDP unit (each block and the stage) per step, not per micro-batch
-        units = sum(len(s.layers) + 1 for s in stages)
+    if dp > 1:  # one reduce-scatter per FSDP unit with parameters (each block; the stage's own
+        # embedding or norm and output) per step, not per micro-batch
+        units = sum(len(s.layers) + (s.first or s.last) for s in stages)
         assert_all_ranks(all(n == units for n in reduce_counts), f"reduce-scatters per step {reduce_counts}, "
                                                                   f"expected {units}")
 
