@@ -12,7 +12,8 @@ outside the pipeline.
 The zero-bubble schedules split a backward into input gradients (``I``) and weight
 gradients (``W``) computed later; FSDP's reduction runs at the end of a backward pass,
 so with those a stage's last ``W`` would come after it: PP x FSDP is for the schedules
-whose backward is whole (GPipe, 1F1B, the interleaved and looped ones).
+whose backward is whole (GPipe, 1F1B, Interleaved 1F1B, looped BFS); :func:`problems`
+names the others, which the schedules refuse at construction on every rank.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from torch import nn
 
 from ..fsdp import FSDPModule
 
-__all__ = ["before_backward"]
+__all__ = ["before_backward", "problems"]
 
 
 def before_backward(module: nn.Module, last: bool) -> None:
@@ -30,3 +31,14 @@ def before_backward(module: nn.Module, last: bool) -> None:
         module.set_is_last_backward(last)
         module.set_reshard_after_backward(last)
         module.set_requires_gradient_sync(last)
+
+
+def problems(schedule: str, modules: list[tuple[int, nn.Module]], kinds: set[str]) -> list[str]:
+    """Why this rank's stage modules (``(stage index, module)``) cannot run under
+    ``schedule``, whose actions here are of ``kinds``: a ``fully_shard``-ed module under a
+    split backward (``I``/``W``)."""
+    if not {"I", "W"} & kinds:
+        return []
+    return [f"{schedule} splits the backward into input and weight gradients (zero bubble), but FSDP "
+            f"reduces gradients at the end of a whole backward: the fully_shard-ed module of stage {i} "
+            "needs GPipe, 1F1B, Interleaved1F1B or LoopedBFS" for i, m in modules if isinstance(m, FSDPModule)]
