@@ -10,8 +10,8 @@ one pipeline degree load at another, or into the whole model.
 
 ``shard_stage`` applies TP (the plan of ``parallelize_llama``, restricted to the stage's
 modules) and FSDP (per block, then the stage) to one stage. Between stages the residual
-stream is a sequence-sharded tensor: a plain local tensor (``dtensor_crossing=False``,
-re-wrapped as ``Shard(1)`` by the next stage) or the DTensor itself.
+stream, a sequence-sharded DTensor inside a stage, crosses as its plain local tensor,
+re-wrapped as ``Shard(1)`` by the next stage.
 
 ``Timeline`` records when each stage's forward and backward run on this rank (a mark at
 the stage's entry and exit, whose backward marks the backward's start and end), from
@@ -57,7 +57,6 @@ class LlamaStage(nn.Module):
         self.output = model.output if last else None
         self.register_buffer("rope", model.rope.clone(), persistent=False)
         self.tp_mesh = None  # set by shard_stage: re-wrap a local residual arriving from the previous stage
-        self.dtensor_crossing = False
         self.timeline: Timeline | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +64,7 @@ class LlamaStage(nn.Module):
         if timeline is not None:
             timeline.forward_start()
         h = self.tok_embeddings(x) if self.first else x
-        if self.tp_mesh is not None and not self.first and not self.dtensor_crossing:
+        if self.tp_mesh is not None and not self.first:
             from mpidtensor import DTensor, Shard
             h = DTensor.from_local(h, self.tp_mesh, [Shard(1)], run_check=False)
         if timeline is not None:
@@ -74,7 +73,7 @@ class LlamaStage(nn.Module):
             h = layer(h, self.rope)
         if self.last:
             h = self.output(self.norm(h))
-        elif self.tp_mesh is not None and not self.dtensor_crossing:
+        elif self.tp_mesh is not None:
             h = h.to_local()
         if timeline is not None:
             h = timeline.mark_backward_start(h)
@@ -90,8 +89,7 @@ def split_stages(model: Transformer, num_stages: int, stages: list[int] | None =
     return [LlamaStage(model, parts[s], s == 0, s == num_stages - 1) for s in wanted]
 
 
-def shard_stage(stage: LlamaStage, tp_mesh=None, fsdp_mesh=None, dtensor_crossing: bool = False,
-                reshard_after_forward: bool = True) -> LlamaStage:
+def shard_stage(stage: LlamaStage, tp_mesh=None, fsdp_mesh=None) -> LlamaStage:
     """TP + SP over ``tp_mesh`` (the plan of ``parallelize_llama`` for this stage's modules,
     logits replicated), then ``fully_shard`` per block and the stage over ``fsdp_mesh``.
     In place; returns ``stage``."""
@@ -100,12 +98,12 @@ def shard_stage(stage: LlamaStage, tp_mesh=None, fsdp_mesh=None, dtensor_crossin
         names = {name for name, _ in stage.named_modules()}
         plan = {k: v for k, v in tp_plan(_Shell(stage.cfg), loss_parallel=False).items() if k in names}
         parallelize_module(stage, tp_mesh, plan)
-        stage.tp_mesh, stage.dtensor_crossing = tp_mesh, dtensor_crossing
+        stage.tp_mesh = tp_mesh
     if fsdp_mesh is not None:
         from mpidtensor.fsdp import fully_shard
         for layer in stage.layers.values():
-            fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(stage, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(layer, mesh=fsdp_mesh)
+        fully_shard(stage, mesh=fsdp_mesh)
     return stage
 
 

@@ -97,8 +97,9 @@ def test_stage_names_are_the_model_names():
 
 
 @pytest.mark.parametrize("pp", ["world", "none", "plain"])
-def test_saved_at_pp2_loads_at_another_degree(saved_at_pp2, pp):
-    """``world``: one stage per rank; ``none``: the whole model, FSDP over all ranks;
+def test_saved_on_2d_mesh_at_pp2_loads_at_another_degree(saved_at_pp2, pp):
+    """Saved from the 2-D (pp, dp) mesh at PP = 2; loaded with ``world``: one stage per
+    rank; ``none``: the whole model, FSDP over all ranks;
     ``plain``: the whole model unsharded on every rank."""
     if pp == "world":
         module = _stage(WORLD.size, TARGET_SEED)
