@@ -13,9 +13,10 @@ modules) and FSDP (per block, then the stage) to one stage. Between stages the r
 stream, a sequence-sharded DTensor inside a stage, crosses as its plain local tensor,
 re-wrapped as ``Shard(1)`` by the next stage.
 
-``Timeline`` records when each stage's forward and backward run on this rank (a mark at
-the stage's entry and exit, whose backward marks the backward's start and end), from
+``Timeline`` records when each stage's forward and backward run on this rank (marks at
+the stage's entry and exit, whose gradients' arrivals are the backward's end and start), from
 which ``bubble_fraction`` is measured: the share of a step a rank spends not computing.
+The marks are tensor hooks (no autograd node, no copy).
 """
 from __future__ import annotations
 
@@ -118,20 +119,6 @@ class _Shell:
         return range(self.cfg.n_layers)
 
 
-class _Mark(torch.autograd.Function):
-    """Identity whose backward records a timeline event (the backward reaching this point)."""
-
-    @staticmethod
-    def forward(ctx, timeline: "Timeline", event: str, x: torch.Tensor) -> torch.Tensor:
-        ctx.timeline, ctx.event = timeline, event
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        getattr(ctx.timeline, ctx.event)()
-        return None, None, grad
-
-
 @dataclass
 class Timeline:
     """This rank's compute spans ``(kind, start, end)`` in one step (``time.perf_counter``)."""
@@ -164,13 +151,18 @@ class Timeline:
             self.spans.append(("B", start, time.perf_counter()))
 
     def mark_backward_start(self, h: torch.Tensor) -> torch.Tensor:
-        """``h`` (a stage's output), whose gradient's arrival starts the backward span."""
-        return _Mark.apply(self, "backward_start", h)
+        """``h`` (a stage's output), whose gradient's arrival starts the backward span (a
+        tensor hook: no autograd node, no view)."""
+        if h.requires_grad:
+            h.register_hook(lambda grad: self.backward_start())
+        return h
 
     def mark_backward_end(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` (a stage's input, or its first result that needs a gradient), whose
         gradient's arrival ends the backward span."""
-        return _Mark.apply(self, "backward_end", h)
+        if h.requires_grad:
+            h.register_hook(lambda grad: self.backward_end())
+        return h
 
     @property
     def busy(self) -> float:
