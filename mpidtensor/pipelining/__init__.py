@@ -8,7 +8,7 @@ moving activations and gradients as non-blocking MPI messages on the pipeline gr
 from .interleaved import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS
 from .microbatch import TensorChunkSpec
 from .runtime import StageFailed
-from .schedule import PipelineScheduleMulti, PipelineScheduleSingle
+from .base import PipelineScheduleMulti, PipelineScheduleSingle
 from .split import Pipe, SplitPoint, build_stage, pipe_split, pipeline
 from .single import Schedule1F1B, ScheduleGPipe
 from .stage import PipelineStage

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from .actions import B, F, I, W, Action
-from .schedule import PipelineScheduleMulti
+from .base import PipelineScheduleMulti
 
 
 def looped_bfs_order(rank: int, P: int, v: int, n: int) -> list[Action]:

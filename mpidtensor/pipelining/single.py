@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .actions import B, F, Action
-from .schedule import PipelineScheduleSingle
+from .base import PipelineScheduleSingle
 
 
 def gpipe_order(rank: int, n: int) -> list[Action]:

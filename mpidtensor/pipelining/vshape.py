@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from .actions import B, F, I, W, Action
-from .schedule import PipelineScheduleMulti
+from .base import PipelineScheduleMulti
 
 
 class _Builder:
