@@ -318,13 +318,15 @@ def test_save_refuses_differing_state_dicts(mesh1d, ckpt_dir):
         dcp.save(state, ckpt_dir)
 
 
-def test_ranks_with_different_keys_save_the_union(mesh1d, ckpt_dir):
-    """As pipeline stages do: each rank its own keys (and some shared); one checkpoint."""
+@pytest.mark.parametrize("torch_format", [False, True], ids=["native", "torch_dcp"])
+def test_ranks_with_different_keys_save_the_union(mesh1d, ckpt_dir, torch_format):
+    """As pipeline stages do: each rank its own keys (and some shared); one checkpoint,
+    in the native format and in torch DCP's."""
     if WORLD.size == 1:
         pytest.skip("needs two ranks")
     own = {f"r{WORLD.rank}": torch.full((WORLD.rank + 2,), float(WORLD.rank)), "step": torch.tensor(7.0),
            f"n{WORLD.rank}": WORLD.rank}
-    dcp.save(own, ckpt_dir)
+    dcp.save(own, storage_writer=dcp.FileSystemWriter(ckpt_dir) if torch_format else dcp.NativeWriter(ckpt_dir))
     everything = {k: v for r in range(WORLD.size)
                   for k, v in {f"r{r}": torch.full((r + 2,), float(r)), f"n{r}": r}.items()}
     target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in everything.items()}
