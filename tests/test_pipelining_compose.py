@@ -127,13 +127,15 @@ SMALL = ["--steps", "2", "--seq", "16", "--dim", "32", "--hidden", "64", "--voca
          "--kv-heads", "2", "--layers", "2", "--no-memory", "--check", "--double", "--tol", "1e-9"]
 
 
-def test_train_4d_example_matches_single_process():
-    """examples/train_4d.py's default layout for this world size (pp 2, and tp 2 at 4 ranks)."""
+@pytest.mark.parametrize("layout", [[], ["--pp", "2", "--cp", "2", "--tp", "1"]], ids=["default", "pp2xcp2-2x2"])
+def test_train_4d_example_matches_single_process(layout):
+    """examples/train_4d.py: its default layout for this world size (pp 2, and tp 2 at 4
+    ranks), and PP x CP (2x2, ring attention inside each stage)."""
     import train_4d
 
-    if WORLD.size % 2:
-        pytest.skip("the example's default layout pipelines over 2 ranks")
-    result = train_4d.run(train_4d.parse_args(SMALL), say=lambda *a: None)
+    if WORLD.size % 2 or (layout and WORLD.size != 4):
+        pytest.skip("the default layout pipelines over 2 ranks; pp 2 x cp 2 needs 4")
+    result = train_4d.run(train_4d.parse_args(SMALL + layout), say=lambda *a: None)
     assert_all_ranks(result.max_diff <= 1e-9, f"largest difference from one process {result.max_diff}")
     assert_all_ranks(len(result.bubble_mean) == 2 and all(0 <= b < 1 for b in result.bubble_max), f"{result}")
     assert_all_ranks(result.losses[1] < result.losses[0], f"loss did not fall: {result.losses}")
