@@ -3,7 +3,8 @@ dict holds the model's own names (examples/llama_pp.py keeps them), so a checkpo
 saved at one pipeline degree loads at another, or into the whole model without a
 pipeline. Saved at PP = 2 (FSDP over the other ranks), loaded at PP = world size and
 with no PP (FSDP over all ranks, and one plain model per rank); the loaded model and
-optimizer state equal the saved ones."""
+optimizer state (torch's flat form, ``flatten_optimizer_state_dict``: one entry per
+parameter, its group's settings included) equal the saved ones."""
 import sys
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from llama_pp import shard_stage, split_stages  # noqa: E402
 # 5 blocks: uneven over 2 stages (3 + 2) and over 4 (2 + 1 + 1 + 1)
 CFG = LlamaConfig(vocab_size=29, dim=16, n_layers=5, n_heads=4, n_kv_heads=2, hidden_dim=24, max_seq_len=8)
 SAVED_SEED, TARGET_SEED = 11, 5
+FLAT = dcp.StateDictOptions(flatten_optimizer_state_dict=True)
+SAVED_LR, TARGET_LR = 0.1, 0.5
 
 
 def _full(value):
@@ -30,7 +33,7 @@ def _full(value):
 
 def _step(module: torch.nn.Module) -> torch.optim.Optimizer:
     """An AdamW step with gradients ``0.5 * p`` (no data needed): optimizer state to save."""
-    opt = torch.optim.AdamW(module.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(module.parameters(), lr=SAVED_LR)
     for p in module.parameters():
         p.grad = p.detach() * 0.5
     opt.step()
@@ -63,16 +66,16 @@ def _differences(module, opt, ref_params, ref_state) -> list[str]:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             if not torch.equal(_full(state[key]), ref_state[names[p]][key]):
                 differ.append(f"{names[p]}.{key}")
+    differ += [f"lr {g['lr']}" for g in opt.param_groups if g["lr"] != SAVED_LR]
     return differ
 
 
 def _load_into(module, ckpt_dir) -> torch.optim.Optimizer:
-    opt = torch.optim.AdamW(module.parameters(), lr=0.1)
-    optim = dcp.get_optimizer_state_dict(module, opt)
-    state = {"model": dcp.get_model_state_dict(module), "optim_state": optim["state"]}
+    opt = torch.optim.AdamW(module.parameters(), lr=TARGET_LR)
+    state = {"model": dcp.get_model_state_dict(module), "optim": dcp.get_optimizer_state_dict(module, opt, options=FLAT)}
     dcp.load(state, ckpt_dir)
     dcp.set_model_state_dict(module, state["model"])
-    dcp.set_optimizer_state_dict(module, opt, optim)  # its own param groups: they list this stage's names
+    dcp.set_optimizer_state_dict(module, opt, state["optim"], options=FLAT)
     return opt
 
 
@@ -83,10 +86,9 @@ def saved_at_pp2(ckpt_dir):
         pytest.skip("PP = 2 needs an even number of ranks")
     stage = _stage(2, SAVED_SEED)
     opt = _step(stage)
-    # the optimizer's per-parameter state (by the model's names); not its param groups,
-    # which list each stage's own parameters
-    dcp.save({"model": dcp.get_model_state_dict(stage),
-              "optim_state": dcp.get_optimizer_state_dict(stage, opt)["state"]}, ckpt_dir)
+    # flat: the nested form's param groups list each stage's own parameters
+    dcp.save({"model": dcp.get_model_state_dict(stage), "optim": dcp.get_optimizer_state_dict(stage, opt, options=FLAT)},
+             ckpt_dir)
     return ckpt_dir
 
 
@@ -110,3 +112,20 @@ def test_saved_on_2d_mesh_at_pp2_loads_at_another_degree(saved_at_pp2, pp):
     opt = _load_into(module, saved_at_pp2)
     differ = _differences(module, opt, *_reference())
     assert_all_ranks(not differ, f"differ from the saved values: {differ}")
+
+
+def test_flat_optimizer_state_dict_is_torchs():
+    """``flatten_optimizer_state_dict`` gives torch's flat keys and values, and sets back."""
+    from torch.distributed.checkpoint.state_dict import _flatten_optim_state_dict
+
+    model = build_model(CFG, SAVED_SEED)
+    opt = _step(model)
+    flat = dcp.get_optimizer_state_dict(model, opt, options=FLAT)
+    torchs = _flatten_optim_state_dict(dcp.get_optimizer_state_dict(model, opt))
+    same = flat.keys() == torchs.keys() and all(
+        torch.equal(v, torchs[k]) if isinstance(v, torch.Tensor) else v == torchs[k] for k, v in flat.items())
+    fresh = build_model(CFG, TARGET_SEED)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=TARGET_LR)
+    dcp.set_optimizer_state_dict(fresh, fresh_opt, flat, options=FLAT)
+    differ = _differences(fresh, fresh_opt, {n: p.detach() for n, p in fresh.named_parameters()}, _reference()[1])
+    assert_all_ranks(same and not differ, f"torch's keys: {same}; differ after set: {differ}")
