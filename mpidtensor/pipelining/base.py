@@ -133,12 +133,12 @@ class _PipelineSchedule:
             self._channel.notify()
         self._agree(error)
         last = [st for st in self._stages if st.is_last]
-        if last and losses is not None and self._loss_fn is not None:
+        if last and losses is not None and len(got) == self._n_microbatches:
             losses.clear()
             losses.extend(got[m] for m in range(self._n_microbatches))
-        if self._has_backward and self.scale_grads:
+        if self._has_backward:
             for st in self._stages:
-                st.scale_grads(self._n_microbatches)
+                st.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
         if last and return_outputs and last[0].output_chunks:
             return merge_chunks(last[0].output_chunks, self._output_merge_spec)
         return None

@@ -66,7 +66,9 @@ def infer(stages: list, stage_rank: dict[int, int], ctl: MPI.Intracomm, first_ar
         else:
             incoming = ctl.recv(source=stage_rank[s - 1], tag=s)
         ins = outs = None
-        upstream_ok = stage.is_first or incoming is not None
+        # a stage runs once only on the inputs it will get: not after a failure upstream,
+        # nor when its input_args disagree with what arrives (reported below)
+        upstream_ok = stage.is_first or (incoming is not None and stage.given_inputs in (None, incoming))
         if error is None and upstream_ok:
             try:
                 ins = metas_of([a for a in first_args if isinstance(a, torch.Tensor)]) if stage.is_first \
@@ -87,7 +89,8 @@ def infer(stages: list, stage_rank: dict[int, int], ctl: MPI.Intracomm, first_ar
     every = {s: v for _, part in table for s, v in part.items()}
     problems = []
     for s in sorted(every):
-        if s + 1 in every and every[s][1] != every[s + 1][0]:
+        sent, expected = every[s][1], every.get(s + 1, (None,))[0]
+        if sent is not None and expected is not None and sent != expected:
             problems.append(f"stage {s} sends {fmt(every[s][1])} but stage {s + 1} expects {fmt(every[s + 1][0])}")
     raise_listed(problems)
     for stage in stages:

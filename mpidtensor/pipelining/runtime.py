@@ -30,10 +30,11 @@ class StageFailed(RuntimeError):
     """A stage's own code (forward, backward, loss) raised; raised on every pipeline rank."""
 
 
-def tag_of(num_stages: int, sender: int, direction: int, mb: int) -> int:
-    """The MPI tag of the message ``sender`` sends for micro-batch ``mb`` in ``direction``
-    (wrapping below the MPI tag limit; messages of one source and tag stay in order)."""
-    wrap = max(1, (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) - NOTICE_TAG - 1) // (2 * num_stages))
+def tag_of(num_stages: int, sender: int, direction: int, mb: int, tag_ub: int) -> int:
+    """The MPI tag of the message ``sender`` sends for micro-batch ``mb`` in ``direction``,
+    wrapping below ``tag_ub`` (the MPI tag limit; messages of one source and tag stay in
+    order, so a wrap needs ``tag_ub / (2 num_stages)`` micro-batches in flight to collide)."""
+    wrap = max(1, (tag_ub - NOTICE_TAG - 1) // (2 * num_stages))
     return NOTICE_TAG + 1 + ((mb % wrap) * num_stages + sender) * 2 + direction
 
 
@@ -43,9 +44,13 @@ class Runtime:
     def __init__(self, stages: dict[int, Any], order: list[Action], stage_rank: dict[int, int], rank: int) -> None:
         self.stages, self.order, self.stage_rank, self.rank = stages, order, stage_rank, rank
         self.num_stages = next(iter(stages.values())).num_stages
+        self.tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._plan: list[tuple[int, int, int, list]] | None = None
         # each stage's last backward of the step: FSDP reduces its gradients there (fsdp_sync)
         self._last_backward = {s: i for i, (s, kind, _) in enumerate(order) if kind in (B, I)}
+
+    def _tag(self, sender: int, direction: int, mb: int) -> int:
+        return tag_of(self.num_stages, sender, direction, mb, self.tag_ub)
 
     def _receives(self) -> list[tuple[int, int, int, list]]:
         """``(action position, source, tag, metas)`` of each receive, in order (once)."""
@@ -54,10 +59,10 @@ class Runtime:
             for i, (s, kind, mb) in enumerate(self.order):
                 st = self.stages[s]
                 if kind == F and not st.is_first and self.stage_rank[s - 1] != self.rank:
-                    plan.append((i, self.stage_rank[s - 1], tag_of(self.num_stages, s - 1, _FWD, mb),
+                    plan.append((i, self.stage_rank[s - 1], self._tag(s - 1, _FWD, mb),
                                  st.inputs_meta))
                 elif kind in (B, I) and not st.is_last and self.stage_rank[s + 1] != self.rank:
-                    plan.append((i, self.stage_rank[s + 1], tag_of(self.num_stages, s + 1, _BWD, mb),
+                    plan.append((i, self.stage_rank[s + 1], self._tag(s + 1, _BWD, mb),
                                  [m for m in st.outputs_meta if grad_carrying(m)]))
             self._plan = plan
         return self._plan
@@ -99,7 +104,7 @@ class Runtime:
                 if self.stage_rank[s + 1] == self.rank:
                     handoff[(s + 1, F, mb)] = _as_inputs([o.detach() for o in outs], st.outputs_meta, has_backward)
                 else:
-                    channel.send([o.detach() for o in outs], self.stage_rank[s + 1], tag_of(self.num_stages, s, _FWD, mb))
+                    channel.send([o.detach() for o in outs], self.stage_rank[s + 1], self._tag(s, _FWD, mb))
             elif kind in (B, I):
                 grads = None
                 if not st.is_last:
@@ -114,7 +119,7 @@ class Runtime:
                     if self.stage_rank[s - 1] == self.rank:
                         handoff[(s - 1, B, mb)] = input_grads
                     else:
-                        channel.send(input_grads, self.stage_rank[s - 1], tag_of(self.num_stages, s, _BWD, mb))
+                        channel.send(input_grads, self.stage_rank[s - 1], self._tag(s, _BWD, mb))
             elif kind == W:
                 _guarded(action, lambda: st.backward_weight_one_chunk(mb))
         channel.finish_sends()

@@ -175,3 +175,8 @@ class PipelineStage:
                 if p.grad is not None:
                     p.grad.div_(grad_scale_factor)
 
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """End of a step's backwards (torch's name): the gradients divided by
+        ``grad_scale_factor``. The one place where a data-parallel wrapper of the stage's
+        module would reduce its gradients, once per step."""
+        self.scale_grads(grad_scale_factor)
