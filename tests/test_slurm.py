@@ -131,7 +131,7 @@ def _two_node_problem() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("script", ["slurm/multinode_2d.sbatch", "slurm/run_tests.sbatch"])
+@pytest.mark.parametrize("script", ["slurm/multinode_2d.sbatch", "slurm/run_tests.sbatch", "slurm/train_4d.sbatch"])
 def test_two_node_scripts_are_accepted(script):
     """Two-node scripts, validated against the cluster's configuration (its second node,
     declared but down, is never started): ``sbatch --test-only``. Skipped, naming why, on

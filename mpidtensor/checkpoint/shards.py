@@ -31,7 +31,7 @@ DTYPES = {
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
-#: ``(global shape, dtype name, this rank's box, class of its local block when it is
+#: ``(global shape, dtype name, this rank's box (None: holds no part), class of its local block when it is
 #: stored opaquely (:mod:`.opaque`) else None)`` of a tensor leaf; None for a value.
 TensorMeta = tuple[tuple[int, ...], str, tuple[tuple[int, ...], tuple[int, ...]], "str | None"]
 
@@ -43,8 +43,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES[dtype]
 
 
-def box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(start, shape) of the part of ``t``'s global tensor that this rank holds."""
+def box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(start, shape) of the part of ``t``'s global tensor that this rank holds; None for a
+    meta tensor, which holds none (a leaf that other ranks hold: :mod:`.union`)."""
+    if t.is_meta and not isinstance(t, DTensor):
+        return None
     if isinstance(t, DTensor):
         shape, start = t._spec.local_shape_and_offset()
         return tuple(start), tuple(shape)
@@ -112,7 +115,8 @@ def box_writers(all_metas: list[list[tuple]]) -> list[dict[tuple, int]]:
             continue
         holders: dict[tuple, list[int]] = {}
         for r, metas in enumerate(all_metas):
-            holders.setdefault(metas[i][1][2], []).append(r)
+            if metas[i][1][2] is not None:
+                holders.setdefault(metas[i][1][2], []).append(r)
         itemsize = DTYPES[meta[1]].itemsize
         for box_, ranks in holders.items():
             nbytes = prod(box_[1]) * itemsize

@@ -28,12 +28,17 @@ class StateDictOptions:
     """``full_state_dict``: whole plain tensors instead of DTensors; ``cpu_offload``: values
     on the CPU (with ``full_state_dict`` only rank 0 keeps them, the others get ``{}``);
     ``broadcast_from_rank0``: set from rank 0's full state dict; ``strict``: missing or
-    unexpected keys raise."""
+    unexpected keys raise; ``flatten_optimizer_state_dict``: the optimizer state dict is
+    flat, one key per parameter and setting (``state.<fqn>.<key>``,
+    ``param_groups.<fqn>.<setting>``), as torch's: it reshards between layouts whose
+    ranks hold different parameters (pipeline stages), which the nested form, whose param
+    groups list each rank's own parameters, cannot."""
 
     full_state_dict: bool = False
     cpu_offload: bool = False
     broadcast_from_rank0: bool = False
     strict: bool = True
+    flatten_optimizer_state_dict: bool = False
 
 
 def _export(value: Any, options: StateDictOptions) -> Any:
@@ -101,7 +106,37 @@ def get_optimizer_state_dict(
             groups.append({**raw_group, "params": [ids[i] for i in raw_group["params"]]})
         for i, values in raw["state"].items():
             state[ids[i]] = {k: _export(v, options) for k, v in values.items()}
+    if options.flatten_optimizer_state_dict:
+        return _rank0_only(_flatten(state, groups), options)
     return _rank0_only({"state": state, "param_groups": groups}, options)
+
+
+def _flatten(state: dict, groups: list[dict]) -> dict:
+    """torch's flat optimizer state dict: ``state.<fqn>.<key>`` and, for every parameter
+    of a group, ``param_groups.<fqn>.<setting>``."""
+    flat = {f"state.{fqn}.{k}": v for fqn, values in state.items() for k, v in values.items()}
+    for group in groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        flat.update({f"param_groups.{fqn}.{k}": v for fqn in group["params"] for k, v in settings.items()})
+    return flat
+
+
+def _unflatten(optimizers: list[torch.optim.Optimizer], names: dict[int, str], flat: dict) -> dict:
+    """The nested optimizer state dict of ``optimizers``' parameters from a flat one
+    (:func:`_flatten`); a group takes the settings of its first parameter."""
+    state, groups = {}, []
+    for optim in optimizers:
+        _init_state(optim)
+        for group in optim.param_groups:
+            fqns = [names[id(p)] for p in group["params"]]
+            for p, fqn in zip(group["params"], fqns):
+                values = {k: flat[f"state.{fqn}.{k}"] for k in optim.state.get(p, {}) if f"state.{fqn}.{k}" in flat}
+                if values:
+                    state[fqn] = values
+            first = f"param_groups.{fqns[0]}." if fqns else ""
+            settings = {k: flat[first + k] for k in group if k != "params" and first + k in flat}
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, **settings, "params": fqns})
+    return {"state": state, "param_groups": groups}
 
 
 def get_state_dict(model: torch.nn.Module, optimizers, *, options: StateDictOptions | None = None):
@@ -186,11 +221,14 @@ def set_model_state_dict(
 def set_optimizer_state_dict(
     model: torch.nn.Module, optimizers, optim_state_dict: dict, *, options: StateDictOptions | None = None
 ) -> None:
-    """Load an FQN-keyed optimizer state dict (sharded or full) into the optimizers."""
+    """Load an FQN-keyed optimizer state dict (sharded or full; flat with
+    ``flatten_optimizer_state_dict``) into the optimizers."""
     options = options or StateDictOptions()
     if options.broadcast_from_rank0:
         optim_state_dict = broadcast_state(optim_state_dict)
     names = _param_fqns(model)
+    if options.flatten_optimizer_state_dict:
+        optim_state_dict = _unflatten(_optimizers(optimizers), names, optim_state_dict)
     given_groups = {tuple(g["params"]): g for g in optim_state_dict["param_groups"]}
     state = optim_state_dict["state"]
     for optim in _optimizers(optimizers):

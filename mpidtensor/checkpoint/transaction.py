@@ -4,7 +4,9 @@ subclass: the native format, torch DCP's, safetensors; see :mod:`.formats`).
 
 save (:func:`save`), collective over ``comm``:
 
-1. the state dict is flattened the format's way (:meth:`SaveFormat.leaves`);
+1. where ranks hold different keys (pipeline stages), each takes the union
+   (:func:`.union.complete`); the state dict is flattened the format's way
+   (:meth:`SaveFormat.leaves`);
 2. rank 0 prepares the directory (:meth:`~SaveFormat.prepare`: creates it, names this
    save's files so that they collide with no committed checkpoint's) and every rank
    learns the outcome;
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -46,7 +49,7 @@ from mpi4py import MPI
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..runtime.agreement import attempt, on_rank0, portable, raise_agreed, raise_first, raise_listed
-from . import io, opaque, shards, tree
+from . import io, opaque, shards, tree, union
 from .errors import CheckpointError
 from .metadata import gc_paused, torch_leaves
 from .storage import StorageReader, StorageWriter
@@ -81,8 +84,15 @@ class Job:
         return any(self.comm.rank in leaf_writers.values() for leaf_writers in self.writers)
 
     def boxes(self, i: int) -> list[tuple]:
-        """Every rank's box of the tensor leaf ``i``, in rank order."""
-        return [metas[i][1][2] for metas in self.metas]
+        """Every rank's box of the tensor leaf ``i``, in rank order (None for a rank whose
+        state dict lacks it: load targets may differ between ranks, e.g. pipeline stages)."""
+        key = self.meta(i)[0]
+        return [metas[i][1][2] if i < len(metas) and metas[i][0] == key else boxes.get(key)
+                for metas, boxes in zip(self.metas, self._boxes_by_key)]
+
+    @cached_property
+    def _boxes_by_key(self) -> list[dict[str, tuple]]:
+        return [{key: meta[2] for key, meta in metas if meta is not None} for metas in self.metas]
 
 
 class SavedTensor(NamedTuple):
@@ -177,6 +187,7 @@ class LoadFormat(StorageReader):
 
 def save(fmt: SaveFormat, state_dict: Any, comm: MPI.Intracomm) -> Metadata:
     """Write ``state_dict`` through ``fmt`` (the steps in the module docstring)."""
+    state_dict = union.complete(state_dict, comm)
     leaves = fmt.leaves(state_dict)
     token = on_rank0(comm, fmt.prepare, state_dict)
     metas = shards.gather_metas([shards.leaf_meta(leaf.fqn, leaf.value) for leaf in leaves], comm)

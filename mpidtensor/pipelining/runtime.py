@@ -17,6 +17,7 @@ import torch
 from mpi4py import MPI
 
 from ..comm.p2p import Channel, NOTICE_TAG, PeerFailed
+from . import fsdp_sync
 from .actions import B, F, I, W, Action
 from .meta import grad_carrying
 from .stage import as_tuple
@@ -45,6 +46,8 @@ class Runtime:
         self.num_stages = next(iter(stages.values())).num_stages
         self.tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._plan: list[tuple[int, int, int, list]] | None = None
+        # each stage's last backward of the step: FSDP reduces its gradients there (fsdp_sync)
+        self._last_backward = {s: i for i, (s, kind, _) in enumerate(order) if kind in (B, I)}
 
     def _tag(self, sender: int, direction: int, mb: int) -> int:
         return tag_of(self.num_stages, sender, direction, mb, self.tag_ub)
@@ -110,6 +113,7 @@ class Runtime:
                 if st.is_last and loss is None:
                     raise ValueError(f"stage {s} is the last and has no loss for micro-batch {mb}: "
                                      "a schedule that trains needs loss_fn and step(..., target=...)")
+                fsdp_sync.before_backward(st.submod, last=here == self._last_backward[s])
                 input_grads = _guarded(action, lambda: st.backward_one_chunk(mb, loss, grads, full_backward=kind == B))
                 if not st.is_first:
                     if self.stage_rank[s - 1] == self.rank:

@@ -189,7 +189,7 @@ def _load_tensor(reader: io.Reader, index: dict, saved: dict, key: str, t: torch
                  job: Job) -> list[str]:
     """Fill this rank's part of ``t`` (leaf ``i``) from the saved tensor, check the CRC-32s
     this rank is in charge of; the mismatches found."""
-    boxes, rank, size = job.boxes(i), job.rank, job.comm.size
+    boxes, rank = job.boxes(i), job.rank
     if saved.get("encoding") == TORCH_SAVE:  # the target box is a saved one (target_errors)
         block = next((b for b in saved["blocks"] if (tuple(b["start"]), tuple(b["shape"])) == boxes[rank]), None)
         if block is not None:
@@ -202,9 +202,10 @@ def _load_tensor(reader: io.Reader, index: dict, saved: dict, key: str, t: torch
         if not direct:
             local.copy_(torch.from_numpy(buf).view(local.dtype).reshape(local.shape))
     bad = []
+    holders = [r for r, held in enumerate(boxes) if held is not None]  # the ranks loading this key
     for b, block in enumerate(saved["blocks"]):
         check = (tuple(block["start"]), tuple(block["shape"]))
-        if (boxes.index(check) if check in boxes else (i + b) % size) != rank:
+        if (boxes.index(check) if check in boxes else holders[(zlib.crc32(key.encode()) + b) % len(holders)]) != rank:
             continue
         if check == box:
             raw = buf

@@ -1,0 +1,305 @@
+"""Pipeline schedules: mpidtensor against torch's ``torch.distributed.pipelining`` on gloo,
+a hand-written loop on mpi4py, and the ideal.
+
+    mpiexec -n 4 python benchmarks/bench_pipeline.py [--width 512] [--layers 4] [--rows 32]
+        [--microbatches 8] [--steps 5] [--reps 3] [--out benchmarks/results]
+
+Every rank holds one stage (two for the interleaved, looped and V schedules, each with
+half the layers, so that a rank's compute is the same): ``--layers`` bias-free
+``Linear(width, width)`` + tanh, the same on every stage, so that the ideal step, with
+no bubble and free communication, is ``microbatches x`` one stage's forward and backward
+of one micro-batch (timed alone on every rank at once; the slowest rank). A step is the
+schedule's forward and backward of ``microbatches`` micro-batches of ``rows`` rows (a
+mean-square loss on the last stage), without the optimizer.
+
+* **mdt**: each schedule class of ``mpidtensor.pipelining`` that exists;
+* **torch**: the same schedule of ``torch.distributed.pipelining`` on gloo, in the same job;
+* **hand**: GPipe and 1F1B written directly on mpi4py (``Irecv`` / ``Isend`` of the
+  tensors' numpy views, one message per hop), the floor an implementation can reach.
+
+The bubble fraction is measured from per-rank timelines: each stage records when its
+forward and backward run (the backward from the arrival of its output's gradient to its
+first layer's weight gradient), and a rank's bubble is the share of the step it did not
+compute; the table gives the mean over the ranks, beside the theoretical
+``(p - 1) / (v m + p - 1)`` of GPipe, 1F1B and Interleaved 1F1B. The implementations run
+in turn within each repetition (the same machine load for all); the table gives medians.
+
+Prints the table; writes ``<out>/pipeline.md``, ``pipeline.json`` and, with matplotlib,
+``pipeline_timeline.png`` (every rank's forward and backward spans in one 1F1B step of
+each implementation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
+from llama_pp import Timeline, theoretical_bubble  # noqa: E402
+from text_table import print_table  # noqa: E402
+
+import mpidtensor  # noqa: E402,F401  (MPI set up as the rest of the benchmarks have it)
+import mpidtensor.pipelining as mdt_pp  # noqa: E402
+from mpidtensor.testing.gloo import init_gloo_process_group  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+RANK, P = COMM.rank, COMM.size
+SCHEDULES = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+             "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
+V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+THEORY = {"ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"}
+HAND = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
+
+
+class Stage(nn.Module):
+    """``layers`` x (Linear + tanh); records its forward and backward spans on ``timeline``."""
+
+    def __init__(self, width: int, layers: int, timeline: Timeline, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(layers))
+        for layer in self.layers:
+            layer.weight.data = torch.randn(width, width, generator=gen) / width ** 0.5
+        self.timeline = timeline
+        # the first layer's weight gradient is the stage's last backward work
+        self.layers[0].weight.register_post_accumulate_grad_hook(lambda p: self.timeline.backward_end())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.timeline.forward_start()
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        x = self.timeline.mark_backward_start(x)
+        self.timeline.forward_end()
+        return x
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).pow(2).mean()
+
+
+def stage_indices(name: str) -> list[int]:
+    """The stages this rank holds under schedule ``name`` (looped, or V-shaped)."""
+    if name in ("ScheduleGPipe", "Schedule1F1B"):
+        return [RANK]
+    if name in V_SHAPED:
+        return [RANK, 2 * P - 1 - RANK]
+    return [RANK, RANK + P]
+
+
+def build(name: str, args, timeline: Timeline) -> list[Stage]:
+    v = len(stage_indices(name))
+    return [Stage(args.width, args.layers // v, timeline, seed=s) for s in stage_indices(name)]
+
+
+# --- the hand-written loops ---------------------------------------------------------------------
+def hand_step(order: str, stage: Stage, xs: list, targets: list, shape: tuple) -> None:
+    """One step of GPipe or 1F1B on one stage per rank, on mpi4py directly."""
+    m, sends, saved = len(xs), [], {}
+
+    def forward(mb: int) -> None:
+        if RANK == 0:
+            x = xs[mb]
+        else:
+            buf = np.empty(shape, np.float32)
+            COMM.Irecv([buf, MPI.FLOAT], source=RANK - 1, tag=mb).Wait()
+            x = torch.from_numpy(buf).requires_grad_()
+        out = stage(x)
+        if RANK == P - 1:
+            out = mse(out, targets[mb])
+        else:
+            sends.append(COMM.Isend([out.detach().numpy(), MPI.FLOAT], dest=RANK + 1, tag=mb))
+        saved[mb] = (x, out)
+
+    def backward(mb: int) -> None:
+        x, out = saved.pop(mb)
+        if RANK == P - 1:
+            out.backward()
+        else:
+            grad = np.empty(shape, np.float32)
+            COMM.Irecv([grad, MPI.FLOAT], source=RANK + 1, tag=m + mb).Wait()
+            out.backward(torch.from_numpy(grad))
+        if RANK > 0:
+            sends.append(COMM.Isend([x.grad.numpy(), MPI.FLOAT], dest=RANK - 1, tag=m + mb))
+
+    warmup = m if order == "gpipe" else min(P - RANK - 1, m)
+    for mb in range(warmup):
+        forward(mb)
+    for mb in range(m - warmup):
+        forward(warmup + mb)
+        backward(mb)
+    for mb in range(m - warmup, m):
+        backward(mb)
+    MPI.Request.Waitall(sends)
+
+
+# --- one implementation's steps -----------------------------------------------------------------
+def make_runner(impl: str, name: str, args, timeline: Timeline):
+    """A function running one step of schedule ``name`` in implementation ``impl``."""
+    stages = build(name, args, timeline)
+    m, shape = args.microbatches, (args.rows, args.width)
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randn(m * args.rows, args.width, generator=gen)
+    target = torch.randn(m * args.rows, args.width, generator=gen)
+    indices = stage_indices(name)
+    first, last = 0 in indices, len(indices) * P - 1 in indices
+    if impl == "hand":
+        xs, ts = list(batch.chunk(m)), list(target.chunk(m))
+        return lambda: hand_step(HAND[name], stages[0], xs, ts, shape)
+    if impl == "mdt":
+        lib = mdt_pp
+    else:
+        import torch.distributed.pipelining as lib
+    num_stages = len(indices) * P
+    pipe = [lib.PipelineStage(s, i, num_stages, torch.device("cpu")) for s, i in zip(stages, indices)]
+    schedule = getattr(lib, name)(pipe[0] if name in HAND else pipe, n_microbatches=m, loss_fn=mse)
+
+    def step() -> None:
+        schedule.step(*((batch,) if first else ()), target=target if last else None)
+        for s in stages:
+            s.zero_grad(set_to_none=True)
+    return step
+
+
+def ideal_seconds(args, timeline: Timeline) -> float:
+    """``microbatches`` x one stage's forward + backward of one micro-batch, alone (no
+    communication), timed on every rank at once; the slowest rank's median."""
+    stage = Stage(args.width, args.layers, timeline, seed=RANK)
+    x = torch.randn(args.rows, args.width)
+    times = []
+    for _ in range(args.steps + 1):
+        COMM.Barrier()
+        start = time.perf_counter()
+        for _ in range(args.microbatches):
+            mse(stage(x), x).backward()
+        times.append(time.perf_counter() - start)
+    return COMM.allreduce(statistics.median(times[1:]), op=MPI.MAX)
+
+
+def measure(runner, timeline: Timeline, steps: int) -> tuple[list[float], list[float], list]:
+    """Step seconds (slowest rank) and mean bubble fraction of ``steps`` steps after one
+    warm-up; every rank's spans of the last step (on rank 0)."""
+    secs, bubbles = [], []
+    for i in range(steps + 1):
+        COMM.Barrier()
+        timeline.start_step()
+        runner()
+        timeline.end_step()
+        elapsed = COMM.allreduce(timeline.step_end - timeline.step_start, op=MPI.MAX)
+        bubble = COMM.allreduce(timeline.bubble_fraction) / P
+        if i:
+            secs.append(elapsed)
+            bubbles.append(bubble)
+    spans = COMM.gather([(k, s - timeline.step_start, e - timeline.step_start) for k, s, e in timeline.spans])
+    return secs, bubbles, spans
+
+
+def run(args) -> dict:
+    init_gloo_process_group()
+    timeline = Timeline()
+    names = [n for n in SCHEDULES if hasattr(mdt_pp, n)]
+    cases = [(n, impl) for n in names for impl in (["hand"] if n in HAND else []) + ["mdt", "torch"]]
+    runners = {}
+    for case in cases:
+        runners[case] = make_runner(case[1], case[0], args, timeline)
+        measure(runners[case], timeline, 0)  # shape inference, first messages
+    secs = {case: [] for case in runners}
+    bubbles = {case: [] for case in runners}
+    spans = {}
+    ideal = []
+    for _ in range(args.reps):
+        ideal.append(ideal_seconds(args, timeline))
+        for case, runner in runners.items():
+            s, b, sp = measure(runner, timeline, args.steps)
+            secs[case] += s
+            bubbles[case] += b
+            spans[case] = sp
+    ideal_s = statistics.median(ideal)
+    rows = []
+    for case in cases:
+        name, impl = case
+        v = len(stage_indices(name))
+        theory = theoretical_bubble(P, args.microbatches, v) if name in THEORY else None
+        step = statistics.median(secs[case])
+        hand = statistics.median(secs[(name, "hand")]) if (name, "hand") in secs else None
+        rows.append({"schedule": name, "impl": impl, "step_ms": step * 1e3, "vs_ideal": step / ideal_s,
+                     "vs_hand": step / hand if hand else None, "bubble": statistics.median(bubbles[case]),
+                     "bubble_theory": theory})
+    return {"ranks": P, "width": args.width, "layers": args.layers, "rows": args.rows,
+            "microbatches": args.microbatches, "ideal_ms": ideal_s * 1e3, "rows_out": rows,
+            "spans": {f"{n}/{i}": sp for (n, i), sp in spans.items() if n == "Schedule1F1B"}}
+
+
+def table(result: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["schedule", "impl", "step ms", "x ideal", "x hand", "bubble", "theory"]
+    rows = []
+    for r in result["rows_out"]:
+        name = r["schedule"].removeprefix("Schedule")
+        rows.append([name, r["impl"], f"{r['step_ms']:.1f}", f"{r['vs_ideal']:.2f}",
+                     "-" if r["vs_hand"] is None else f"{r['vs_hand']:.2f}", f"{r['bubble']:.2f}",
+                     "-" if r["bubble_theory"] is None else f"{r['bubble_theory']:.2f}"])
+    return header, rows
+
+
+def plot(spans: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(len(spans), 1, figsize=(12, 1 + 1.2 * len(spans) * P / 4), squeeze=False)
+    for ax, (label, per_rank) in zip(axes[:, 0], spans.items()):
+        for rank, events in enumerate(per_rank):
+            for kind, s, e in events:
+                ax.broken_barh([(s * 1e3, (e - s) * 1e3)], (rank - 0.4, 0.8),
+                               color="tab:green" if kind == "F" else "tab:blue")
+        ax.set_ylabel("rank")
+        ax.set_title(f"{label}: green forward, blue backward, white bubble", fontsize=9)
+    axes[-1, 0].set_xlabel("ms since step start")
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4, help="layers per rank (split between its stages)")
+    p.add_argument("--rows", type=int, default=32, help="rows per micro-batch")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default=str(HERE / "results"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    result = run(args)
+    if RANK == 0:
+        header, rows = table(result)
+        title = (f"pipeline step, {P} ranks, {args.microbatches} micro-batches of {args.rows} x {args.width}, "
+                 f"{args.layers} layers per rank; ideal (no bubble) {result['ideal_ms']:.1f} ms")
+        print(title)
+        print_table(header, rows)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+        lines = [title, "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in widths) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        (out / "pipeline.md").write_text("\n".join(lines) + "\n")
+        (out / "pipeline.json").write_text(json.dumps({k: v for k, v in result.items() if k != "spans"}, indent=1))
+        drawn = plot(result["spans"], out / "pipeline_timeline.png")
+        print(f"wrote {out / 'pipeline.md'}, pipeline.json" + (", pipeline_timeline.png" if drawn else ""))
+    return result
+
+
+if __name__ == "__main__":
+    main()
