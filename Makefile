@@ -67,13 +67,14 @@ export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 
 venv: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml tests/requirements-torchtitan.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 ifeq ($(MPI),system)
 	$(PY) -m pip install -q --no-binary mpi4py --no-cache-dir --force-reinstall --no-deps 'mpi4py>=4'
 endif
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q --no-deps -r tests/requirements-torchtitan.txt
 	touch $@
 
 # MPICH's mpiexec starts each rank in a session of its own; with the kernel's autogroup on,

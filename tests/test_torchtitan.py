@@ -40,7 +40,7 @@ TIMEOUT = 900  # one job: 4 ranks importing torch and torchtitan on loaded cores
 RTOL = 1e-5
 
 pytestmark = [
-    pytest.mark.skipif(bool(MISSING), reason=f"torchtitan's test needs {', '.join(MISSING)} (pip install -e '.[test]')"),
+    pytest.mark.skipif(bool(MISSING), reason=f"torchtitan's test needs {', '.join(MISSING)} (pip install --no-deps -r tests/requirements-torchtitan.txt)"),
     pytest.mark.skipif(WORLD.size != 1, reason="runs at world size 1: each job starts its own ranks"),
 ]
 
