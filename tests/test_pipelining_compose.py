@@ -153,6 +153,7 @@ FOUR_D = """
 """
 
 
+@pytest.mark.timeout(1000)  # an 8-rank job on shared cores (its own timeout: 900 s)
 @pytest.mark.quick_at(1)
 def test_4d_mesh_at_8_ranks(tmp_path):
     """The (pp, dp, cp, tp) mesh at 8 ranks (a job of its own, oversubscribed): pp x cp x tp

@@ -302,6 +302,7 @@ CASES = {
 }
 
 
+@pytest.mark.timeout(900)  # sub-jobs of up to 4 ranks on shared cores: minutes each
 @pytest.mark.quick_at(2)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_unmodified_program(case):

@@ -84,6 +84,7 @@ def _differences(got: dict, want: dict, norm_rtol: float = RTOL) -> list[str]:
             if not math.isclose(a, b, rel_tol=rtol, abs_tol=rtol)]
 
 
+@pytest.mark.timeout(900)  # sub-jobs of up to 4 ranks on shared cores: minutes each
 @pytest.mark.every_case  # the quick tier's cases are chosen by the marks above, not sampled
 @pytest.mark.parametrize("config,ranks", CASES)
 def test_torchtitan_llama3(config, ranks, reference, folder):
@@ -95,6 +96,7 @@ def test_torchtitan_llama3(config, ranks, reference, folder):
     assert_all_ranks(not problems, f"{config} at {ranks} ranks against one process: {problems}")
 
 
+@pytest.mark.timeout(900)  # sub-jobs of up to 4 ranks on shared cores: minutes each
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("config", ["fsdp", "tp_sp", "tp", "fsdp_tp", "hsdp", "cp_fsdp", "fsdp_ac", "fsdp_compile"])
 def test_torch_on_gloo(config, reference, folder):
