@@ -110,7 +110,7 @@ class DeviceMesh:
         self._unflattened_from: tuple | None = None  # (mesh, dim, sizes, names) of _unflatten()
         self._subcomms: dict[tuple[int, ...], MPI.Cartcomm] = {}
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}  # get_group's views of _subcomms
-        self._submeshes: dict[tuple[int, ...], DeviceMesh] = {}
+        self._submeshes: dict[tuple, DeviceMesh] = {}  # slices, flattens, unflattens by their arguments
         self._key = (device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names)
         self._hash = hash(self._key)
         self._freed = False
@@ -208,14 +208,18 @@ class DeviceMesh:
         _check_backend_override(backend_override, names)
         kept = self.mesh_dim_names or ("",)
         all_names = _check_names(kept[:index] + names + kept[index + 1:], self.ndim - 1 + len(sizes))
-        shape = self.shape[:index] + sizes + self.shape[index + 1:]
-        ranks = self.mesh.reshape(shape)
-        cart = None
-        if self._cart is not None:  # rank order is row-major in the coordinates, so a reshape keeps it
-            cart = self._cart.Create_cart(list(shape), periods=[False] * len(shape), reorder=False)
-        unflat = DeviceMesh._from_cart(self.device_type, ranks, all_names, self._parent_comm, cart,
-                                       grids.unflatten_grid(self._grid, index, sizes))
-        unflat._unflattened_from = (self, index, sizes, names)
+        key = ("unflatten", index, sizes, names)
+        unflat = self._submeshes.get(key)
+        if unflat is None or unflat._freed:  # made once per arguments, as slices are: one communicator
+            shape = self.shape[:index] + sizes + self.shape[index + 1:]
+            ranks = self.mesh.reshape(shape)
+            cart = None
+            if self._cart is not None:  # rank order is row-major in the coordinates, so a reshape keeps it
+                cart = self._cart.Create_cart(list(shape), periods=[False] * len(shape), reorder=False)
+            unflat = DeviceMesh._from_cart(self.device_type, ranks, all_names, self._parent_comm, cart,
+                                           grids.unflatten_grid(self._grid, index, sizes))
+            unflat._unflattened_from = (self, index, sizes, names)
+            self._submeshes[key] = unflat
         return unflat
 
     # --- communicators ---------------------------------------------------------------------

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from ..runtime import caches
 from .cuda import bind_local_gpu
 from .launch import check_launch_once
 
@@ -76,9 +75,10 @@ class _Roots:
 
 
 # Roots by (device type, world size, shape, ranks, names). Weak references: a mesh the
-# program dropped can be collected. Keys are added in the program's order (the same on every
-# rank), so dropping the oldest past the bound drops the same entries everywhere.
-_ROOTS: dict[tuple, _Roots] = caches.cache("mesh.pickled_roots", 1024, holds_meshes=False)
+# program dropped can be collected. A registry, not a cache: `clear_cache()` must not forget
+# the program's meshes (a load would then build a second mesh instead of returning the live
+# one). One entry per layout the program built; each entry prunes its dead roots.
+_ROOTS: dict[tuple, _Roots] = {}
 
 
 def remember_root(mesh) -> None:

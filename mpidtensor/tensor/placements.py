@@ -171,8 +171,9 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int) -> tuple[
             raise TypeError(f"placements must be Shard, _StridedShard, Replicate or Partial, got {p!r}")
         if isinstance(p, (Shard, _StridedShard)):
             if not -tensor_ndim <= p.dim < tensor_ndim:
+                named = f"Shard({p.dim})" if isinstance(p, Shard) else repr(p)
                 raise ValueError(
-                    f"{p!r} is out of range for a {tensor_ndim}-D tensor "
+                    f"{named} is out of range for a {tensor_ndim}-D tensor "
                     f"(valid dims: {-tensor_ndim}..{tensor_ndim - 1})"
                 )
             if p.dim < 0:
