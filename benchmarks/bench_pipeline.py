@@ -204,7 +204,20 @@ def measure(runner, timeline: Timeline, steps: int) -> tuple[list[float], list[f
 
 
 def run(args) -> dict:
+    """Every case's step time and bubble; torch's gloo group is taken down after if this
+    call made it (a test runs this in a job whose later modules need no default group)."""
+    import torch.distributed as dist
+
+    made = not dist.is_initialized()
     init_gloo_process_group()
+    try:
+        return _run(args)
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def _run(args) -> dict:
     timeline = Timeline()
     names = [n for n in SCHEDULES if hasattr(mdt_pp, n)]
     cases = [(n, impl) for n in names for impl in (["hand"] if n in HAND else []) + ["mdt", "torch"]]
