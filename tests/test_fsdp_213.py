@@ -291,10 +291,11 @@ def test_pipeline_stages_build_joint_meshes_apart_2x2():
     world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
     loading = world._unflatten(0, (2, 2, 1, 1), ("pp", "batch", "cp", "tp"))
     dense = world._unflatten(0, (2, 1, 2, 1), ("pp", "dp_replicate", "fsdp", "tp"))
+    fsdp, tp = dense["fsdp"], loading["tp"]  # slicing is collective over the sliced mesh: all ranks
     stage = WORLD.rank // 2
     if stage == 1:
         WORLD.recv(source=WORLD.rank - 2)
-    joint, _, _ = joint_mesh(dense["fsdp"], loading["tp"])
+    joint, _, _ = joint_mesh(fsdp, tp)
     if stage == 0:
         WORLD.send("built", dest=WORLD.rank + 2)
     mine = [2 * stage, 2 * stage + 1]
