@@ -16,6 +16,8 @@ for _scaled_dot_product_flash_attention_for_cpu"); this is what it lacks.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ...ops import registry
@@ -74,48 +76,37 @@ def _layout(query: DTensorSpec) -> tuple:
                  for p in query.placements)
 
 
-def _forward_rule(previous: registry.Rule | None) -> registry.Rule:
-    def rule(call: registry.OpCall) -> registry.Sharding:
-        query = call.tensor_specs[0]
-        cp = _cp_dim(call, query)
-        if cp is None:
-            return _fallback(previous, call)
-        qkv = _layout(query)
-        comm = call.mesh.get_group(cp)
+def _ring_rule(op: torch._ops.OpOverload, query_index: int, n_in: int, n_out: int, run) -> Callable:
+    """A rule maker for ``op``: when the query (argument ``query_index``) is sharded on its
+    sequence over one mesh dim, every q/k/v-shaped input and output takes the query's layout
+    and the local kernel is ``run(bound arguments, comm, ring options)``; otherwise the
+    rule it replaced decides."""
+    def make(previous: registry.Rule | None) -> registry.Rule:
+        def rule(call: registry.OpCall) -> registry.Sharding:
+            query = call.tensor_specs[query_index]
+            cp = _cp_dim(call, query)
+            if cp is None:
+                return _fallback(previous, call)
+            qkv = _layout(query)
+            comm = call.mesh.get_group(cp)
 
-        def local(args, kwargs):
-            bound = _bind(_FORWARD, args, kwargs)
-            _check_dropout(bound)
-            return ring_forward(bound["query"], bound["key"], bound["value"], comm=comm,
-                                is_causal=bool(bound["is_causal"]), scale=bound["scale"],
-                                load_balanced=_cp_options.enable_load_balance,
-                                rotate_method=_cp_options.rotate_method)
+            def local(args, kwargs):
+                bound = _bind(op, args, kwargs)
+                _check_dropout(bound)
+                return run(bound, comm=comm, is_causal=bool(bound["is_causal"]), scale=bound["scale"],
+                           load_balanced=_cp_options.enable_load_balance, rotate_method=_cp_options.rotate_method)
 
-        return registry.Sharding([qkv, qkv, qkv], [qkv, qkv], local)
+            return registry.Sharding([qkv] * n_in, [qkv] * n_out, local)
 
-    return rule
+        return rule
+
+    return make
 
 
-def _backward_rule(previous: registry.Rule | None) -> registry.Rule:
-    def rule(call: registry.OpCall) -> registry.Sharding:
-        query = call.tensor_specs[1]
-        cp = _cp_dim(call, query)
-        if cp is None:
-            return _fallback(previous, call)
-        qkv = _layout(query)
-        comm = call.mesh.get_group(cp)
-
-        def local(args, kwargs):
-            bound = _bind(_BACKWARD, args, kwargs)
-            _check_dropout(bound)
-            return ring_backward(bound["grad_out"], bound["query"], bound["key"], bound["value"], bound["out"],
-                                 bound["logsumexp"], comm=comm, is_causal=bool(bound["is_causal"]),
-                                 scale=bound["scale"], load_balanced=_cp_options.enable_load_balance,
-                                 rotate_method=_cp_options.rotate_method)
-
-        return registry.Sharding([qkv] * 6, [qkv] * 3, local)
-
-    return rule
+_forward_rule = _ring_rule(_FORWARD, 0, 3, 2, lambda b, **ring: ring_forward(b["query"], b["key"], b["value"], **ring))
+_backward_rule = _ring_rule(
+    _BACKWARD, 1, 6, 3,
+    lambda b, **ring: ring_backward(b["grad_out"], b["query"], b["key"], b["value"], b["out"], b["logsumexp"], **ring))
 
 
 def _fallback(previous: registry.Rule | None, call: registry.OpCall) -> registry.Sharding:
