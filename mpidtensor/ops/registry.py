@@ -90,6 +90,15 @@ def rule_for(func: torch._ops.OpOverload) -> Rule | None:
     return _RULES.get(func)
 
 
+def restore_rule(func: torch._ops.OpOverload, rule: Rule | None) -> None:
+    """Give ``func`` back a rule ``rule_for`` returned earlier (None: no rule), after a
+    ``register`` replaced it for a while (the context-parallel dispatcher does)."""
+    if rule is None:
+        _RULES.pop(func, None)
+    else:
+        _RULES[func] = rule
+
+
 def takes_strided(rule: Rule) -> Rule:
     """Mark a rule that places ``_StridedShard`` inputs itself (the pointwise ones)."""
     rule.takes_strided = True

@@ -51,7 +51,7 @@ def _disable_context_parallel_dispatcher() -> None:
     if not _replaced:
         return
     for op, rule in _replaced.items():
-        registry._RULES[op] = rule
+        registry.restore_rule(op, rule)
     _replaced.clear()
     caches.clear_all()
 
