@@ -65,8 +65,10 @@ def test_pipeline_bench_runs_every_schedule(tmp_path):
     import bench_pipeline
 
     out = WORLD.bcast(str(tmp_path), root=0)
-    result = bench_pipeline.main(["--width", "16", "--rows", "4", "--layers", "2", "--microbatches", "4",
+    micro = str(max(4, 2 * WORLD.size))  # DualPipeV needs one per stage (two stages per rank)
+    result = bench_pipeline.main(["--width", "16", "--rows", "4", "--layers", "2", "--microbatches", micro,
                                   "--steps", "1", "--reps", "1", "--out", out])
+    assert_all_ranks(not result["skipped"], f"schedules skipped: {result['skipped']}")
     rows = {(r["schedule"], r["impl"]): r for r in result["rows_out"]}
     names = [n for n in bench_pipeline.SCHEDULES if hasattr(bench_pipeline.mdt_pp, n)]
     want = {(n, impl) for n in names for impl in ("mdt", "torch")} | {(n, "hand") for n in bench_pipeline.HAND}
