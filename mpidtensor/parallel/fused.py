@@ -28,12 +28,11 @@ import torch
 from torch import nn
 
 from ..mesh import DeviceMesh
-from ..tensor.api import distribute_tensor
 from ..tensor.dtensor import DTensor
 from ..tensor.placements import Placement, Replicate, Shard, _StridedShard
 from .experts import _local_parameters, _require_same_tokens, _SumGradient, _SumOutput
 from .install import install, own_forward
-from .style import ParallelStyle, require_1d_mesh, require_plain_parameters
+from .style import ParallelStyle, distribute_parameters, require_1d_mesh, require_plain_parameters
 
 __all__ = ["ExpertTensorParallel", "PackedColwiseParallel", "PackedRowwiseParallel", "param_placement"]
 
@@ -60,24 +59,32 @@ def param_placement(style: str, name: str, ndim: int, split_factor: int = 2) -> 
 
 def _shard_parameters(style: ParallelStyle, module: nn.Module, mesh: DeviceMesh,
                       placement_of: Callable[[str, nn.Parameter], Placement]) -> None:
-    for name, param in list(module.named_parameters(recurse=False)):
-        dist = distribute_tensor(param.detach(), mesh, [placement_of(name, param)], src_data_rank=style.src_data_rank)
-        module._parameters[name] = nn.Parameter(dist, requires_grad=param.requires_grad)
+    """``module``'s own parameters as DTensors, each with ``placement_of(name, param)``."""
+    layouts = [(name, placement_of(name, p)) for name, p in module.named_parameters(recurse=False)]
+    distribute_parameters(module, mesh, layouts, style.src_data_rank)
 
 
-class PackedColwiseParallel(ParallelStyle):
-    """transformers' ``packed_colwise`` on a module (module docstring): its parameters
-    ``_StridedShard`` over ``split_factor`` parts, its forward on local blocks."""
+class _PackedStyle(ParallelStyle):
+    """What the packed styles share: they shard a module's own parameters (never already
+    DTensors) over a 1-D mesh, in ``split_factor`` parts."""
 
     _owns_parameters = True
 
-    def __init__(self, *, split_factor: int = 2, use_local_output: bool = True) -> None:
+    def __init__(self, *, split_factor: int = 2) -> None:
         self.split_factor = split_factor
-        self.use_local_output = use_local_output
 
     def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         require_1d_mesh(self, device_mesh)
         require_plain_parameters(self, module)
+
+
+class PackedColwiseParallel(_PackedStyle):
+    """transformers' ``packed_colwise`` on a module (module docstring): its parameters
+    ``_StridedShard`` over ``split_factor`` parts, its forward on local blocks."""
+
+    def __init__(self, *, split_factor: int = 2, use_local_output: bool = True) -> None:
+        super().__init__(split_factor=split_factor)
+        self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._check(module, device_mesh)
@@ -111,18 +118,9 @@ class _PackedColwiseForward:
         return DTensor.from_local(out, self.mesh, [_StridedShard(out.ndim - 1, split_factor=self.split_factor)])
 
 
-class PackedRowwiseParallel(ParallelStyle):
+class PackedRowwiseParallel(_PackedStyle):
     """transformers' ``packed_rowwise`` on a module: weights ``_StridedShard`` on their last
     dim over ``split_factor`` parts, 1-D parameters replicated; the forward unchanged."""
-
-    _owns_parameters = True
-
-    def __init__(self, *, split_factor: int = 2) -> None:
-        self.split_factor = split_factor
-
-    def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        require_1d_mesh(self, device_mesh)
-        require_plain_parameters(self, module)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._check(module, device_mesh)
@@ -134,22 +132,20 @@ class PackedRowwiseParallel(ParallelStyle):
         return f"PackedRowwiseParallel(split_factor={self.split_factor})"
 
 
-class ExpertTensorParallel(ParallelStyle):
+class ExpertTensorParallel(_PackedStyle):
     """transformers' ``moe_tp_experts`` (module docstring). ``params``: the module's own
     parameter names -> the transformers style of each (the plan's entries for them);
     a parameter the plan leaves out is replicated."""
-
-    _owns_parameters = True
 
     def __init__(self, params: Mapping[str, str], *, split_factor: int = 2) -> None:
         bad = sorted(f"{name}: {style}" for name, style in params.items() if style not in PARAM_STYLES)
         if bad:
             raise ValueError(f"ExpertTensorParallel: no parameter placement for {bad}; styles are {PARAM_STYLES}")
-        self.params, self.split_factor = dict(params), split_factor
+        super().__init__(split_factor=split_factor)
+        self.params = dict(params)
 
     def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        require_1d_mesh(self, device_mesh)
-        require_plain_parameters(self, module)
+        super()._check(module, device_mesh)
         own = dict(module.named_parameters(recurse=False))
         missing = sorted(set(self.params) - set(own))
         if missing:
