@@ -267,6 +267,12 @@ class DeviceMesh:
         self._key = (*self._key, "freed", id(self))  # equal to no other mesh (the hash stays)
 
     # --- helpers ---------------------------------------------------------------------------
+    def _copies_key(self) -> tuple:
+        """``(device type, dim names, grid shape, grid ranks)``: the same on every rank for
+        every copy of this mesh (``mesh.grids``), so a rank finds its own copy of a mesh
+        another rank names (a DTensor crossing pipeline stages)."""
+        return (self.device_type, self.mesh_dim_names, tuple(self._grid.shape), tuple(self._grid.flatten().tolist()))
+
     def _submesh(self, dims: tuple[int, ...], names, flatten: bool = False) -> "DeviceMesh":
         key = dims + ((-1,) if flatten else ())
         sub = self._submeshes.get(key)

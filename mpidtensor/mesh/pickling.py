@@ -35,7 +35,7 @@ from mpi4py import MPI
 from .cuda import bind_local_gpu
 from .launch import check_launch_once
 
-__all__ = ["describe", "layout_text", "reduce_mesh", "remember_root", "restore_mesh"]
+__all__ = ["describe", "layout_text", "live_roots", "reduce_mesh", "remember_root", "restore_mesh"]
 
 VERSION = 1
 _PRUNE_AT = 64  # roots of one layout kept before the collected and freed ones are dropped
@@ -79,6 +79,12 @@ class _Roots:
 # the program's meshes (a load would then build a second mesh instead of returning the live
 # one). One entry per layout the program built; each entry prunes its dead roots.
 _ROOTS: dict[tuple, _Roots] = {}
+
+
+def live_roots() -> list:
+    """The roots the program built and still holds on this rank (unfreed), oldest first."""
+    found = [ref() for roots in _ROOTS.values() for ref in roots.refs.values()]
+    return [mesh for mesh in found if mesh is not None and not mesh._freed]
 
 
 def remember_root(mesh) -> None:

@@ -1,4 +1,5 @@
-"""Meshes that compose: the joint mesh of a data-parallel mesh and a tensor-parallel one.
+"""Meshes related by their rank grids: the joint mesh of a data-parallel mesh and a
+tensor-parallel one; this rank's copy of a mesh another rank names.
 
 FSDP x TP keeps each parameter on one mesh whose dims are the data-parallel mesh's and the
 tensor-parallel mesh's. torch finds it from the meshes' common root; torchtitan takes its
@@ -9,8 +10,11 @@ holds alike: the answer is the same on every rank, with no communication.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 from . import grids
 from .device_mesh import DeviceMesh
+from .pickling import live_roots
 
 
 def joint_mesh(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, tuple[int, ...], tuple[int, ...]] | None:
@@ -44,6 +48,24 @@ def joint_mesh(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, tuple[int, .
     return joint, tuple(range(dp.ndim)), tuple(range(dp.ndim, joint.ndim))
 
 
+def find_copy(key: tuple, first: Iterable[DeviceMesh] = ()) -> DeviceMesh | None:
+    """This rank's live copy of the mesh whose :meth:`DeviceMesh._copies_key` is ``key``: one
+    of ``first`` (e.g. the meshes of a module's parameters), else one the program built or
+    derived (slices, flattens, unflattens, joint meshes of its roots), else None. Local: it
+    looks only at meshes this rank holds."""
+    seen: set[int] = set()
+    todo = [*first, *live_roots()]
+    while todo:
+        mesh = todo.pop(0)
+        if id(mesh) in seen or mesh._freed:
+            continue
+        seen.add(id(mesh))
+        if mesh._cart is not None and mesh._copies_key() == key:
+            return mesh
+        todo.extend(mesh._submeshes.values())
+    return None
+
+
 def _build(dp: DeviceMesh, tp: DeviceMesh, grid) -> DeviceMesh:
     """The joint mesh through this rank over ``grid``'s copy that holds it."""
     comm = dp._parent_comm
@@ -65,4 +87,4 @@ def _build(dp: DeviceMesh, tp: DeviceMesh, grid) -> DeviceMesh:
 
 _TAG = 0x6A6F  # MPI_Comm_create_group's tag for joint meshes (copies are disjoint: one tag serves all)
 
-__all__ = ["joint_mesh"]
+__all__ = ["find_copy", "joint_mesh"]

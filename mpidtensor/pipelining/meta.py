@@ -1,4 +1,5 @@
-"""The shapes and dtypes that cross stages: found once, on the first step, then fixed.
+"""The shapes and dtypes that cross stages (and the layouts of DTensors that do,
+:mod:`.crossing`): found once, on the first step, then fixed.
 
 Each stage's inputs come from its ``input_args`` or from what the previous stage sends;
 its outputs from its ``output_args`` or from running it once on inputs of those shapes
@@ -16,13 +17,17 @@ import torch
 from mpi4py import MPI
 
 from ..runtime.agreement import portable, raise_first, raise_listed
+from ..tensor.dtensor import DTensor
+from .crossing import DistMeta, dist_meta, meshes_for, rebuild
 
 
 class Meta(NamedTuple):
-    """Shape and dtype of one tensor crossing stages."""
+    """Shape and dtype of one tensor crossing stages (a DTensor's local shape, and what
+    rebuilds it: :mod:`.crossing`)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    dist: DistMeta | None = None
 
 
 def metas_of(values: Any) -> list[Meta]:
@@ -31,9 +36,12 @@ def metas_of(values: Any) -> list[Meta]:
     values = values if isinstance(values, (tuple, list)) else (values,)
     metas = []
     for v in values:
-        if not isinstance(v, torch.Tensor):
+        if isinstance(v, DTensor):
+            metas.append(Meta(tuple(v._local_tensor.shape), v.dtype, dist_meta(v)))
+        elif isinstance(v, torch.Tensor):
+            metas.append(Meta(tuple(v.shape), v.dtype))
+        else:
             raise TypeError(f"only tensors cross pipeline stages, got a {type(v).__name__}")
-        metas.append(Meta(tuple(v.shape), v.dtype))
     return metas
 
 
@@ -45,7 +53,8 @@ def grad_carrying(meta: Meta) -> bool:
 def fmt(metas: list[Meta] | None) -> str:
     if metas is None:
         return "nothing"
-    return "[" + ", ".join(f"{tuple(m.shape)} {str(m.dtype).removeprefix('torch.')}" for m in metas) + "]"
+    return "[" + ", ".join(f"{tuple(m.shape)} {str(m.dtype).removeprefix('torch.')}"
+                           + (f" (local of a {m.dist.text()})" if m.dist else "") for m in metas) + "]"
 
 
 def infer(stages: list, stage_rank: dict[int, int], ctl: MPI.Intracomm, first_args: tuple | None,
@@ -69,6 +78,11 @@ def infer(stages: list, stage_rank: dict[int, int], ctl: MPI.Intracomm, first_ar
         # a stage runs once only on the inputs it will get: not after a failure upstream,
         # nor when its input_args disagree with what arrives (reported below)
         upstream_ok = stage.is_first or (incoming is not None and stage.given_inputs in (None, incoming))
+        if error is None and upstream_ok and not stage.is_first:
+            try:  # this rank's mesh of each DTensor it receives
+                stage.input_meshes = meshes_for(s, stage.given_inputs or incoming, stage.own_meshes(), stage.get_mesh)
+            except ValueError as err:  # raised on every rank below
+                error = err
         if error is None and upstream_ok:
             try:
                 ins = metas_of([a for a in first_args if isinstance(a, torch.Tensor)]) if stage.is_first \
@@ -100,8 +114,9 @@ def infer(stages: list, stage_rank: dict[int, int], ctl: MPI.Intracomm, first_ar
 def _run_once(stage, ins: list[Meta], first_args: tuple, first_kwargs: dict | None) -> list[Meta]:
     """The output shapes of ``stage`` run once on micro-batch 0 (first stage) or on zeros
     of its input shapes, without gradients and with the random state put back."""
-    args = first_args if stage.is_first else tuple(torch.zeros(m.shape, dtype=m.dtype, device=stage.device)
-                                                   for m in ins)
+    args = first_args if stage.is_first else tuple(
+        rebuild(torch.zeros(m.shape, dtype=m.dtype, device=stage.device), m.dist, mesh)
+        for m, mesh in zip(ins, stage.input_meshes))
     devices = [stage.device] if stage.device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
         out = stage.submod(*args, **(first_kwargs or {}))

@@ -19,6 +19,7 @@ from mpi4py import MPI
 from ..comm.p2p import Channel, NOTICE_TAG, PeerFailed
 from . import fsdp_sync
 from .actions import B, F, I, W, Action
+from .crossing import local_of, rebuild
 from .meta import grad_carrying
 from .stage import as_tuple
 
@@ -53,17 +54,18 @@ class Runtime:
         return tag_of(self.num_stages, sender, direction, mb, self.tag_ub)
 
     def _receives(self) -> list[tuple[int, int, int, list]]:
-        """``(action position, source, tag, metas)`` of each receive, in order (once)."""
+        """``(action position, source, tag, (shape, dtype) of each tensor)`` of each receive,
+        in order (once); a DTensor's are its local tensor's."""
         if self._plan is None:
             plan = []
             for i, (s, kind, mb) in enumerate(self.order):
                 st = self.stages[s]
                 if kind == F and not st.is_first and self.stage_rank[s - 1] != self.rank:
                     plan.append((i, self.stage_rank[s - 1], self._tag(s - 1, _FWD, mb),
-                                 st.inputs_meta))
+                                 [(m.shape, m.dtype) for m in st.inputs_meta]))
                 elif kind in (B, I) and not st.is_last and self.stage_rank[s + 1] != self.rank:
                     plan.append((i, self.stage_rank[s + 1], self._tag(s + 1, _BWD, mb),
-                                 [m for m in st.outputs_meta if grad_carrying(m)]))
+                                 [(m.shape, m.dtype) for m in st.outputs_meta if grad_carrying(m)]))
             self._plan = plan
         return self._plan
 
@@ -92,7 +94,7 @@ class Runtime:
                 elif (s, F, mb) in handoff:
                     args = handoff.pop((s, F, mb))
                 else:
-                    args = _as_inputs(channel.wait(posted.pop(here)), st.inputs_meta, has_backward)
+                    args = _as_inputs(channel.wait(posted.pop(here)), st, has_backward)
                 out = _guarded(action, lambda: st.forward_one_chunk(mb, args, kwarg_mbs[mb], save_outputs))
                 if st.is_last:
                     if loss_fn is not None and target_mbs is not None:
@@ -101,10 +103,11 @@ class Runtime:
                     continue
                 outs = as_tuple(out)
                 st.check_outputs(outs)
+                sent = [local_of(o) for o in outs]
                 if self.stage_rank[s + 1] == self.rank:
-                    handoff[(s + 1, F, mb)] = _as_inputs([o.detach() for o in outs], st.outputs_meta, has_backward)
+                    handoff[(s + 1, F, mb)] = _as_inputs(sent, self.stages[s + 1], has_backward)
                 else:
-                    channel.send([o.detach() for o in outs], self.stage_rank[s + 1], self._tag(s, _FWD, mb))
+                    channel.send(sent, self.stage_rank[s + 1], self._tag(s, _FWD, mb))
             elif kind in (B, I):
                 grads = None
                 if not st.is_last:
@@ -126,10 +129,12 @@ class Runtime:
         return losses
 
 
-def _as_inputs(tensors: list[torch.Tensor], metas: list, has_backward: bool) -> tuple:
-    """Received or handed-over activations as a stage's inputs: new leaves, requiring
-    gradients where one flows back."""
-    return tuple(t.detach().requires_grad_(has_backward and grad_carrying(m)) for t, m in zip(tensors, metas))
+def _as_inputs(tensors: list[torch.Tensor], stage, has_backward: bool) -> tuple:
+    """Received or handed-over activations (local tensors) as ``stage``'s inputs: new
+    leaves, DTensors again where they were sent as such, requiring gradients where one
+    flows back."""
+    return tuple(rebuild(t.detach(), m.dist, mesh).requires_grad_(has_backward and grad_carrying(m))
+                 for t, m, mesh in zip(tensors, stage.inputs_meta, stage.input_meshes))
 
 
 def _guarded(action: Action, fn: Callable[[], Any], what: str = "") -> Any:

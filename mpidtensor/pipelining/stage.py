@@ -20,6 +20,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from . import crossing
 from .meta import Meta, fmt as _fmt, grad_carrying, metas_of
 
 __all__ = ["PipelineStage", "resolve_group"]
@@ -61,9 +62,11 @@ class PipelineStage:
 
     ``group`` is the pipeline group (see :func:`resolve_group`). ``input_args`` /
     ``output_args`` (example tensors of one micro-batch) fix the shapes that cross stages;
-    where absent they are inferred on the first step. ``output_grads``, ``input_grads``
-    and ``get_mesh`` are accepted for torch's signature: gradients have their tensor's
-    shape and dtype here.
+    where absent they are inferred on the first step. DTensors cross stages as torch's do
+    (:mod:`.crossing`): ``get_mesh(dim_names, rank_grid)`` may name the mesh a received
+    DTensor lives on; by default it is found among the meshes this rank holds.
+    ``output_grads`` and ``input_grads`` are accepted for torch's signature: a gradient
+    has its tensor's shape, dtype and placements here.
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device | str,
@@ -82,8 +85,11 @@ class PipelineStage:
         self.dw_builder = dw_builder
         self.given_inputs: list[Meta] | None = metas_of(input_args) if input_args is not None else None
         self.given_outputs: list[Meta] | None = metas_of(output_args) if output_args is not None else None
+        self.get_mesh = get_mesh
+        self._given_meshes = crossing.meshes_of(as_tuple(input_args) if input_args is not None else ())
         self.inputs_meta: list[Meta] | None = None  # fixed by the first step (pipelining.meta)
         self.outputs_meta: list[Meta] | None = None
+        self.input_meshes: list = []  # this rank's mesh of each received DTensor (None: a plain tensor)
         self.has_backward = False
         self.output_chunks: list[Any] = []
         self.fwd_cache: dict[int, tuple[tuple, list[torch.Tensor]]] = {}
@@ -99,6 +105,11 @@ class PipelineStage:
 
     def __repr__(self) -> str:
         return f"PipelineStage({self.stage_index}/{self.num_stages}, rank {self.group_rank} of {self.group_size})"
+
+    def own_meshes(self) -> list:
+        """The meshes of the stage's DTensor parameters, buffers and ``input_args``: where a
+        received DTensor's mesh is looked for first."""
+        return crossing.meshes_of([*self.submod.parameters(), *self.submod.buffers()]) + self._given_meshes
 
     def clear_runtime_states(self) -> None:
         """Forget the previous step's micro-batches."""
@@ -136,22 +147,22 @@ class PipelineStage:
                 raise RuntimeError(f"stage {self.stage_index} is the last: its backward needs a loss (loss_fn)")
             return [loss], None, inputs
         carrying = [o for o, m in zip(outputs, self.outputs_meta) if grad_carrying(m)]
-        pairs = [(o, g) for o, g in zip(carrying, grads) if o.requires_grad]
+        pairs = [(o, crossing.grad_received(g, o)) for o, g in zip(carrying, grads) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs], inputs
 
     def backward_one_chunk(self, mb: int, loss: torch.Tensor | None = None,
                            grads: list[torch.Tensor] | None = None, full_backward: bool = True) -> list[torch.Tensor]:
         """Backward of micro-batch ``mb`` from ``loss`` (last stage) or the gradients of its
-        outputs; the gradients of its received inputs (zeros where unused). With
-        ``full_backward=False`` only those (``I``); the weight gradients wait for
-        :meth:`backward_weight_one_chunk` (``W``)."""
+        outputs; the gradients of its received inputs (zeros where unused) as they travel
+        upstream (:func:`.crossing.grad_to_send`). With ``full_backward=False`` only those
+        (``I``); the weight gradients wait for :meth:`backward_weight_one_chunk` (``W``)."""
         roots, root_grads, inputs = self._roots(mb, loss, grads)
         if full_backward or self.dw_builder is not None:
             if roots:
                 torch.autograd.backward(roots, root_grads)
             if not full_backward:
                 self._deferred[mb] = self.dw_builder()
-            return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+            return [crossing.grad_to_send(x.grad if x.grad is not None else torch.zeros_like(x), x) for x in inputs]
         got = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True) \
             if roots and inputs else [None] * len(inputs)
         params = [p for p in self.submod.parameters() if p.requires_grad]
@@ -161,7 +172,7 @@ class PipelineStage:
                 torch.autograd.backward(roots, root_grads, inputs=params)
 
         self._deferred[mb] = weights
-        return [g if g is not None else torch.zeros_like(x) for g, x in zip(got, inputs)]
+        return [crossing.grad_to_send(g if g is not None else torch.zeros_like(x), x) for g, x in zip(got, inputs)]
 
     def backward_weight_one_chunk(self, mb: int) -> None:
         """The weight gradients of micro-batch ``mb`` (after its ``I``)."""

@@ -1,0 +1,129 @@
+"""DTensors crossing pipeline stages, as torch 2.13's stages pass them.
+
+A stage output that is a DTensor travels as its local tensor. What the next stage needs
+to rebuild it (placements, global shape and stride, and which mesh) travels once, with
+the shapes the first step finds (:mod:`.meta`). The mesh is named by what every rank
+shares: its dim names and its rank grid, every copy of it among the ranks
+(``mesh.grids``). The receiving rank then finds its own copy: with a world mesh
+``("pp", "tp")``, stage 0's ``mesh["tp"]`` over ranks 0, 1 arrives on stage 1 as its own
+``mesh["tp"]`` over ranks 2, 3. It looks among the meshes of the stage's own parameters
+and buffers, the meshes of its ``input_args``, ``get_mesh(dim_names, grid)`` if given
+(torch's callback; the second argument is the rank grid here, not torch's layout), and
+every mesh the program built or derived. Sender and receiver must hold the same place in
+their copies (the same local shard): the pipeline group pairs ranks of equal coordinates,
+as a pipeline dim of one world mesh does. A mesh that cannot be found, or a pairing of
+other coordinates, raises ``ValueError`` on every rank at the first step.
+
+Gradients go back the same way. An input's gradient is first redistributed to the
+input's own placements (a ``Partial`` gradient is summed over the mesh then), so what is
+sent is the local tensor of the gradient of what was received; the upstream stage
+rebuilds it on its output's mesh and placements.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+from mpi4py import MPI
+
+from ..mesh.device_mesh import DeviceMesh
+from ..mesh.relations import find_copy
+from ..tensor.dtensor import DTensor
+
+
+class DistMeta(NamedTuple):
+    """What rebuilds a DTensor from its local tensor on another stage."""
+
+    mesh: tuple  # DeviceMesh._copies_key()
+    coordinate: tuple[int, ...]  # the sender's place in its copy of the mesh
+    placements: tuple
+    shape: tuple[int, ...]  # global
+    stride: tuple[int, ...]
+
+    def text(self) -> str:
+        names = self.mesh[1]
+        where = f"mesh {tuple(names)}" if names else f"a mesh of shape {self.mesh[2][1:]}"
+        return f"DTensor {tuple(self.shape)} {list(self.placements)} on {where}"
+
+
+def dist_meta(t: DTensor) -> DistMeta:
+    mesh = t.device_mesh
+    return DistMeta(mesh._copies_key(), tuple(mesh.get_coordinate()), tuple(t.placements), tuple(t.shape),
+                    tuple(t.stride()))
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """What travels for ``t``: its local tensor if a DTensor, detached."""
+    return t._local_tensor.detach() if isinstance(t, DTensor) else t.detach()
+
+
+def rebuild(local: torch.Tensor, dist: DistMeta | None, mesh: DeviceMesh | None) -> torch.Tensor:
+    """The tensor a stage receives: ``local`` itself, or the DTensor it is the shard of."""
+    if dist is None:
+        return local
+    return DTensor.from_local(local, mesh, dist.placements, shape=dist.shape, stride=dist.stride, run_check=False)
+
+
+def grad_to_send(grad: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    """The local tensor of ``grad`` (the gradient of the received input ``received``) in
+    ``received``'s placements: what the upstream stage rebuilds on its output's."""
+    if isinstance(received, DTensor):
+        if not isinstance(grad, DTensor):
+            raise TypeError(f"the gradient of a DTensor input is a {type(grad).__name__}")
+        if tuple(grad.placements) != tuple(received.placements):
+            grad = grad.redistribute(received.device_mesh, received.placements)
+    return local_of(grad)
+
+
+def grad_received(grad: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """A received gradient of ``output`` as autograd needs it: on its mesh and placements
+    if ``output`` is a DTensor."""
+    if isinstance(output, DTensor) and not isinstance(grad, DTensor):
+        return DTensor.from_local(grad, output.device_mesh, output.placements, shape=output.shape,
+                                  stride=output.stride(), run_check=False)
+    return grad
+
+
+def meshes_of(tensors: Iterable[Any]) -> list[DeviceMesh]:
+    """The distinct meshes of the DTensors among ``tensors``."""
+    found: dict[int, DeviceMesh] = {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            found.setdefault(id(t.device_mesh), t.device_mesh)
+    return list(found.values())
+
+
+def meshes_for(stage_index: int, metas: list, first: list[DeviceMesh],
+               get_mesh: Callable[..., Any] | None) -> list[DeviceMesh | None]:
+    """This rank's copy of the mesh of each DTensor in ``metas`` (None for plain tensors);
+    ``ValueError`` naming the mesh when there is none or the coordinates differ."""
+    meshes: list[DeviceMesh | None] = []
+    for m in metas:
+        if m.dist is None:
+            meshes.append(None)
+            continue
+        mesh = None
+        if get_mesh is not None:
+            device, names, grid_shape, grid_ranks = m.dist.mesh
+            mesh = get_mesh(names, torch.tensor(grid_ranks, dtype=torch.int64).reshape(grid_shape))
+            if mesh is None:
+                raise ValueError(f"stage {stage_index} receives a {m.dist.text()} and its get_mesh "
+                                 f"returned None for it")
+            if not isinstance(mesh, DeviceMesh) or mesh._copies_key() != m.dist.mesh:
+                raise ValueError(f"stage {stage_index} receives a {m.dist.text()}; get_mesh returned {mesh!r}, "
+                                 f"not a copy of that mesh (same dim names, over the same rank grid)")
+        else:
+            mesh = find_copy(m.dist.mesh, first)
+            if mesh is None:
+                raise ValueError(f"stage {stage_index} receives a {m.dist.text()} and this rank holds no copy of "
+                                 f"that mesh: build the mesh it comes from on every rank (e.g. slice the world "
+                                 f"mesh) or pass PipelineStage(get_mesh=...)")
+        # agreed over the mesh's ranks: a stage's ranks run its module (collectives) together
+        moved = tuple(mesh.get_coordinate()) != m.dist.coordinate
+        if mesh._cart.allreduce(moved, op=MPI.LOR):
+            raise ValueError(f"stage {stage_index} receives a {m.dist.text()} sent from coordinate "
+                             f"{m.dist.coordinate} of that mesh to a rank at another place in its copy (this one: "
+                             f"{tuple(mesh.get_coordinate())}): the pipeline group must pair ranks at the same place "
+                             f"in their meshes")
+        meshes.append(mesh)
+    return meshes
