@@ -4,6 +4,8 @@ Each rank trains on its own slice of the batch; the single-process reference tra
 on the whole batch, so averaged gradients must reproduce it. Every parameter's
 ``full_tensor()`` and every loss are compared after several AdamW steps.
 """
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -302,6 +304,42 @@ def test_gradient_accumulation_without_sync(mesh1d):
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for name, p in net.named_parameters():
         assert_close(p.grad.full_tensor(), ref_grads[name], **TOL)
+
+
+class _Branches(nn.Module):
+    """Two heads; ``forward(x, both=False)`` uses the first only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x, both: bool = True):
+        return self.a(x) + self.b(x) if both else self.a(x)
+
+
+@pytest.mark.parametrize("own_group", [False, True], ids=["one-group", "b-own-group"])
+def test_accumulated_gradient_of_a_module_the_last_backward_skips(mesh1d, own_group):
+    """A parameter with a gradient from a micro-batch without sync and none from the synced
+    last one still gets it reduced (torch keeps it in its accumulated gradient), whether
+    its group runs in the last backward or not at all."""
+    torch.manual_seed(3)
+    ref = _Branches()
+    net = copy.deepcopy(ref)
+    (x, target), (local_x, local_t) = batch(WORLD.size, WORLD.rank)
+    for both in (True, False):
+        (F.cross_entropy(ref(x, both), target, reduction="sum") / x.size(0)).backward()
+    if own_group:
+        fully_shard(net.b, mesh=mesh1d)
+    fully_shard(net, mesh=mesh1d)
+    for i, both in enumerate((True, False)):
+        net.set_requires_gradient_sync(i == 1)
+        (F.cross_entropy(net(local_x, both), local_t, reduction="sum") * WORLD.size / x.size(0)).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    got = {n: p.grad.full_tensor() if p.grad is not None else None for n, p in net.named_parameters()}
+    missing = sorted(n for n, g in got.items() if g is None)
+    assert_all_ranks(not missing, f"no gradient for {missing}")
+    for name, g in got.items():
+        assert_close(g, ref_grads[name], **TOL)
 
 
 def test_unshard_reshard_api(mesh1d):

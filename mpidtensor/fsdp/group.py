@@ -393,18 +393,22 @@ class ParamGroup:
         for p in self.params:
             unsharded = p.unsharded
             g = unsharded.grad if unsharded is not None and p.requires_grad else None
-            if g is None and self.reduce_scatter_unused_params and unsharded is not None and p.requires_grad:
+            if g is None and p.grad_acc is None and self.reduce_scatter_unused_params and unsharded is not None \
+                    and p.requires_grad:
                 g = torch.zeros(p.shape, dtype=p.param_dtype, device=self.device)  # a term every rank sends
-            if g is None:
+            if g is None and p.grad_acc is None:
                 continue
             params.append(p)
-            unsharded.grad = None
-            if isinstance(g, DTensor):
-                g = p.local_grad(g)
-            if type(g) is not torch.Tensor:
-                g = _plain_grad(g, p)
-            if p.grad_acc is not None:
-                g, p.grad_acc = g + p.grad_acc, None
+            if g is None:  # only what earlier backwards held (this one gave it no gradient)
+                g, p.grad_acc = p.grad_acc, None
+            else:
+                unsharded.grad = None
+                if isinstance(g, DTensor):
+                    g = p.local_grad(g)
+                if type(g) is not torch.Tensor:
+                    g = _plain_grad(g, p)
+                if p.grad_acc is not None:
+                    g, p.grad_acc = g + p.grad_acc, None
             grads.append(g)
         # HSDP without the all-reduce: replicated parameters' gradients wait unreduced
         skip_all_reduce = not self.requires_all_reduce and self.info.replicate_comm is not None
@@ -515,6 +519,11 @@ class ParamGroup:
     def reducing(self) -> bool:
         """A reduce-scatter has started and ``finish_reduce`` has not run yet."""
         return self._pending is not None
+
+    @property
+    def holds_grads(self) -> bool:
+        """Gradients kept unreduced by backwards with gradient sync off."""
+        return any(p.grad_acc is not None for p in self.params)
 
     @property
     def has_pending_grads(self) -> bool:

@@ -82,9 +82,11 @@ class FSDPState:
             state.is_root, state.root = False, self
 
     def _final_callback(self) -> None:
-        """End of backward: reduce what is left, wait for all reductions, reshard."""
-        for state in self.states:  # inputs that needed no gradient, calls yet to signal
-            if state.group is not None and state.group.has_pending_grads:
+        """End of backward: reduce what is left (with gradient sync on, also what earlier
+        backwards held for a group this one did not reach), wait for all reductions, reshard."""
+        for state in self.states:  # inputs that needed no gradient, calls yet to signal, unused groups
+            group = state.group
+            if group is not None and (group.has_pending_grads or group.holds_grads and group.requires_gradient_sync):
                 state._reduce()
             state._uses = 0
             state._to_run.clear()
@@ -96,6 +98,13 @@ class FSDPState:
             if state.group is not None and state.group.reshard_after_backward:
                 state.group.reshard()
         self._callback_queued = False
+
+    def reduce_held(self) -> None:
+        """The root's end of a step whose backwards all ran with gradient sync off and no
+        reshard, as a pipeline's split backward runs them (``pipelining.fsdp_sync``): with the
+        switches turned on first, reduce the gradients summed over them, wait, reshard."""
+        if self.is_root:
+            self._final_callback()
 
     def _reduced(self, group: ParamGroup) -> None:
         """Record ``group``'s reduce-scatter; complete the ones started before it but the

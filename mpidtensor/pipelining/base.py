@@ -17,7 +17,7 @@ import torch
 
 from ..comm.p2p import Channel, PeerFailed
 from ..runtime.agreement import attempt, raise_agreed, raise_found, require_same
-from . import fsdp_sync, meta
+from . import meta
 from .actions import Action, rank_to_stages, stage_to_rank
 from .microbatch import split_args_kwargs, merge_chunks, split_tensor
 from .runtime import Runtime
@@ -50,8 +50,6 @@ class _PipelineSchedule:
         for st in self._stages:
             st.stage_index_to_group_rank = self.stage_index_to_group_rank
         self.pipeline_order: dict[int, list[Action]] = {r: self._order(r) for r in range(self.pp_group_size)}
-        here = [(st.stage_index, st.submod) for st in self._stages]  # FSDP needs a whole backward
-        raise_found(self._comm, fsdp_sync.problems(type(self).__name__, here, {a.kind for a in self.pipeline_order[self.rank]}))
         self._runtime = Runtime({st.stage_index: st for st in self._stages}, self.pipeline_order[self.rank],
                                 self.stage_index_to_group_rank, self.rank)
         self._ctl = self._comm.Dup()

@@ -47,8 +47,11 @@ class Runtime:
         self.num_stages = next(iter(stages.values())).num_stages
         self.tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._plan: list[tuple[int, int, int, list]] | None = None
-        # each stage's last backward of the step: FSDP reduces its gradients there (fsdp_sync)
-        self._last_backward = {s: i for i, (s, kind, _) in enumerate(order) if kind in (B, I)}
+        # each stage's last whole backward of the step: FSDP reduces its gradients there; a
+        # stage with a split backward (I, W; DualPipeV mixes them with B) reduces at the
+        # step's end instead (fsdp_sync)
+        split = {s for s, kind, _ in order if kind in (I, W)}
+        self._last_backward = {s: i for i, (s, kind, _) in enumerate(order) if kind == B and s not in split}
 
     def _tag(self, sender: int, direction: int, mb: int) -> int:
         return tag_of(self.num_stages, sender, direction, mb, self.tag_ub)
@@ -116,7 +119,7 @@ class Runtime:
                 if st.is_last and loss is None:
                     raise ValueError(f"stage {s} is the last and has no loss for micro-batch {mb}: "
                                      "a schedule that trains needs loss_fn and step(..., target=...)")
-                fsdp_sync.before_backward(st.submod, last=here == self._last_backward[s])
+                fsdp_sync.before_backward(st.submod, last=here == self._last_backward.get(s))
                 input_grads = _guarded(action, lambda: st.backward_one_chunk(mb, loss, grads, full_backward=kind == B))
                 if not st.is_first:
                     if self.stage_rank[s - 1] == self.rank:
@@ -124,6 +127,7 @@ class Runtime:
                     else:
                         channel.send(input_grads, self.stage_rank[s - 1], self._tag(s, _BWD, mb))
             elif kind == W:
+                fsdp_sync.before_backward(st.submod, last=False)
                 _guarded(action, lambda: st.backward_weight_one_chunk(mb))
         channel.finish_sends()
         return losses

@@ -20,7 +20,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from . import crossing
+from . import crossing, fsdp_sync
 from .meta import Meta, fmt as _fmt, grad_carrying, metas_of
 
 __all__ = ["PipelineStage", "resolve_group"]
@@ -165,7 +165,7 @@ class PipelineStage:
             return [crossing.grad_to_send(x.grad if x.grad is not None else torch.zeros_like(x), x) for x in inputs]
         got = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True) \
             if roots and inputs else [None] * len(inputs)
-        params = [p for p in self.submod.parameters() if p.requires_grad]
+        params = fsdp_sync.autograd_parameters(self.submod)
 
         def weights() -> None:
             if roots and params:
@@ -187,7 +187,8 @@ class PipelineStage:
                     p.grad.div_(grad_scale_factor)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        """End of a step's backwards (torch's name): the gradients divided by
-        ``grad_scale_factor``. The one place where a data-parallel wrapper of the stage's
-        module would reduce its gradients, once per step."""
+        """End of a step's backwards (torch's name): a ``fully_shard``-ed module reduces the
+        gradients its backwards held (:func:`.fsdp_sync.reduce_held`), then the gradients
+        are divided by ``grad_scale_factor``."""
+        fsdp_sync.reduce_held(self.submod)
         self.scale_grads(grad_scale_factor)
