@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import sys
+import textwrap
 
 import pytest
+from mpi4py import MPI
 
-from helpers import assert_all_ranks
+from helpers import assert_all_ranks, bcast_after_rank0
 from mpidtensor.runtime import abort
 from mpidtensor.runtime.settings import settings
-from subjob import run_job
+from subjob import run_command, run_job
+
+WORLD = MPI.COMM_WORLD
 
 RAISE_ON_RANK_1 = """
     import time
@@ -36,6 +40,30 @@ def test_uncaught_exception_aborts_the_job(tmp_path):
     assert_all_ranks(not problems, f"{problems} after {result.seconds:.1f} s:\n{result.output[-2000:]}")
     after = result.seconds_after("RAISED")
     assert_all_ranks(after is not None and after < 5, f"ended {after} s after the exception")
+
+
+UNCHANGED_PROGRAM = """
+    import torch.distributed as dist
+    dist.init_process_group("gloo")  # torch wraps sys.excepthook, capturing what it prints
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom under the switch")
+    dist.barrier()
+    print("rank 0 finished", flush=True)
+"""
+
+
+@pytest.mark.quick_at(2)
+def test_traceback_shows_under_the_switch(tmp_path):
+    """Under ``python -m mpidtensor.run``, torch's ``init_process_group`` chains a hook that
+    captures stderr and writes it after the hooks return: the traceback still shows."""
+    script = tmp_path / "program.py"
+    if WORLD.rank == 0:
+        script.write_text(textwrap.dedent(UNCHANGED_PROGRAM))
+    result = run_command([sys.executable, "-m", "mpidtensor.run", str(bcast_after_rank0(script))], ranks=2,
+                         timeout=120)
+    problems = result.abort_problems(("RuntimeError: boom under the switch", "Traceback", "aborting the MPI job"),
+                                     went_on="rank 0 finished")
+    assert_all_ranks(not problems, f"{problems} after {result.seconds:.1f} s:\n{result.output[-2000:]}")
 
 
 def test_opt_out_and_single_rank(monkeypatch: pytest.MonkeyPatch):

@@ -4,7 +4,10 @@ Without this, the other ranks wait forever in their next collective. ``install``
 (a process-wide effect, run when the first mesh is built or ``process_group.init_process_group``
 is called: :mod:`mpidtensor.runtime.effects`)
 chains a ``sys.excepthook`` that first lets the previous hook print the traceback, then
-calls ``MPI.COMM_WORLD.Abort(1)``. It installs nothing in a job of one rank, and nothing
+calls ``MPI.COMM_WORLD.Abort(1)``. Where ``sys.stderr`` is not the process's own (a hook
+chained after this one captures it, as torch's ``init_process_group`` does, to write it
+once the hooks return, which Abort prevents), the traceback is also printed to
+``sys.__stderr__``. It installs nothing in a job of one rank, and nothing
 while ``settings.abort_on_exception`` is off (``MPIDTENSOR_ABORT_ON_EXCEPTION=0``; read
 again when an exception arrives); interactive sessions (``python -i``) only print.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 from types import TracebackType
 
 from mpi4py import MPI
@@ -40,9 +44,15 @@ def install() -> bool:
             previous(exc_type, exc, tb)
         finally:
             if settings.abort_on_exception and not hasattr(sys, "ps1"):  # an interactive session carries on
-                sys.stderr.write(f"[mpidtensor] rank {MPI.COMM_WORLD.rank}: uncaught {exc_type.__name__}; "
-                                 "aborting the MPI job (MPIDTENSOR_ABORT_ON_EXCEPTION=0 disables)\n")
-                for stream in (sys.stdout, sys.stderr):
+                out = sys.stderr
+                if sys.__stderr__ is not None and out is not sys.__stderr__:
+                    # a hook chained after this one may be capturing stderr to write it once this
+                    # returns (torch's init_process_group adds one): Abort would lose the traceback
+                    out = sys.__stderr__
+                    traceback.print_exception(exc_type, exc, tb, file=out)
+                out.write(f"[mpidtensor] rank {MPI.COMM_WORLD.rank}: uncaught {exc_type.__name__}; "
+                          "aborting the MPI job (MPIDTENSOR_ABORT_ON_EXCEPTION=0 disables)\n")
+                for stream in (sys.stdout, sys.stderr, out):
                     if stream is not None:
                         stream.flush()
                 _abort()
