@@ -218,3 +218,15 @@ def test_traced_skip_connection_refused() -> None:
     raises_everywhere(NotImplementedError, lambda: pp.build_stage(pipe.get_stage_module(2), 2, pipe.info(), "cpu"),
                       match="stage 2 of the traced pipeline takes inputs other than all of the previous stage's "
                             "outputs in order")
+
+
+def test_get_schedule_class_by_torch_names() -> None:
+    """torch's names, case-insensitive (torchtitan reads its schedule from a config
+    string); an unknown name is a ValueError listing the choices."""
+    names = {"1F1B": pp.Schedule1F1B, "gpipe": pp.ScheduleGPipe, "Interleaved1F1B": pp.ScheduleInterleaved1F1B,
+             "LoopedBFS": pp.ScheduleLoopedBFS, "interleavedzerobubble": pp.ScheduleInterleavedZeroBubble,
+             "ZBVZeroBubble": pp.ScheduleZBVZeroBubble, "DualPipeV": pp.ScheduleDualPipeV,
+             "PipelineScheduleSingle": pp.PipelineScheduleSingle, "PipelineScheduleMulti": pp.PipelineScheduleMulti}
+    wrong = [n for n, cls in names.items() if pp.get_schedule_class(n) is not cls]
+    assert_all_ranks(not wrong, f"wrong classes for {wrong}")
+    raises_everywhere(ValueError, lambda: pp.get_schedule_class("2F2B"), match="Unknown schedule name '2F2B'")

@@ -37,7 +37,7 @@ from mpi4py import MPI
 
 import mpidtensor
 from helpers import assert_all_ranks, bcast_after_rank0, raises_everywhere
-from mpidtensor.compat import distributed as switch_dist, importer, views
+from mpidtensor.compat import distributed as switch_dist, importer, mesh_groups, views
 from mpidtensor.tools import launcher, process_group
 
 WORLD = MPI.COMM_WORLD
@@ -102,7 +102,8 @@ def test_user_imports_get_mpidtensor(switched):
                           mpidtensor.fsdp.fully_shard),
         "dist.init_process_group": (dist.init_process_group, switch_dist.init_process_group),
         "torch.nn (not aliased)": (torch.nn, nn),
-        "dist.all_reduce (torch's)": (dist.all_reduce, torch_dist.all_reduce),
+        "dist.all_to_all_single (torch's)": (dist.all_to_all_single, torch_dist.all_to_all_single),
+        "dist.all_reduce (mesh groups too)": (dist.all_reduce, mesh_groups.all_reduce),
     }
     import torch.distributed.pipelining as pipelining  # mpidtensor's once it exists, until then torch's
 
@@ -192,6 +193,49 @@ def test_init_process_group_with_any_backend(switched):
     if N > 1:
         raises_everywhere(ValueError, lambda: dist.init_process_group(rank=1 if RANK == 0 else RANK), "rank=1")
     assert_all_ranks(not torch_dist.is_initialized(), "a group was made despite the error")
+
+
+def test_collectives_on_a_mesh_group(switched, mpi_group, mesh1d):
+    """torch.distributed's c10d calls given ``mesh.get_group()`` (an MPI communicator under
+    the switch; torchtitan's ``clip_grad_norm_`` passes its pp mesh's): the values torch
+    gives, in place, ``async_op`` works returned, ``src`` a global rank; the default group
+    still goes to torch's backend."""
+    import torch.distributed as dist
+
+    group = mesh1d.get_group()
+    n, r = WORLD.size, WORLD.rank
+    problems = []
+    t = torch.tensor([float(r + 1), 2.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if t.tolist() != [float(n), 2.0]:
+        problems.append(f"all_reduce max {t.tolist()}")
+    t = torch.tensor([float(r + 1)])
+    work = dist.all_reduce(t, group=group, async_op=True)
+    work.wait()
+    if t.item() != n * (n + 1) / 2:
+        problems.append(f"all_reduce sum {t.item()}")
+    t = torch.full((3,), float(r))
+    dist.broadcast(t, src=n - 1, group=group)
+    if t.tolist() != [float(n - 1)] * 3:
+        problems.append(f"broadcast {t.tolist()}")
+    out = torch.empty(n, 2)
+    dist.all_gather_into_tensor(out, torch.tensor([float(r), -float(r)]), group=group)
+    if out[:, 0].tolist() != [float(i) for i in range(n)]:
+        problems.append(f"all_gather_into_tensor {out.tolist()}")
+    pieces = [torch.empty(1) for _ in range(n)]
+    dist.all_gather(pieces, torch.tensor([float(r)]), group=group)
+    if [p.item() for p in pieces] != list(range(n)):
+        problems.append(f"all_gather {pieces}")
+    got = torch.empty(2)
+    dist.reduce_scatter_tensor(got, torch.arange(2.0 * n), group=group)
+    if got.tolist() != [n * 2.0 * r, n * (2.0 * r + 1)]:
+        problems.append(f"reduce_scatter_tensor {got.tolist()}")
+    dist.barrier(group=group)
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)  # the default group: torch's function, the MPI backend
+    if t.item() != n:
+        problems.append(f"default group {t.item()}")
+    assert_all_ranks(not problems, "; ".join(problems))
 
 
 def test_launcher_environment():

@@ -6,13 +6,16 @@ torch.distributed program that imports nothing from mpidtensor), run unmodified 
 process's, and, in the full tier, torch's own run of the same program on gloo.
 
 Configurations (4 ranks; 2 where one fits): FSDP, TP + SP, TP, FSDP x TP, HSDP, CP x FSDP,
-FSDP with full activation checkpointing, FSDP with compiled blocks (``aot_eager``). torch
-on gloo fails CP x FSDP on CPU (no sharding strategy for
+FSDP with full activation checkpointing, FSDP with compiled blocks (``aot_eager``), and
+pipelines built by torchtitan's own ``pipeline_llm`` (its stage split, ``get_mesh``
+callback and schedule, on ``mpidtensor.pipelining`` through the switch): PP x FSDP under
+1F1B, PP x TP under Interleaved1F1B (sequence-sharded DTensors cross the stages), PP x
+FSDP under ZBVZeroBubble. torch on gloo fails CP x FSDP on CPU (no sharding strategy for
 ``_scaled_dot_product_flash_attention_for_cpu``): that case checks it still fails there.
 
 Each job starts its own ranks (``subjob.run_command``), so the tests run at outer world
-size 1 only. Quick tier: FSDP x TP and CP x FSDP against one process; full tier: every
-configuration, torch on gloo too. Skips, naming what is missing, where torchtitan or
+size 1 only. Quick tier: FSDP x TP, CP x FSDP and PP x TP against one process; full tier:
+every configuration, torch on gloo too. Skips, naming what is missing, where torchtitan or
 triton (which torchtitan imports at import time) cannot be imported.
 """
 from __future__ import annotations
@@ -47,7 +50,9 @@ pytestmark = [
 _quick, _full = pytest.mark.quick_at(1), pytest.mark.exhaustive
 CASES = [  # (configuration, ranks)
     pytest.param("fsdp_tp", 4, marks=_quick), pytest.param("cp_fsdp", 4, marks=_quick),
-    *(pytest.param(config, 4, marks=_full) for config in ("fsdp", "tp_sp", "tp", "hsdp", "fsdp_ac", "fsdp_compile")),
+    pytest.param("pp_tp", 4, marks=_quick),
+    *(pytest.param(config, 4, marks=_full) for config in ("fsdp", "tp_sp", "tp", "hsdp", "fsdp_ac", "fsdp_compile",
+                                                          "pp_fsdp", "pp_zbv_fsdp")),
     *(pytest.param(config, 2, marks=_full) for config in ("fsdp", "tp_sp", "tp", "fsdp_ac")),
 ]
 
@@ -98,7 +103,8 @@ def test_torchtitan_llama3(config, ranks, reference, folder):
 
 @pytest.mark.timeout(900)  # sub-jobs of up to 4 ranks on shared cores: minutes each
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("config", ["fsdp", "tp_sp", "tp", "fsdp_tp", "hsdp", "cp_fsdp", "fsdp_ac", "fsdp_compile"])
+@pytest.mark.parametrize("config", ["fsdp", "tp_sp", "tp", "fsdp_tp", "hsdp", "cp_fsdp", "fsdp_ac", "fsdp_compile",
+                                    "pp_fsdp", "pp_tp", "pp_zbv_fsdp"])
 def test_torch_on_gloo(config, reference, folder):
     """torch's own DTensor on gloo, the same program (FSDP told to reduce with SUM: gloo
     refuses the PREMUL_SUM torchtitan's gradient division asks for): equal to one process,

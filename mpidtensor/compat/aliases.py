@@ -41,4 +41,7 @@ ALIASES: dict[str, str] = {
     "torch.distributed._composable.fsdp": "mpidtensor.fsdp",
     # pipeline parallelism (aliased once mpidtensor.pipelining imports)
     "torch.distributed.pipelining": "mpidtensor.pipelining",
+    "torch.distributed.pipelining.schedules": "mpidtensor.pipelining",
+    "torch.distributed.pipelining.stage": "mpidtensor.pipelining.stage",
+    "torch.distributed.pipelining.microbatch": "mpidtensor.pipelining.microbatch",
 }

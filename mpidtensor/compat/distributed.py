@@ -19,6 +19,7 @@ from mpi4py import MPI
 
 from ..runtime import agreement
 from ..tools import process_group
+from . import mesh_groups
 
 __all__ = ["OVERRIDES", "UNPROVIDED", "export_launcher_environment", "init_process_group"]
 
@@ -74,21 +75,21 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
 
 
 def _group_size(group: Any) -> int:
-    return dist.get_world_size(group)
+    return get_world_size(group)
 
 
 def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = dist.ReduceOp.SUM, group: Any = None,
            async_op: bool = False, group_dst: int | None = None) -> Any:
     """``torch.distributed.reduce``: an all-reduce (every rank's ``tensor`` holds the result;
     torch leaves the others' unspecified)."""
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return mesh_groups.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int | None = None,
            group: Any = None, async_op: bool = False, group_dst: int | None = None) -> Any:
     """``torch.distributed.gather``: an all-gather whose pieces the destination keeps."""
     pieces = [torch.empty_like(tensor) for _ in range(_group_size(group))]
-    work = dist.all_gather(pieces, tensor.contiguous(), group=group)
+    work = mesh_groups.all_gather(pieces, tensor.contiguous(), group=group)
     if gather_list is not None and _is_root(group, dst, group_dst):
         for into, piece in zip(gather_list, pieces):
             into.copy_(piece)
@@ -102,9 +103,9 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     root = _is_root(group, src, group_src)
     stacked = torch.stack([t.to(tensor.dtype) for t in scatter_list]) if root else \
         torch.empty((n, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-    global_src = group_src if group_src is None else dist.get_global_rank(_group(group), group_src)
-    work = dist.broadcast(stacked, src=src if global_src is None else global_src, group=group)
-    tensor.copy_(stacked[dist.get_rank(group)])
+    work = mesh_groups.broadcast(stacked, src=0 if src is None and group_src is None else src, group=group,
+                                 group_src=group_src)
+    tensor.copy_(stacked[get_rank(group)])
     return work if async_op else None
 
 
@@ -120,14 +121,10 @@ def get_world_size(group: Any = None) -> int:
     return group.Get_size() if isinstance(group, MPI.Comm) else dist.get_world_size(group)
 
 
-def _group(group: Any) -> Any:
-    return dist.group.WORLD if group is None else group
-
-
 def _is_root(group: Any, root: int | None, group_root: int | None) -> bool:
     """Whether this rank is the collective's root (``root`` global, ``group_root`` in the group)."""
     if group_root is not None:
-        return dist.get_rank(group) == group_root
+        return get_rank(group) == group_root
     return dist.get_rank() == (0 if root is None else root)
 
 
@@ -159,5 +156,6 @@ OVERRIDES: dict[str, Any] = {
     "scatter": scatter,
     "get_rank": get_rank,
     "get_world_size": get_world_size,
+    **mesh_groups.OVERRIDES,  # collectives given a mesh's group (an MPI communicator)
     **{name: _refuse(name, why) for name, why in UNPROVIDED.items()},
 }

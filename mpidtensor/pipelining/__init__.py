@@ -3,16 +3,18 @@
 ``PipelineStage`` wraps one stage's module; a schedule (``ScheduleGPipe``,
 ``Schedule1F1B``, ...) gives each rank its ordered actions and one runtime runs them,
 moving activations and gradients as non-blocking MPI messages on the pipeline group
-(docs/pipelining.md).
+(docs/pipelining.md). The package is also torch's ``pipelining.schedules`` module under
+the switch (its schedule classes, bases and ``get_schedule_class``).
 """
 from .interleaved import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS
 from .microbatch import TensorChunkSpec
 from .runtime import StageFailed
-from .base import PipelineScheduleMulti, PipelineScheduleSingle
+from .base import PipelineScheduleMulti, PipelineScheduleSingle, _PipelineSchedule  # noqa: F401  (torch's name)
 from .split import Pipe, SplitPoint, build_stage, pipe_split, pipeline
 from .single import Schedule1F1B, ScheduleGPipe
 from .stage import PipelineStage
 from .vshape import ScheduleDualPipeV, ScheduleZBVZeroBubble
+from .lookup import get_schedule_class
 
 __all__ = [
     "Pipe",
@@ -32,4 +34,5 @@ __all__ = [
     "ScheduleZBVZeroBubble",
     "StageFailed",
     "TensorChunkSpec",
+    "get_schedule_class",
 ]

@@ -7,9 +7,9 @@ shares: its dim names and its rank grid, every copy of it among the ranks
 (``mesh.grids``). The receiving rank then finds its own copy: with a world mesh
 ``("pp", "tp")``, stage 0's ``mesh["tp"]`` over ranks 0, 1 arrives on stage 1 as its own
 ``mesh["tp"]`` over ranks 2, 3. It looks among the meshes of the stage's own parameters
-and buffers, the meshes of its ``input_args``, ``get_mesh(dim_names, grid)`` if given
-(torch's callback; the second argument is the rank grid here, not torch's layout), and
-every mesh the program built or derived. Sender and receiver must hold the same place in
+and buffers, the meshes of its ``input_args``, ``get_mesh(dim_names, None)`` if given
+(torch's callback: torch passes its mesh layout second, which has no meaning here, and
+callbacks written for torch accept None), and every mesh the program built or derived. Sender and receiver must hold the same place in
 their copies (the same local shard): the pipeline group pairs ranks of equal coordinates,
 as a pipeline dim of one world mesh does. A mesh that cannot be found, or a pairing of
 other coordinates, raises ``ValueError`` on every rank at the first step.
@@ -103,9 +103,8 @@ def meshes_for(stage_index: int, metas: list, first: list[DeviceMesh],
             meshes.append(None)
             continue
         mesh = None
-        if get_mesh is not None:
-            device, names, grid_shape, grid_ranks = m.dist.mesh
-            mesh = get_mesh(names, torch.tensor(grid_ranks, dtype=torch.int64).reshape(grid_shape))
+        if get_mesh is not None:  # torch passes its layout object second; None is what its callbacks accept
+            mesh = get_mesh(m.dist.mesh[1], None)
             if mesh is None:
                 raise ValueError(f"stage {stage_index} receives a {m.dist.text()} and its get_mesh "
                                  f"returned None for it")

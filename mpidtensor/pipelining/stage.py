@@ -63,7 +63,7 @@ class PipelineStage:
     ``group`` is the pipeline group (see :func:`resolve_group`). ``input_args`` /
     ``output_args`` (example tensors of one micro-batch) fix the shapes that cross stages;
     where absent they are inferred on the first step. DTensors cross stages as torch's do
-    (:mod:`.crossing`): ``get_mesh(dim_names, rank_grid)`` may name the mesh a received
+    (:mod:`.crossing`): ``get_mesh(dim_names, None)`` may name the mesh a received
     DTensor lives on; by default it is found among the meshes this rank holds.
     ``output_grads`` and ``input_grads`` are accepted for torch's signature: a gradient
     has its tensor's shape, dtype and placements here.

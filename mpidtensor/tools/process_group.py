@@ -140,9 +140,9 @@ class MPIProcessGroup(dist.ProcessGroup):
         return self._name
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Done:
-        op, factor = _op(opts.reduceOp)
+        op, factor = reduce_op_of(opts.reduceOp)
         for t in tensors:
-            t.copy_(collectives.all_reduce(_scaled(t, factor), self.comm, op))
+            t.copy_(collectives.all_reduce(premultiplied(t, factor), self.comm, op))
         return _Done(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Done:
@@ -205,8 +205,8 @@ class MPIProcessGroup(dist.ProcessGroup):
         return collectives.all_gather(t.contiguous(), self.comm, dim=0, sizes=[t.shape[0]] * self.comm.size)
 
     def _scatter(self, t: torch.Tensor, opts: Any) -> torch.Tensor:
-        op, factor = _op(opts.reduceOp)
-        return collectives.reduce_scatter(_scaled(t, factor).contiguous(), self.comm, op, dim=0,
+        op, factor = reduce_op_of(opts.reduceOp)
+        return collectives.reduce_scatter(premultiplied(t, factor).contiguous(), self.comm, op, dim=0,
                                           sizes=[1] * self.comm.size)
 
 
@@ -226,7 +226,7 @@ def _check_splits(table: list[tuple[list[int], list[int], int, int]]) -> None:
                              f"{wrong}, which send it {[table[k][0][r] for k in wrong]}")
 
 
-def _op(reduce_op: Any) -> tuple[str, Any]:
+def reduce_op_of(reduce_op: Any) -> tuple[str, Any]:
     """The collectives' name of a torch ``ReduceOp`` (it compares equal to its kind, not
     hashes) and the factor to scale by first (``PREMUL_SUM``'s, a number or a tensor; else None)."""
     if reduce_op == dist.ReduceOp.PREMUL_SUM:
@@ -238,7 +238,7 @@ def _op(reduce_op: Any) -> tuple[str, Any]:
     return op, None
 
 
-def _scaled(t: torch.Tensor, factor: Any) -> torch.Tensor:
+def premultiplied(t: torch.Tensor, factor: Any) -> torch.Tensor:
     """``t`` times ``factor`` (in ``t``'s dtype), or ``t`` itself when there is none."""
     if factor is None:
         return t

@@ -1,7 +1,9 @@
 """Three AdamW steps of torchtitan's own Llama 3 ("debugmodel" flavor), parallelized by
-torchtitan's own ``ParallelDims`` and ``parallelize_llama``, as its ``Trainer.train_step``
-runs them (global valid tokens by ``dist_sum_tensor``, context-parallel input sharding,
-its loss, ``clip_grad_norm_``, the logged loss by ``dist_sum`` over the loss mesh).
+torchtitan's own ``ParallelDims`` and ``parallelize_llama`` (and, for the pipeline
+configurations, its ``pipeline_llm``: its stage split, stages, ``get_mesh`` callback and
+schedule), as its ``Trainer.train_step`` runs them (global valid tokens by
+``dist_sum_tensor``, context-parallel input sharding, its loss, ``clip_grad_norm_`` over
+the pipeline mesh too, the logged loss by ``dist_sum`` over the loss mesh).
 
 A program written for torch.distributed: it imports nothing from mpidtensor. It runs
 under ``torchrun`` (torch's DTensor on gloo), under ``mpiexec ... python -m
@@ -46,6 +48,7 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  
 from torchtitan.distributed import ParallelDims  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: E402
 from torchtitan.distributed.context_parallel import prepare_context_parallel_input  # noqa: E402
+from torchtitan.distributed.pipeline_parallel import pipeline_llm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config  # noqa: E402
@@ -60,7 +63,12 @@ CONFIGS = {
     "cp_fsdp": (1, -1, 2, 1, True, False, False),
     "fsdp_ac": (1, -1, 1, 1, True, True, False),
     "fsdp_compile": (1, -1, 1, 1, True, False, True),
+    "pp_fsdp": (1, -1, 1, 1, True, False, False),
+    "pp_tp": (1, 1, 1, 2, True, False, False),
+    "pp_zbv_fsdp": (1, -1, 1, 1, True, False, False),
 }
+# pipeline configurations: name -> (pipeline degree, torchtitan's schedule name)
+PIPELINES = {"pp_fsdp": (2, "1F1B"), "pp_tp": (2, "Interleaved1F1B"), "pp_zbv_fsdp": (2, "ZBVZeroBubble")}
 STEPS, GLOBAL_BATCH, SEQ_LEN, SEED, LR = 3, 4, 32, 0, 8e-4
 
 
@@ -101,6 +109,11 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
             param.copy_(full)
 
 
+def _value(loss: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's loss as a plain scalar (a DTensor's full value)."""
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
+
+
 def batches() -> torch.Tensor:
     generator = torch.Generator().manual_seed(SEED + 1)
     return torch.randint(0, 2048, (STEPS, GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
@@ -116,9 +129,10 @@ def main() -> None:
                         help="FSDP reduces with SUM then divides (torch's gloo refuses PREMUL_SUM)")
     args = parser.parse_args()
     dp_replicate, dp_shard, cp, tp, sp, ac, compiled = CONFIGS[args.config]
+    pp, schedule = PIPELINES.get(args.config, (1, "1F1B"))
     reference = args.reference
     if reference:
-        dp_replicate = dp_shard = cp = tp = 1
+        dp_replicate = dp_shard = cp = tp = pp = 1
     else:
         dist.init_process_group(backend="gloo")
     world_size = dist.get_world_size() if not reference else 1
@@ -128,8 +142,10 @@ def main() -> None:
         data_parallel_replicate_degree=dp_replicate, data_parallel_shard_degree=dp_shard,
         context_parallel_degree=cp, tensor_parallel_degree=tp, enable_sequence_parallel=sp,
         spmd_backend="partial_dtensor", context_parallel_load_balancer="headtail",
+        pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule, pipeline_parallel_microbatch_size=1,
     )
-    training = TrainingConfig(local_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN, steps=STEPS,
+    batch_degree = 1 if reference else world_size // (pp * cp * tp)  # dp_replicate x dp_shard
+    training = TrainingConfig(local_batch_size=GLOBAL_BATCH // batch_degree, seq_len=SEQ_LEN, steps=STEPS,
                               mixed_precision_param="float32", max_norm=1.0)
     compile_config = CompileConfig(enable=compiled, components=["model"], backend="aot_eager")
     tt_dist_utils.set_spmd_backend(parallelism.spmd_backend)  # as Trainer.__init__ does
@@ -140,7 +156,7 @@ def main() -> None:
 
     with torch.device("meta"):
         model = config.build()
-    parallel_dims = None
+    parallel_dims = pp_schedule = None
     if reference:
         model.to_empty(device=device)
         with torch.no_grad():
@@ -149,22 +165,30 @@ def main() -> None:
     else:
         parallel_dims = ParallelDims.from_config(parallelism, world_size)
         parallel_dims.build_mesh()
-        model = spec.parallelize_fn(
-            model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-            compile_config=compile_config, ac_config=FullAC.Config() if ac else None, dump_folder="",
-        )
-        model.to_empty(device=device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        load_weights(model, weights)
+        parallelize = dict(parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                           compile_config=compile_config, ac_config=FullAC.Config() if ac else None, dump_folder="")
+        if pp > 1:  # Trainer.__init__'s pipelining_fn
+            pp_schedule, parts, has_first, has_last = pipeline_llm(
+                model, device=device, model_config=config, parallelize_fn=spec.parallelize_fn, loss_fn=loss_fn,
+                **parallelize)
+        else:
+            parts = [spec.parallelize_fn(model, **parallelize)]
+        for part in parts:
+            part.to_empty(device=device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=None)
+            load_weights(part, weights)
         if args.sum_reduction:
             from torch.distributed.fsdp import FSDPModule
-            for module in model.modules():
+            for module in (m for part in parts for m in part.modules()):
                 if isinstance(module, FSDPModule):
                     module.set_force_sum_reduction_for_comms(True)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1,
-                                  foreach=True)
+        model = parts[-1]
+    parts = [model] if reference else parts
+    for part in parts:
+        part.train()
+    params = [p for part in parts for p in part.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
     if parallel_dims is not None and parallel_dims.dp_enabled:
         batch_mesh = parallel_dims.get_mesh("batch")
@@ -190,14 +214,22 @@ def main() -> None:
                 inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), device,
                 parallelism.context_parallel_load_balancer,
             )
-        pred = model(inputs, **extra_kwargs)
-        loss, _ = loss_fn(pred, labels, global_valid_tokens)
-        del pred
-        loss.backward()
+        if pp_schedule is not None:  # Trainer.pp_forward_backward_step, on the whole batch
+            step_losses = [] if has_last else None
+            pp_schedule.step(*((inputs,) if has_first else ()), target=labels if has_last else None,
+                             losses=step_losses, loss_kwargs={"global_valid_tokens": global_valid_tokens},
+                             return_outputs=False)
+            loss = torch.stack([_value(x) for x in step_losses]).sum() if has_last else torch.zeros(())
+            dist.all_reduce(loss, group=parallel_dims.get_mesh("pp").get_group())  # to the first stage's ranks
+        else:
+            pred = model(inputs, **extra_kwargs)
+            loss, _ = loss_fn(pred, labels, global_valid_tokens)
+            del pred
+            loss.backward()
         if reference:  # plain torch's float32 norm of a large gradient is off by up to ~1e-4
-            exact_norms.append(float(torch.stack([p.grad.double().pow(2).sum() for p in model.parameters()]).sum().sqrt()))
+            exact_norms.append(float(torch.stack([p.grad.double().pow(2).sum() for p in params]).sum().sqrt()))
         grad_norm = tt_dist_utils.clip_grad_norm_(
-            list(model.parameters()), training.max_norm, foreach=True,
+            params, training.max_norm, foreach=True,
             pp_mesh=None if parallel_dims is None else parallel_dims.get_optional_mesh("pp"),
         )
         optimizer.step()
@@ -213,7 +245,7 @@ def main() -> None:
             json.dump({"config": args.config, "world_size": world_size, "losses": losses, "grad_norms": norms,
                        "grad_norms_float64": exact_norms,
                        "seconds": time.monotonic() - start,
-                       "dtensor": type(model.lm_head.weight).__module__}, f)
+                       "dtensor": type(params[-1]).__module__}, f)
     if not reference:
         dist.barrier()
         dist.destroy_process_group()

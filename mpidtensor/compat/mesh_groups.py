@@ -1,0 +1,104 @@
+"""``torch.distributed`` collectives given a mesh's group, under the switch.
+
+Programs pass ``mesh.get_group(...)`` to torch's c10d calls: torchtitan's
+``clip_grad_norm_`` all-reduces the norm with ``group=pp_mesh.get_group()``. Under the
+switch that group is an MPI communicator (mpidtensor's ``ProcessGroup``), which torch's
+functions refuse, and a torch group for it cannot be made on the spot (``new_group`` is
+collective over every rank). So these calls run on the communicator with mpidtensor's
+collectives, in place and complete on return (``async_op=True`` gets a finished work);
+any other group goes to torch's function. ``src``/``dst`` are global ranks, as in torch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from ..comm import collectives
+from ..tools.process_group import premultiplied, reduce_op_of
+
+__all__ = ["OVERRIDES"]
+
+
+class _Finished:
+    """The work of a collective that completed when called (``async_op=True``)."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _done(async_op: bool) -> _Finished | None:
+    return _Finished() if async_op else None
+
+
+def _group_rank(comm: MPI.Intracomm, global_rank: int | None, group_rank: int | None) -> int:
+    if group_rank is not None:
+        return group_rank
+    found = MPI.Group.Translate_ranks(MPI.COMM_WORLD.Get_group(), [global_rank], comm.Get_group())[0]
+    if found == MPI.UNDEFINED:
+        raise ValueError(f"rank {global_rank} is not in this group of {comm.size} ranks")
+    return found
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+    if not isinstance(group, MPI.Intracomm):
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    name, factor = reduce_op_of(op)
+    tensor.copy_(collectives.all_reduce(premultiplied(tensor, factor).contiguous(), group, name))
+    return _done(async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, async_op: bool = False,
+              group_src: int | None = None) -> Any:
+    if not isinstance(group, MPI.Intracomm):
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+    tensor.copy_(collectives.broadcast(tensor.contiguous(), group, _group_rank(group, src, group_src)))
+    return _done(async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None,  # noqa: A002
+                           async_op: bool = False) -> Any:
+    if not isinstance(group, MPI.Intracomm):
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    rows = input.reshape(1, -1).contiguous()
+    output.view(group.size, -1).copy_(collectives.all_gather(rows, group, dim=0, sizes=[1] * group.size))
+    return _done(async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+               async_op: bool = False) -> Any:
+    if not isinstance(group, MPI.Intracomm):
+        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    gathered = collectives.all_gather(tensor.unsqueeze(0).contiguous(), group, dim=0, sizes=[1] * group.size)
+    for out, piece in zip(tensor_list, gathered):
+        out.copy_(piece)
+    return _done(async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,  # noqa: A002
+                          group: Any = None, async_op: bool = False) -> Any:
+    if not isinstance(group, MPI.Intracomm):
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    name, factor = reduce_op_of(op)
+    if input.shape[0] % group.size:
+        raise ValueError(f"reduce_scatter_tensor: {input.shape[0]} rows do not split over {group.size} ranks")
+    rows = input.shape[0] // group.size
+    output.copy_(collectives.reduce_scatter(premultiplied(input, factor).contiguous(), group, name, dim=0,
+                                            sizes=[rows] * group.size))
+    return _done(async_op)
+
+
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
+    if not isinstance(group, MPI.Intracomm):
+        return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+    group.Barrier()
+    return _done(async_op)
+
+
+OVERRIDES: dict[str, Any] = {f.__name__: f for f in (all_reduce, broadcast, all_gather_into_tensor, all_gather,
+                                                     reduce_scatter_tensor, barrier)}
