@@ -31,6 +31,11 @@ class _Finished:
     def is_completed(self) -> bool:
         return True
 
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
 
 def _done(async_op: bool) -> _Finished | None:
     return _Finished() if async_op else None
@@ -39,7 +44,12 @@ def _done(async_op: bool) -> _Finished | None:
 def _group_rank(comm: MPI.Intracomm, global_rank: int | None, group_rank: int | None) -> int:
     if group_rank is not None:
         return group_rank
-    found = MPI.Group.Translate_ranks(MPI.COMM_WORLD.Get_group(), [global_rank], comm.Get_group())[0]
+    world, group = MPI.COMM_WORLD.Get_group(), comm.Get_group()
+    try:
+        found = MPI.Group.Translate_ranks(world, [global_rank], group)[0]
+    finally:
+        world.Free()
+        group.Free()
     if found == MPI.UNDEFINED:
         raise ValueError(f"rank {global_rank} is not in this group of {comm.size} ranks")
     return found
