@@ -17,28 +17,13 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from ..comm import collectives
-from ..tools.process_group import premultiplied, reduce_op_of
+from ..tools.process_group import Completed, premultiplied, reduce_op_of
 
 __all__ = ["OVERRIDES"]
 
 
-class _Finished:
-    """The work of a collective that completed when called (``async_op=True``)."""
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(None)
-        return future
-
-
-def _done(async_op: bool) -> _Finished | None:
-    return _Finished() if async_op else None
+def _done(tensors: list[torch.Tensor], async_op: bool) -> Completed | None:
+    return Completed(tensors) if async_op else None
 
 
 def _group_rank(comm: MPI.Intracomm, global_rank: int | None, group_rank: int | None) -> int:
@@ -60,7 +45,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = N
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     name, factor = reduce_op_of(op)
     tensor.copy_(collectives.all_reduce(premultiplied(tensor, factor).contiguous(), group, name))
-    return _done(async_op)
+    return _done([tensor], async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, async_op: bool = False,
@@ -68,7 +53,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
     if not isinstance(group, MPI.Intracomm):
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
     tensor.copy_(collectives.broadcast(tensor.contiguous(), group, _group_rank(group, src, group_src)))
-    return _done(async_op)
+    return _done([tensor], async_op)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None,  # noqa: A002
@@ -77,7 +62,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any
         return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
     rows = input.reshape(1, -1).contiguous()
     output.view(group.size, -1).copy_(collectives.all_gather(rows, group, dim=0, sizes=[1] * group.size))
-    return _done(async_op)
+    return _done([output], async_op)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
@@ -87,7 +72,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     gathered = collectives.all_gather(tensor.unsqueeze(0).contiguous(), group, dim=0, sizes=[1] * group.size)
     for out, piece in zip(tensor_list, gathered):
         out.copy_(piece)
-    return _done(async_op)
+    return _done(tensor_list, async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,  # noqa: A002
@@ -100,14 +85,14 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = d
     rows = input.shape[0] // group.size
     output.copy_(collectives.reduce_scatter(premultiplied(input, factor).contiguous(), group, name, dim=0,
                                             sizes=[rows] * group.size))
-    return _done(async_op)
+    return _done([output], async_op)
 
 
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
     if not isinstance(group, MPI.Intracomm):
         return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
     group.Barrier()
-    return _done(async_op)
+    return _done([], async_op)
 
 
 OVERRIDES: dict[str, Any] = {f.__name__: f for f in (all_reduce, broadcast, all_gather_into_tensor, all_gather,

@@ -101,6 +101,7 @@ class DeviceMesh:
         self.mesh_dim_names = names
         # every copy of this mesh among the ranks, alike on all ranks (mesh.grids)
         self._grid = grids.root_grid(ranks) if grid is None else grid
+        self._copies: tuple | None = None  # _copies_key(), made on first use
         self._parent_comm = parent_comm
         self._cart = cart
         self._coord = tuple(cart.Get_coords(cart.rank)) if cart is not None else None
@@ -271,7 +272,10 @@ class DeviceMesh:
         """``(device type, dim names, grid shape, grid ranks)``: the same on every rank for
         every copy of this mesh (``mesh.grids``), so a rank finds its own copy of a mesh
         another rank names (a DTensor crossing pipeline stages)."""
-        return (self.device_type, self.mesh_dim_names, tuple(self._grid.shape), tuple(self._grid.flatten().tolist()))
+        if self._copies is None:  # made once: a pipeline stage compares it at every send
+            self._copies = (self.device_type, self.mesh_dim_names, tuple(self._grid.shape),
+                            tuple(self._grid.flatten().tolist()))
+        return self._copies
 
     def _submesh(self, dims: tuple[int, ...], names, flatten: bool = False) -> "DeviceMesh":
         key = dims + ((-1,) if flatten else ())

@@ -75,7 +75,7 @@ def _create(options: Any, _pg_options: Any = None) -> "MPIProcessGroup":
     return MPIProcessGroup(comm)
 
 
-class _Done(dist._Work):
+class Completed(dist._Work):
     """A collective that completed when it was called."""
 
     def __init__(self, result: list[torch.Tensor]) -> None:
@@ -139,46 +139,46 @@ class MPIProcessGroup(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._name
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Done:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Completed:
         op, factor = reduce_op_of(opts.reduceOp)
         for t in tensors:
             t.copy_(collectives.all_reduce(premultiplied(t, factor), self.comm, op))
-        return _Done(tensors)
+        return Completed(tensors)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Done:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Completed:
         for t in tensors:
             t.copy_(collectives.broadcast(t, self.comm, opts.rootRank))
-        return _Done(tensors)
+        return Completed(tensors)
 
-    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Done:
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Completed:
         for outputs, t in zip(output_lists, inputs):
             gathered = self._gather(t.unsqueeze(0))
             for out, piece in zip(outputs, gathered):
                 out.copy_(piece)
-        return _Done([t for outputs in output_lists for t in outputs])
+        return Completed([t for outputs in output_lists for t in outputs])
 
-    def _allgather_base(self, output: torch.Tensor, t: torch.Tensor, opts: Any) -> _Done:
+    def _allgather_base(self, output: torch.Tensor, t: torch.Tensor, opts: Any) -> Completed:
         output.copy_(self._gather(t.reshape(1, -1)).reshape(output.shape))
-        return _Done([output])
+        return Completed([output])
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> _Done:
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Completed:
         for out, pieces in zip(outputs, input_lists):
             stacked = torch.stack([p.reshape(out.shape) for p in pieces])
             out.copy_(self._scatter(stacked, opts).reshape(out.shape))
-        return _Done(outputs)
+        return Completed(outputs)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, t: torch.Tensor, opts: Any) -> _Done:
+    def _reduce_scatter_base(self, output: torch.Tensor, t: torch.Tensor, opts: Any) -> Completed:
         output.copy_(self._scatter(t.reshape(self.comm.size, -1), opts).reshape(output.shape))
-        return _Done([output])
+        return Completed([output])
 
     def alltoall_base(self, output: torch.Tensor, t: torch.Tensor, output_split_sizes: list[int],
-                      input_split_sizes: list[int], opts: Any) -> _Done:
+                      input_split_sizes: list[int], opts: Any) -> Completed:
         n = self.comm.size
         send = list(input_split_sizes) or [t.shape[0] // n] * n
         recv = list(output_split_sizes) or [output.shape[0] // n] * n
         _check_splits(self.comm.allgather((send, recv, t.shape[0], output.shape[0])))
         output.copy_(exchange_rows(t, self.comm, send_rows=send, recv_rows=recv))
-        return _Done([output])
+        return Completed([output])
 
     # torch 2.13's Python API calls these names; the C++ functional collectives the older ones
     all_gather_single, reduce_scatter_single, all_to_all_single = _allgather_base, _reduce_scatter_base, alltoall_base
@@ -197,9 +197,9 @@ class MPIProcessGroup(dist.ProcessGroup):
         copies = [(t, s) for t, s in zip(tensors, staged) if s is not t]
         return _Pending(requests, staged, copies, tensors)
 
-    def barrier(self, opts: Any = None) -> _Done:
+    def barrier(self, opts: Any = None) -> Completed:
         self.comm.Barrier()
-        return _Done([])
+        return Completed([])
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return collectives.all_gather(t.contiguous(), self.comm, dim=0, sizes=[t.shape[0]] * self.comm.size)
