@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,9 +33,10 @@ import torch.nn as nn
 from mpi4py import MPI
 
 import mpidtensor
-from helpers import assert_all_ranks, bcast_after_rank0, raises_everywhere
+from helpers import assert_all_ranks, raises_everywhere
 from mpidtensor.compat import distributed as switch_dist, importer, mesh_groups, views
-from mpidtensor.tools import launcher, process_group
+from mpidtensor.tools import process_group
+from subjob import run_command, run_peer
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank
@@ -301,22 +299,6 @@ def test_backend_premul_sum_p2p_and_rooted(switched, mpi_group):
 
 
 # --- unmodified programs in sub-jobs -----------------------------------------------------------
-def _run(argv: list[str], ranks: int, cwd: Path | None = None, timeout: float = 400) -> tuple[int | None, str]:
-    """``mpiexec -n ranks argv`` from rank 0 (the others wait, sleeping); (status, output) everywhere."""
-    def launch():
-        proc = subprocess.Popen(launcher.command(ranks, argv), env=launcher.nested_env(), cwd=cwd, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-            return proc.returncode, output
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # mpiexec, its proxies and the ranks
-            return None, proc.communicate()[0]
-
-    return bcast_after_rank0(launch() if RANK == 0 else None)
-
-
 def _figures(output: str) -> dict[str, float]:
     """The ``LOSS step value`` and ``CHECKSUM value`` lines a program printed."""
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^((?:LOSS \d+)|CHECKSUM) (\S+)$", output, re.M)}
@@ -356,8 +338,10 @@ def test_unmodified_program(case):
     folder = WORLD.bcast(tempfile.mkdtemp(prefix="mpidtensor-switch-") if RANK == 0 else None)
     ours, reference = ([a.replace("{dir}", folder) for a in argv] for argv in (ours, reference))
     start = time.monotonic()
-    status, output = _run(ours, N, cwd=PROGRAMS)
-    ref_status, ref_output = _run(reference, reference_ranks or N, cwd=PROGRAMS)
+    ran = run_command(ours, ranks=N, timeout=400, cwd=PROGRAMS)
+    on_torch = str(PROGRAMS / "torch_gloo.py") in reference  # torch's gloo: a peer, retried once if it fails
+    peer = (run_peer if on_torch else run_command)(reference, ranks=reference_ranks or N, timeout=400, cwd=PROGRAMS)
+    status, output, ref_status, ref_output = ran.returncode, ran.output, peer.returncode, peer.output
     got, want = _figures(output), _figures(ref_output)
     problems = []
     if status != 0 or ref_status != 0:
