@@ -187,3 +187,56 @@ def test_get_mesh_names_the_mesh() -> None:
     schedule.step(*((tokens[:, :-1],) if stage.is_first else ()), target=tokens[:, 1:] if stage.is_last else None)
     want = [] if stage.is_first else [(("tp",), None)] * 2
     assert_all_ranks(calls == want, f"get_mesh called with {calls}")
+
+
+class Narrow(nn.Module):
+    """A stage whose output is sharded by rows over ``tp``, one row per micro-batch: the
+    second tensor-parallel rank sends an empty local tensor and gets an empty gradient back."""
+
+    def __init__(self, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, DTensor):  # the batch, on the first stage
+            x = DTensor.from_local(x, self.lin.weight.device_mesh, [Replicate()], run_check=False)
+        h = torch.tanh(self.lin(x.redistribute(placements=[Replicate()])))
+        return h.redistribute(placements=[Replicate()]).sum(dim=1) if self.last else h.redistribute(placements=[Shard(0)])
+
+
+@needs_pipeline
+def test_empty_shards_cross_stages() -> None:
+    mesh = init_device_mesh("cpu", (PP, TP), mesh_dim_names=("pp", "tp"))
+    rank = mesh.get_local_rank("pp")
+    torch.manual_seed(9)
+    model = nn.ModuleList(Narrow(s == 0, s == PP - 1) for s in range(PP)).double()
+    module = parallelize_module(copy.deepcopy(model[rank]), mesh["tp"],
+                                {"lin": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    stage = pp.PipelineStage(module, rank, PP, "cpu", group=mesh["pp"])
+    schedule = pp.Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=lambda out, y: ((out - y) ** 2).sum())
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(MICRO, DIM, generator=gen, dtype=torch.float64), torch.randn(MICRO, generator=gen,
+                                                                                   dtype=torch.float64)
+    seen = []
+    if not stage.is_first:
+        module.register_forward_pre_hook(lambda m, args: seen.append(args[0]._local_tensor.shape))
+    losses: list[torch.Tensor] = []
+    schedule.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None,
+                  losses=losses if stage.is_last else None)
+    h = x
+    for m in model:
+        h = torch.tanh(m.lin(h))
+    ref = ((h.sum(dim=1) - y) ** 2)
+    ref.sum().backward()
+    tp_rank = mesh.get_local_rank("tp")
+    problems = []
+    if stage.is_last and not torch.allclose(_full(torch.stack(losses)).flatten(), ref.detach(), **TOL):
+        problems.append(f"losses {losses} vs {ref}")
+    for n, p in module.named_parameters():
+        want = model[rank].get_parameter(n).grad / MICRO
+        if not torch.allclose(_full(p.grad), want, **TOL):
+            problems.append(f"{n}: {(_full(p.grad) - want).abs().max().item()}")
+    if not stage.is_first and TP > 1 and seen and tuple(seen[0]) != ((1 if tp_rank == 0 else 0), DIM):
+        problems.append(f"stage {rank} received local shape {tuple(seen[0])} at tp rank {tp_rank}")
+    assert_all_ranks(not problems, "; ".join(problems))
