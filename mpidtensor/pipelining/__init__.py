@@ -9,7 +9,8 @@ the switch (its schedule classes, bases and ``get_schedule_class``).
 from .interleaved import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS
 from .microbatch import TensorChunkSpec
 from .runtime import StageFailed
-from .base import PipelineScheduleMulti, PipelineScheduleSingle, _PipelineSchedule  # noqa: F401  (torch's name)
+from .base import (  # noqa: F401  (torch's private names, imported by torchtitan)
+    PipelineScheduleMulti, PipelineScheduleSingle, _PipelineSchedule, _PipelineScheduleRuntime)
 from .split import Pipe, SplitPoint, build_stage, pipe_split, pipeline
 from .single import Schedule1F1B, ScheduleGPipe
 from .stage import PipelineStage

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 
 from ..comm.p2p import Channel, PeerFailed
-from ..runtime.agreement import attempt, raise_agreed, raise_found, require_same
-from . import meta
+from ..runtime.agreement import attempt, on_rank0, raise_agreed, raise_found, raise_listed, require_same
+from . import meta, schedule_file
 from .actions import Action, rank_to_stages, stage_to_rank
 from .microbatch import split_args_kwargs, merge_chunks, split_tensor
 from .runtime import Runtime
@@ -46,18 +46,58 @@ class _PipelineSchedule:
         self.rank, self.pp_group_size = self._comm.rank, self._comm.size
         self._num_stages = first.num_stages
         self._check()
-        self.stage_index_to_group_rank = stage_to_rank(self.pp_group_size, self._num_stages, self.style)
-        for st in self._stages:
-            st.stage_index_to_group_rank = self.stage_index_to_group_rank
-        self.pipeline_order: dict[int, list[Action]] = {r: self._order(r) for r in range(self.pp_group_size)}
-        self._runtime = Runtime({st.stage_index: st for st in self._stages}, self.pipeline_order[self.rank],
-                                self.stage_index_to_group_rank, self.rank)
         self._ctl = self._comm.Dup()
         self._channel = Channel(self._comm)
         self._ready = False
+        self.pipeline_order: dict[int, list[Action]] = {}
+        self.stage_index_to_group_rank: dict[int, int] = {}
+        self._runtime: Runtime | None = None
+        if not self._order_from_file:
+            self._use_order({r: self._order(r) for r in range(self.pp_group_size)},
+                            stage_to_rank(self.pp_group_size, self._num_stages, self.style))
+
+    def _use_order(self, orders: dict[int, list[Action]], placement: dict[int, int]) -> None:
+        """Run ``orders`` (every rank's actions) with stages on the ranks ``placement`` says."""
+        self.pipeline_order, self.stage_index_to_group_rank = orders, placement
+        for st in self._stages:
+            st.stage_index_to_group_rank = placement
+        self._runtime = Runtime({st.stage_index: st for st in self._stages}, orders[self.rank], placement, self.rank)
+        self._ready = False  # the first step finds the crossing shapes along this placement
+
+    # -- schedules in torch's CSV files (schedule_file) -----------------------------------------
+    @property
+    def _order_from_file(self) -> bool:
+        """Whether this class has no order of its own (torch's ``PipelineScheduleMulti`` and
+        ``_PipelineScheduleRuntime``): it runs what :meth:`_load_csv` gives."""
+        return type(self)._order is _PipelineSchedule._order
+
+    def _load_csv(self, filename: str, format: str = "compute_only") -> None:  # noqa: A002  (torch's keyword)
+        """Run the order of torch's CSV schedule ``filename`` (one row per pipeline rank) from
+        now on, placing stages as the file does; collective over the pipeline group. Rank 0
+        reads the file; a file that cannot be read, or an order that is not a whole schedule
+        for the stages the ranks hold, raises ``ValueError`` on every rank."""
+        if format not in self._csv_formats:
+            raise ValueError(f"{type(self).__name__} loads {' or '.join(self._csv_formats)} schedules, "
+                             f"got format={format!r} (_PipelineScheduleRuntime also reads compute_comms files)")
+        orders = on_rank0(self._comm, schedule_file.read, filename, format, self.pp_group_size)
+        held = self._comm.allgather(sorted(st.stage_index for st in self._stages))
+        placement, problems = schedule_file.check(orders, held, self._num_stages, self._n_microbatches)
+        raise_listed([f"{filename}: {p}" for p in problems])
+        self._use_order(orders, placement)
+
+    def _dump_csv(self, filename: str, format: str = "compute_only") -> None:  # noqa: A002  (torch's keyword)
+        """Write this schedule's order as torch's compute-only CSV (rank 0 writes).
+        ``compute_comms`` is refused: the runtime places messages itself, not in the order."""
+        if format != "compute_only":
+            raise ValueError("only compute_only schedules are written: mpidtensor's runtime posts the messages "
+                             "itself (receives ahead of use, sends at once), so there is no communication order")
+        on_rank0(self._comm, schedule_file.write, filename, self.pipeline_order)
+
+    _csv_formats: tuple[str, ...] = ("compute_only",)
 
     # -- what a family provides ------------------------------------------------------------
     def _order(self, rank: int) -> list[Action]:
+        """This rank's actions; a family defines it (without one, :meth:`_load_csv` gives them)."""
         raise NotImplementedError
 
     def _rules(self) -> list[str]:
@@ -78,7 +118,7 @@ class _PipelineSchedule:
         elif self._num_stages != P * local:
             problems.append(f"num_stages is {self._num_stages} but the pipeline group has {P} ranks x "
                             f"{local} stage(s) per rank = {P * local}")
-        else:
+        elif not self._order_from_file:  # a file places its stages itself (checked as it loads)
             want = rank_to_stages(P, self._num_stages, self.style)[self.rank]
             have = sorted(st.stage_index for st in self._stages)
             if have != want:
@@ -106,6 +146,9 @@ class _PipelineSchedule:
         by ``n_microbatches`` when ``scale_grads``). Returns the merged output on the rank of
         the last stage, else ``None``; ``losses`` gets each micro-batch's loss there.
         Collective over the pipeline group."""
+        if self._runtime is None:  # alike on every rank: loading is collective
+            raise RuntimeError(f"{type(self).__name__} has no order of actions yet: load one with "
+                               f"_load_csv(filename), on every pipeline rank")
         for st in self._stages:
             st.has_backward = self._has_backward
             st.clear_runtime_states()
@@ -191,3 +234,12 @@ class PipelineScheduleSingle(_PipelineSchedule):
 
 class PipelineScheduleMulti(_PipelineSchedule):
     """A schedule of a list of stages per rank (virtual stages)."""
+
+
+class _PipelineScheduleRuntime(PipelineScheduleMulti):
+    """torch's runtime for schedules given as files: stages placed anyhow (the file says
+    where), its order from :meth:`_load_csv`, in torch's ``compute_only`` or
+    ``compute_comms`` form (the latter's communication cells are passed over:
+    :mod:`.schedule_file`)."""
+
+    _csv_formats = schedule_file.FORMATS
