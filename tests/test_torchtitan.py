@@ -10,7 +10,9 @@ FSDP with full activation checkpointing, FSDP with compiled blocks (``aot_eager`
 pipelines built by torchtitan's own ``pipeline_llm`` (its stage split, ``get_mesh``
 callback and schedule, on ``mpidtensor.pipelining`` through the switch): PP x FSDP under
 1F1B, PP x TP under Interleaved1F1B (sequence-sharded DTensors cross the stages), PP x
-FSDP under ZBVZeroBubble. torch on gloo fails CP x FSDP on CPU (no sharding strategy for
+FSDP under ZBVZeroBubble, and PP x FSDP under a schedule file (``pipeline_parallel_schedule_csv``:
+torchtitan builds a ``_PipelineScheduleRuntime`` and loads ``programs/zbv_pp2_mb2.csv``,
+which torch's own runtime runs too). torch on gloo fails CP x FSDP on CPU (no sharding strategy for
 ``_scaled_dot_product_flash_attention_for_cpu``): that case checks it still fails there.
 
 Each job starts its own ranks (``subjob.run_command``), so the tests run at outer world
@@ -52,7 +54,7 @@ CASES = [  # (configuration, ranks)
     pytest.param("fsdp_tp", 4, marks=_quick), pytest.param("cp_fsdp", 4, marks=_quick),
     pytest.param("pp_tp", 4, marks=_quick),
     *(pytest.param(config, 4, marks=_full) for config in ("fsdp", "tp_sp", "tp", "hsdp", "fsdp_ac", "fsdp_compile",
-                                                          "pp_fsdp", "pp_zbv_fsdp")),
+                                                          "pp_fsdp", "pp_zbv_fsdp", "pp_csv_fsdp")),
     *(pytest.param(config, 2, marks=_full) for config in ("fsdp", "tp_sp", "tp", "fsdp_ac")),
 ]
 
@@ -105,7 +107,7 @@ def test_torchtitan_llama3(config, ranks, reference, folder):
 @pytest.mark.timeout(900)  # sub-jobs of up to 4 ranks on shared cores: minutes each
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("config", ["fsdp", "tp_sp", "tp", "fsdp_tp", "hsdp", "cp_fsdp", "fsdp_ac", "fsdp_compile",
-                                    "pp_fsdp", "pp_tp", "pp_zbv_fsdp"])
+                                    "pp_fsdp", "pp_tp", "pp_zbv_fsdp", "pp_csv_fsdp"])
 def test_torch_on_gloo(config, reference, folder):
     """torch's own DTensor on gloo, the same program (FSDP told to reduce with SUM: gloo
     refuses the PREMUL_SUM torchtitan's gradient division asks for): equal to one process,

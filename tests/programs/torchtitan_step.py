@@ -66,9 +66,15 @@ CONFIGS = {
     "pp_fsdp": (1, -1, 1, 1, True, False, False),
     "pp_tp": (1, 1, 1, 2, True, False, False),
     "pp_zbv_fsdp": (1, -1, 1, 1, True, False, False),
+    "pp_csv_fsdp": (1, -1, 1, 1, True, False, False),
 }
-# pipeline configurations: name -> (pipeline degree, torchtitan's schedule name)
-PIPELINES = {"pp_fsdp": (2, "1F1B"), "pp_tp": (2, "Interleaved1F1B"), "pp_zbv_fsdp": (2, "ZBVZeroBubble")}
+# pipeline configurations: name -> (pipeline degree, torchtitan's schedule name (with a
+# file: how stages are placed), schedule file or None). The file is a zero-bubble order of
+# 4 stages over 2 ranks and 2 micro-batches (one per FSDP rank's 2 sequences), written
+# by hand in torch's CSV form, bubble cell included.
+PIPELINES = {"pp_fsdp": (2, "1F1B", None), "pp_tp": (2, "Interleaved1F1B", None),
+             "pp_zbv_fsdp": (2, "ZBVZeroBubble", None),
+             "pp_csv_fsdp": (2, "ZBVZeroBubble", os.path.join(os.path.dirname(__file__), "zbv_pp2_mb2.csv"))}
 STEPS, GLOBAL_BATCH, SEQ_LEN, SEED, LR = 3, 4, 32, 0, 8e-4
 
 
@@ -129,7 +135,7 @@ def main() -> None:
                         help="FSDP reduces with SUM then divides (torch's gloo refuses PREMUL_SUM)")
     args = parser.parse_args()
     dp_replicate, dp_shard, cp, tp, sp, ac, compiled = CONFIGS[args.config]
-    pp, schedule = PIPELINES.get(args.config, (1, "1F1B"))
+    pp, schedule, schedule_csv = PIPELINES.get(args.config, (1, "1F1B", None))
     reference = args.reference
     if reference:
         dp_replicate = dp_shard = cp = tp = pp = 1
@@ -143,6 +149,7 @@ def main() -> None:
         context_parallel_degree=cp, tensor_parallel_degree=tp, enable_sequence_parallel=sp,
         spmd_backend="partial_dtensor", context_parallel_load_balancer="headtail",
         pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule, pipeline_parallel_microbatch_size=1,
+        pipeline_parallel_schedule_csv=schedule_csv or "",
     )
     batch_degree = 1 if reference else world_size // (pp * cp * tp)  # dp_replicate x dp_shard
     training = TrainingConfig(local_batch_size=GLOBAL_BATCH // batch_degree, seq_len=SEQ_LEN, steps=STEPS,
