@@ -28,6 +28,7 @@ class _PipelineSchedule:
 
     style = "loop"  # how stages are placed on ranks (actions.stage_to_rank)
     stages_per_rank: int | None = None  # a family that needs a fixed number says so
+    _csv_formats: tuple[str, ...] = ("compute_only",)  # what _load_csv reads (torch's rule)
 
     def __init__(self, stages: list, n_microbatches: int, loss_fn: Callable[..., torch.Tensor] | None = None,
                  args_chunk_spec: tuple | None = None, kwargs_chunk_spec: dict | None = None,
@@ -92,8 +93,6 @@ class _PipelineSchedule:
             raise ValueError("only compute_only schedules are written: mpidtensor's runtime posts the messages "
                              "itself (receives ahead of use, sends at once), so there is no communication order")
         on_rank0(self._comm, schedule_file.write, filename, self.pipeline_order)
-
-    _csv_formats: tuple[str, ...] = ("compute_only",)
 
     # -- what a family provides ------------------------------------------------------------
     def _order(self, rank: int) -> list[Action]:
