@@ -202,7 +202,9 @@ class Narrow(nn.Module):
         if not isinstance(x, DTensor):  # the batch, on the first stage
             x = DTensor.from_local(x, self.lin.weight.device_mesh, [Replicate()], run_check=False)
         h = torch.tanh(self.lin(x.redistribute(placements=[Replicate()])))
-        return h.redistribute(placements=[Replicate()]).sum(dim=1) if self.last else h.redistribute(placements=[Shard(0)])
+        if self.last:
+            return h.redistribute(placements=[Replicate()]).sum(dim=1)
+        return h.redistribute(placements=[Shard(0)])
 
 
 @needs_pipeline

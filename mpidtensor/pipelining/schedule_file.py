@@ -16,10 +16,9 @@ from __future__ import annotations
 import csv
 import re
 
-from .actions import B, F, I, W, Action, simulate
+from .actions import B, I, KINDS, Action, simulate
 
 _CELL = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
-_COMPUTE = (F, B, I, W)
 FORMATS = ("compute_only", "compute_comms")
 
 
@@ -36,7 +35,7 @@ def parse_cell(text: str, with_comms: bool) -> list[Action]:
         raise ValueError(f"cannot read the action {text!r}: torch writes them as stage, kind, micro-batch "
                          f"(e.g. '2F0', '1I3', '0W1')")
     stage, kind, microbatch = match.groups()
-    if kind not in _COMPUTE:
+    if kind not in KINDS:
         if not with_comms:
             raise ValueError(f"the action {text!r} is a communication or FSDP action, which a compute_only "
                              f"schedule does not hold (load the file with format='compute_comms')")
@@ -84,8 +83,8 @@ def check(orders: dict[int, list[Action]], held: list[list[int]], num_stages: in
         if s in owner and ranks != {owner[s]}:
             problems.append(f"stage {s} is held by rank {owner[s]} but the file runs it on rank(s) {sorted(ranks)}")
     for rank, order in orders.items():
-        seen = {(s, m) for s, kind, m in order if kind == B}
-        both = sorted({(s, m) for s, kind, m in order if kind == I} & seen)
+        whole = {(s, m) for s, kind, m in order if kind == B}
+        both = sorted({(s, m) for s, kind, m in order if kind == I} & whole)
         problems += [f"rank {rank} runs both a whole (B) and a split (I) backward of stage {s}, micro-batch {m}"
                      for s, m in both]
     if not problems:
