@@ -1,25 +1,31 @@
 """The module objects user code gets under the switch, in place of torch's.
 
 ``sys.modules`` keeps torch's modules: torch's own Python and C++ code import them by
-path (libtorch_python's dispatcher reads ``torch.distributed.tensor.DTensor._op_dispatcher``),
-so replacing them breaks torch. User code gets, from the import hook, a *view*:
+path (libtorch_python's dispatcher reads ``torch.distributed.tensor.DTensor._op_dispatcher``,
+and looks ``torch.distributed.tensor`` up in ``sys.modules``), so replacing them breaks
+torch, and torch's module is always imported before its view is made. User code gets, from
+the import hook, a *view* of every module :func:`.routes.routed` names:
 
 - an **alias** for a path of :data:`~.aliases.ALIASES`: a module named after torch's path
-  whose attributes are its mpidtensor module's (read through, so it never goes stale);
-  a name mpidtensor lacks and torch's module has is a stand-in that raises
-  ``NotImplementedError`` naming it when called or instantiated (every rank runs the same
-  program: it raises on every rank, before any collective); torch's submodules without a
-  row are torch's own; any other name is an ``AttributeError`` as usual;
-- a **proxy** for a package above an alias (``torch``, ``torch.distributed``,
-  ``torch.distributed._composable``): torch's module read through, except its aliased
-  children and the names in :data:`OVERRIDES` (``torch.distributed.init_process_group``...),
-  so that ``import torch.distributed.checkpoint as dcp`` and ``dist = torch.distributed``
-  reach the aliases.
+  whose attributes are its mpidtensor module's (read through, so it never goes stale); a
+  name mpidtensor lacks is torch's object routed by :func:`.routes.replacement`
+  (``torch.distributed.tensor.experimental.DTensor``), torch's submodule's view, torch's
+  constant, or else a stand-in that raises ``NotImplementedError`` naming it when called or
+  instantiated (every rank runs the same program: it raises on every rank, before any
+  collective); any other name is an ``AttributeError`` as usual;
+- a **proxy** for any other routed path (``torch``, ``torch.distributed``,
+  ``torch.distributed.tensor.parallel.style``, ``torch.distributed.tensor._utils``):
+  torch's module read through, except its routed children (views), the switch's
+  overrides and the objects :func:`.routes.replacement` replaces (``torch.distributed.
+  init_device_mesh`` is mpidtensor's), so that every spelling of a name reaches the same
+  object.
 
 Views are plain ``types.ModuleType`` objects with a module ``__getattr__`` (PEP 562), so
-``torch.compile`` and ``inspect`` treat them as modules. What a view reads through is kept
-in its namespace: the first read of a name costs a Python call, later ones are as fast as
-on torch's module (an attribute of torch's reassigned after that is not seen through it).
+``torch.compile`` and ``inspect`` treat them as modules. What an alias or a parent package
+reads through is kept in its namespace: the first read of a name costs a Python call, later
+ones are as fast as on torch's module (an attribute of torch's reassigned after that is not
+seen through it). A proxy of a module below a row keeps only what it replaces: torch's
+internals (``torch.distributed.tensor._random._rng_tracker``) are read afresh each time.
 """
 from __future__ import annotations
 
@@ -27,16 +33,12 @@ import importlib
 import types
 from typing import Any
 
+from . import routes
 from .aliases import ALIASES
 
-__all__ = ["OVERRIDES", "PARENTS", "override", "stand_in", "view"]
+__all__ = ["PARENTS", "override", "stand_in", "view"]
 
-# Every package above an aliased path ("torch", "torch.distributed", ...).
-PARENTS = frozenset(path.rsplit(".", k)[0] for path in ALIASES for k in range(1, path.count(".") + 1))
-
-# Names a view gives in place of its module's: {torch path: {name: object}} (the switch
-# fills "torch.distributed" with the MPI-backed init_process_group and friends).
-OVERRIDES: dict[str, dict[str, Any]] = {}
+PARENTS = routes.PARENTS
 
 _VIEWS: dict[str, types.ModuleType | None] = {}
 _STAND_INS: dict[str, Any] = {}
@@ -46,97 +48,100 @@ _HIDDEN = ("__spec__", "__loader__", "__package__")  # read through to the modul
 
 def view(path: str) -> types.ModuleType | None:
     """What user code gets for torch's module ``path``: its alias, its proxy, or ``None``
-    (torch's own module: no row, or the row's mpidtensor module does not import)."""
+    (torch's own module: not routed, or neither torch nor mpidtensor has it)."""
     try:
         return _VIEWS[path]
     except KeyError:
         pass
-    target = _target(path) if path in ALIASES else None
-    if target is not None:
-        made = _module(path, target, target)
-    elif path in PARENTS:
-        made = _module(path, importlib.import_module(path), None)
-    else:
-        made = None
+    made = None
+    if routes.routed(path):
+        source = _torch_module(path)  # torch's first, as Python's import would have loaded it
+        target = routes.target(path)
+        if target is not None:
+            made = _module(path, source, target)
+        elif source is not None:
+            made = _module(path, source, None)
     _VIEWS[path] = made
     return made
 
 
 def override(path: str, names: dict[str, Any]) -> None:
-    """Give ``names`` in place of the module's own in the view of ``path`` (made or to come)."""
-    OVERRIDES[path] = names
-    made = _VIEWS.get(path)
-    if made is not None:
-        vars(made).update(names)
+    """Give ``names`` in place of torch's module ``path``'s own, in its view (made or to
+    come) and wherever torch re-exports the same objects (:func:`.routes.override`)."""
+    routes.override(path, names)
+    for made in _VIEWS.values():
+        if made is not None:  # forget what views read before: a name may now be replaced
+            for name in [n for n in vars(made) if not n.startswith("__")]:
+                del vars(made)[name]
 
 
-def _target(path: str) -> types.ModuleType | None:
-    """The mpidtensor module of ``path``'s row, or ``None`` when it does not exist (yet)."""
-    name = ALIASES[path]
+def _torch_module(path: str) -> types.ModuleType | None:
+    """torch's module ``path`` (imported as Python would), or ``None`` if torch has none."""
     try:
-        return importlib.import_module(name)
+        return importlib.import_module(path)
     except ModuleNotFoundError as err:
-        if err.name is not None and (name == err.name or name.startswith(err.name + ".")):
+        if err.name is not None and (path == err.name or path.startswith(err.name + ".")):
             return None
         raise
 
 
-def _module(path: str, source: types.ModuleType, target: types.ModuleType | None) -> types.ModuleType:
-    """A module named ``path`` reading ``source`` (an alias when ``target`` is given)."""
-    made = types.ModuleType(path, source.__doc__)
+def _module(path: str, source: types.ModuleType | None, target: types.ModuleType | None) -> types.ModuleType:
+    """A module named ``path`` reading ``source`` (torch's) or, for an alias, ``target``."""
+    made = types.ModuleType(path, (target or source).__doc__)
     for name in _HIDDEN:
         vars(made).pop(name, None)
     namespace = vars(made)
+    keeps_all = target is not None or path in PARENTS
 
     def __getattr__(name: str) -> Any:  # noqa: N807 - the module hook's name
         found = _attribute(path, source, target, name)
-        if not name.startswith("__"):
+        if not name.startswith("__") and (keeps_all or found is not getattr(source, name, _ABSENT)):
             namespace[name] = found  # read once: later reads are plain module attribute reads
         return found
 
     made.__getattr__ = __getattr__
-    made.__dir__ = lambda: sorted(set(dir(source)) | {c.rsplit(".", 1)[1] for c in _children(path)})
+    made.__dir__ = lambda: sorted(set(dir(target or source)) | set(dir(source) if source else ()))
     if target is not None:
         made.__alias_of__ = target.__name__
     return made
 
 
-def _children(path: str) -> set[str]:
-    return {p for p in ALIASES.keys() | PARENTS if p.rsplit(".", 1)[0] == path}
-
-
-def _attribute(path: str, source: types.ModuleType, target: types.ModuleType | None, name: str) -> Any:
+def _attribute(path: str, source: types.ModuleType | None, target: types.ModuleType | None, name: str) -> Any:
     child = f"{path}.{name}"
     if child in ALIASES or child in PARENTS:
         found = view(child)
         if found is not None:
             return found
-    overrides = OVERRIDES.get(path)
-    if overrides is not None and name in overrides:
+    overrides = routes.overrides(path)
+    if name in overrides:
         return overrides[name]
-    if target is None:  # a proxy: torch's module, read through
-        return getattr(source, name)
-    try:
-        return getattr(target, name)
-    except AttributeError:
-        pass
-    original = _ABSENT if name.startswith("__") else _torch_attribute(path, name)
+    if target is not None:
+        found = getattr(target, name, _ABSENT)
+        if found is not _ABSENT and not isinstance(found, types.ModuleType):
+            return found
+    original = _torch_attribute(source, path, name)
     if original is _ABSENT:
-        raise AttributeError(f"module {path!r} (mpidtensor's {target.__name__} under the torch.distributed "
-                             f"switch) has no attribute {name!r}")
-    if isinstance(original, types.ModuleType) or not callable(original):
-        return original  # torch's own submodule or constant
-    return stand_in(f"{path}.{name}", original, target.__name__)
+        if target is not None and found is not _ABSENT:
+            return found  # mpidtensor's submodule; torch has none of that name
+        where = f" (mpidtensor's {target.__name__} under the torch.distributed switch)" if target else ""
+        raise AttributeError(f"module {path!r}{where} has no attribute {name!r}")
+    if isinstance(original, types.ModuleType):
+        routed = view(child) if original.__name__ == child else None
+        return routed if routed is not None else original
+    replaced = routes.replacement(original)
+    if replaced is not None:
+        return replaced
+    if target is None or name.startswith("__") or not callable(original):
+        return original  # torch's own object (a proxy), or a constant
+    return stand_in(child, original, target.__name__)
 
 
-def _torch_attribute(path: str, name: str) -> Any:
+def _torch_attribute(source: types.ModuleType | None, path: str, name: str) -> Any:
     """torch's ``path.name`` (an attribute or a submodule), or ``_ABSENT``."""
-    try:
-        module = importlib.import_module(path)
-    except ImportError:
+    if source is None:
         return _ABSENT
-    found = getattr(module, name, _ABSENT)
-    if found is not _ABSENT:
+    found = getattr(source, name, _ABSENT)
+    if found is not _ABSENT or name.startswith("__"):
         return found
     try:
         return importlib.import_module(f"{path}.{name}")
