@@ -21,6 +21,7 @@ from torch import nn
 
 from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
+from ..mesh.foreign import require_mesh
 from ..runtime.agreement import attempt, raise_agreed
 from ..mesh.relations import joint_mesh
 from ..tensor.placements import Shard
@@ -88,8 +89,7 @@ def fully_shard(
     if not isinstance(reshard_after_forward, int):
         raise TypeError(f"reshard_after_forward must be a bool or an int, got {reshard_after_forward!r}")
     managed = _managed_params(modules, _ignored_ids(ignored_params))
-    if mesh is None:
-        mesh = _default_mesh(_device_type(managed))
+    mesh = _default_mesh(_device_type(managed)) if mesh is None else require_mesh(mesh, "fully_shard")
     spmd = None
     if dp_mesh_dims is not None:
         spmd = SpmdLayout(mesh, dp_mesh_dims)

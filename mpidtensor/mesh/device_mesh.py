@@ -23,9 +23,15 @@ from ..runtime import caches, effects
 from . import grids
 from .cuda import bind_local_gpu
 from .launch import check_launch_once
-from . import pickling
+from . import naming, pickling
 
 DEVICE_TYPES = ("cpu", "cuda")
+_CURRENT: list["DeviceMesh"] = []  # the meshes entered with `with mesh:`, innermost last
+
+
+def current_mesh() -> "DeviceMesh | None":
+    """The innermost mesh of ``with mesh:`` blocks, or None."""
+    return _CURRENT[-1] if _CURRENT else None
 
 
 class _Count(int):
@@ -112,6 +118,7 @@ class DeviceMesh:
         self._subcomms: dict[tuple[int, ...], MPI.Cartcomm] = {}
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}  # get_group's views of _subcomms
         self._submeshes: dict[tuple, DeviceMesh] = {}  # slices, flattens, unflattens by their arguments
+        self._flat_names: dict[str, tuple[tuple[int, ...], DeviceMesh]] = {}  # a root's _flatten names: dims, mesh
         self._key = (device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names)
         self._hash = hash(self._key)
         self._freed = False
@@ -139,6 +146,24 @@ class DeviceMesh:
 
     def get_coordinate(self) -> list[int] | None:
         return None if self._coord is None else list(self._coord)
+
+    def _is_current_rank_part_of_mesh(self) -> bool:
+        """Whether this rank is one of the mesh's (torch's name; its ``_utils`` call it)."""
+        return self._coord is not None
+
+    def _sym_get_coordinate(self, index: int) -> int:
+        """This rank's coordinate on mesh dim ``index`` (torch's name); a member's only."""
+        self._require_member()
+        return self._coord[index]
+
+    def __enter__(self) -> "DeviceMesh":
+        """``with mesh:`` makes it the current mesh (:func:`current_mesh`), as torch's does:
+        ``from_local`` and ``distribute_tensor`` given no mesh use it."""
+        _CURRENT.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _CURRENT.pop()
 
     def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
         if mesh_dim is None:
@@ -168,9 +193,15 @@ class DeviceMesh:
         return group
 
     def __getitem__(self, names: str | Sequence[str]) -> "DeviceMesh":
-        """The sub-mesh over the named dimensions that contains this rank."""
+        """The sub-mesh over the named dimensions that contains this rank. A name given by
+        ``_flatten`` is found from the root mesh and from every mesh sharing that root
+        (torch's ``root["dp_shard_cp"]``), alone or beside dim names (``root["dp_replicate",
+        "dp_shard_cp"]``, when the dims keep the root's order)."""
         self._require_live()
         names = (names,) if isinstance(names, str) else tuple(names)
+        own = self.mesh_dim_names or ()
+        if not all(n in own for n in names):
+            return naming.flattened_slice(self, names)
         dims = tuple(self._dim_index(n) for n in names)
         if list(dims) != sorted(set(dims)):
             raise ValueError(f"slice mesh dims in the mesh's order without repeats, got {names}")
@@ -178,12 +209,13 @@ class DeviceMesh:
             return self
         return self._submesh(dims, tuple(self.mesh_dim_names[d] for d in dims))
 
-    def _flatten(self, mesh_dim_name: str | None = None) -> "DeviceMesh":
-        """A 1-D mesh over all dims of this mesh; its communicator is one ``Cart_sub``."""
-        name = mesh_dim_name or "_".join(self.mesh_dim_names or ("flat",))
-        flat = self._submesh(tuple(range(self.ndim)), (name,), flatten=True)
-        flat._flattened_from = self
-        return flat
+    def _flatten(self, mesh_dim_name: str | None = None, backend_override: object = None) -> "DeviceMesh":
+        """A 1-D mesh over all dims of this mesh, named ``mesh_dim_name`` (default: the dim
+        names joined by "_"), as torch's: the name is then found from the root mesh
+        (``root[name]``); the same dims flattened under two names are two meshes; a name
+        already given to other dims, or a dim's name, is a ``ValueError`` (every rank: the
+        names and dims are global). Collective over this mesh on first use."""
+        return naming.flatten(self, mesh_dim_name)
 
     def _unflatten(self, dim: int | str, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str],
                    backend_override: dict | Sequence | None = None) -> "DeviceMesh":
@@ -278,7 +310,7 @@ class DeviceMesh:
         return self._copies
 
     def _submesh(self, dims: tuple[int, ...], names, flatten: bool = False) -> "DeviceMesh":
-        key = dims + ((-1,) if flatten else ())
+        key = ("flatten", dims, names) if flatten else dims
         sub = self._submeshes.get(key)
         if sub is None or sub._freed:  # a sub-mesh freed on its own is made anew
             self._require_member()
@@ -298,7 +330,7 @@ class DeviceMesh:
     def _dim_index(self, mesh_dim: int | str) -> int:
         if isinstance(mesh_dim, str):
             if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
-                raise ValueError(f"mesh has no dimension named {mesh_dim!r} (names: {self.mesh_dim_names})")
+                raise naming.UnknownMeshDim(f"mesh has no dimension named {mesh_dim!r} (names: {self.mesh_dim_names})")
             return self.mesh_dim_names.index(mesh_dim)
         if not -self.ndim <= mesh_dim < self.ndim:
             raise ValueError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-D mesh")
@@ -343,25 +375,27 @@ def init_device_mesh(
     mesh_dim_names: Sequence[str] | None = None,
     comm: MPI.Intracomm | None = None,
 ) -> DeviceMesh:
-    """A mesh of shape ``mesh_shape`` over all ranks of ``comm`` (``COMM_WORLD``), row-major.
+    """A mesh of shape ``mesh_shape`` over the ranks of ``comm`` (``COMM_WORLD``), row-major.
 
-    Collective. Raises ``ValueError`` (on every rank) if the shape's product is not the
-    communicator's size or the names are not one distinct name per dimension.
+    Collective. A shape of fewer ranks than the communicator's takes ranks ``0..n-1`` (as
+    torch's does; the others get ``get_coordinate() is None``). Raises ``ValueError`` (on
+    every rank) if the shape holds more ranks than the communicator or the names are not
+    one distinct name per dimension.
     """
     check_launch_once()
     comm = MPI.COMM_WORLD if comm is None else comm
     mesh_shape = tuple(mesh_shape)
     if not mesh_shape or not all(isinstance(n, int) and n > 0 for n in mesh_shape):
         raise ValueError(f"mesh_shape must be positive ints, got {mesh_shape}")
-    total = 1
-    for n in mesh_shape:
-        total *= n
-    if total != comm.size:
+    total = prod(mesh_shape)
+    if total > comm.size:
         raise ValueError(
             f"mesh_shape {mesh_shape} holds {total} ranks but the communicator has {comm.size}"
         )
     _check_device_type(device_type)
     names = _check_names(mesh_dim_names, len(mesh_shape))
+    if total < comm.size:  # as torch: ranks 0..total-1 in a mesh every rank builds, the others outside it
+        return DeviceMesh(device_type, torch.arange(total).reshape(mesh_shape), mesh_dim_names=names, comm=comm)
     cart = comm.Create_cart(list(mesh_shape), periods=[False] * len(mesh_shape), reorder=False)
     ranks = torch.arange(comm.size).reshape(mesh_shape)
     mesh = DeviceMesh._from_cart(device_type, ranks, names, comm, cart)

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..tensor.api import check_src_data_rank
 from ..mesh import DeviceMesh
+from ..mesh.foreign import require_mesh
 from .style import ParallelStyle
 
 
@@ -32,10 +33,7 @@ def parallelize_module(
     group rank of the mesh (``None``: each rank keeps its own values, no communication).
     Can be called again on the same model for other submodules (e.g. once per layer).
     """
-    if device_mesh is None:
-        raise ValueError("parallelize_module needs a device_mesh (mpidtensor has no current-mesh context)")
-    if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
+    device_mesh = require_mesh(device_mesh, "parallelize_module")
     if parallelize_plan is None:
         warnings.warn("parallelize_module got no parallelize_plan and does nothing", stacklevel=2)
         return module

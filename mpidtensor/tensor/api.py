@@ -9,6 +9,7 @@ from .layout import chunk_sizes, contiguous_strides, dim_runs, split_order, spli
 from . import validate
 from .dtensor import DTensor
 from ..mesh import DeviceMesh
+from ..mesh.foreign import require_mesh
 from ..comm import collectives
 from .placements import Partial, Placement, Replicate, Shard, normalize_placements, shard_dim
 from .redistribute import Take, ToPartial
@@ -17,12 +18,13 @@ from .spec import DTensorSpec
 
 def distribute_tensor(
     tensor: torch.Tensor,
-    device_mesh: DeviceMesh,
+    device_mesh: DeviceMesh | None = None,
     placements: Sequence[Placement] | None = None,
     *,
     src_data_rank: int | None = 0,
 ) -> DTensor:
-    """Distribute ``tensor`` over ``device_mesh`` with ``placements`` (default: replicated).
+    """Distribute ``tensor`` over ``device_mesh`` (default: the mesh of the innermost
+    ``with mesh:``) with ``placements`` (default: replicated).
 
     Every rank passes a tensor of the same shape and dtype (checked: a mismatch raises
     ``ValueError`` on every rank). ``src_data_rank=r`` is a group rank on EACH mesh dim,
@@ -36,7 +38,7 @@ def distribute_tensor(
     """
     if isinstance(tensor, DTensor):
         raise TypeError("distribute_tensor expects a plain torch.Tensor, got a DTensor")
-    device_mesh._require_live()
+    device_mesh = require_mesh(device_mesh, "distribute_tensor")
     placements = [Replicate()] * device_mesh.ndim if placements is None else placements
     placements = normalize_placements(placements, device_mesh.ndim, tensor.ndim)
     check_src_data_rank(src_data_rank, device_mesh)
@@ -120,6 +122,7 @@ def distribute_module(
     ``distribute_module`` lacks, default as torch). ``input_fn(module, inputs, device_mesh)``
     and ``output_fn(module, outputs, device_mesh)`` become forward pre/post hooks.
     """
+    device_mesh = require_mesh(device_mesh, "distribute_module")
     check_src_data_rank(src_data_rank, device_mesh)
     replicate = [Replicate()] * device_mesh.ndim
 

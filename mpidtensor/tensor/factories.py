@@ -16,6 +16,7 @@ import torch
 from .layout import contiguous_strides
 from .dtensor import DTensor
 from ..mesh import DeviceMesh
+from ..mesh.foreign import require_mesh
 from ..ops import random
 from .placements import Partial, Placement, Replicate, normalize_placements
 from .redistribute import ToPartial
@@ -78,8 +79,7 @@ def randn(*size, requires_grad: bool = False, dtype: torch.dtype | None = None, 
 
 def _create(name: str, size, init: Init, dtype, layout, requires_grad: bool, mesh: DeviceMesh | None,
             placements, seeded: bool = False) -> DTensor:
-    if mesh is None:
-        raise ValueError(f"{name}: pass device_mesh= (mpidtensor has no default mesh)")
+    mesh = require_mesh(mesh, name)
     if mesh.get_coordinate() is None:
         raise ValueError(f"{name}: rank {mesh.get_rank()} is not part of {mesh}")
     if layout != torch.strided:

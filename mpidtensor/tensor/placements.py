@@ -5,6 +5,8 @@ another lives in :mod:`mpidtensor.tensor.redistribute`.
 """
 from __future__ import annotations
 
+from ..mesh.foreign import foreign_message
+
 REDUCE_OPS = ("sum", "avg", "min", "max", "product")
 
 
@@ -168,7 +170,8 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int) -> tuple[
     out = []
     for p in placements:
         if not isinstance(p, Placement):
-            raise TypeError(f"placements must be Shard, _StridedShard, Replicate or Partial, got {p!r}")
+            raise TypeError(foreign_message(p, "placements", "placement") if type(p).__module__.startswith("torch")
+                            else f"placements must be Shard, _StridedShard, Replicate or Partial, got {p!r}")
         if isinstance(p, (Shard, _StridedShard)):
             if not -tensor_ndim <= p.dim < tensor_ndim:
                 named = f"Shard({p.dim})" if isinstance(p, Shard) else repr(p)
