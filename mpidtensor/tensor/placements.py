@@ -6,8 +6,10 @@ another lives in :mod:`mpidtensor.tensor.redistribute`.
 from __future__ import annotations
 
 from ..mesh.foreign import foreign_message
+from . import chunks
 
 REDUCE_OPS = ("sum", "avg", "min", "max", "product")
+_SPELLINGS = {"prod": "product"}  # other names of REDUCE_OPS (torch's tests write Partial("prod"))
 
 
 class _PlacementType(type):
@@ -51,6 +53,35 @@ class Shard(Placement):
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
+
+    # torch's helpers, by torch's names and signatures (frameworks and torch's tests call them)
+    @staticmethod
+    def local_shard_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        """The size and offset of chunk ``rank`` of ``num_chunks`` of a dim of size
+        ``curr_local_size``, as ``torch.chunk`` cuts it (torch >= 2.10's static method)."""
+        return chunks.shard_size_and_offset(curr_local_size, num_chunks, rank)
+
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        """torch's method of the same name: :meth:`local_shard_size_and_offset`."""
+        return chunks.shard_size_and_offset(curr_local_size, num_chunks, rank)
+
+    @staticmethod
+    def _local_shard_size_on_dim(size_on_dim: int, num_chunks: int, rank: int,
+                                 return_offset: bool = False) -> tuple[int, int]:
+        """torch <= 2.7's name: ``(size, offset)``, the offset -1 unless ``return_offset``."""
+        return chunks.shard_size_on_dim(size_on_dim, num_chunks, rank, return_offset)
+
+    def _split_tensor(self, tensor, num_chunks: int, *, with_padding: bool = True,
+                      contiguous: bool = True) -> tuple[list, list[int]]:
+        """torch's: ``tensor`` chunked on this dim into ``num_chunks`` (empty ones added),
+        padded at the end to the first chunk's size when ``with_padding``; and the pads."""
+        return chunks.split_tensor(tensor, self.dim, num_chunks, with_padding, contiguous)
+
+    def _select_split_tensor(self, tensor, num_chunks: int, index: int, *, with_padding: bool = True,
+                             contiguous: bool = True, clone: bool = True):
+        """torch's: chunk ``index`` of :meth:`_split_tensor` (cloned unless ``clone=False``)."""
+        piece = chunks.split_tensor(tensor, self.dim, num_chunks, with_padding, False)[0][index]
+        return piece.clone() if clone else piece.contiguous() if contiguous else piece
 
     def __eq__(self, other: object) -> bool:
         return type(other) is Shard and other.dim == self.dim
@@ -129,12 +160,13 @@ class Partial(Placement):
     __slots__ = ("reduce_op",)
 
     def __init__(self, reduce_op: str = "sum") -> None:
+        reduce_op = _SPELLINGS.get(reduce_op, reduce_op) if isinstance(reduce_op, str) else reduce_op
         if reduce_op not in REDUCE_OPS:
             raise ValueError(f"Partial reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
         self.reduce_op = reduce_op
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
-        return reduce_op is None or reduce_op == self.reduce_op
+        return reduce_op is None or _SPELLINGS.get(reduce_op, reduce_op) == self.reduce_op
 
     def __eq__(self, other: object) -> bool:
         return type(other) is Partial and other.reduce_op == self.reduce_op
