@@ -7,11 +7,28 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
+from mpi4py import MPI
 from torch.distributed.tensor import Shard as TorchShard
 
 from helpers import assert_all_ranks
 from mpidtensor import Partial, Shard
+from mpidtensor.compat import importer
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.fixture
+def switched_names():
+    """``compute_local_shape_and_global_offset`` as user code imports it under the switch."""
+    importer.install()
+    try:
+        space = {"__name__": "user_program"}
+        exec("from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as f", space)
+    finally:
+        importer.uninstall()
+    return space["f"]
 
 
 def _chunk_cases():
@@ -57,3 +74,28 @@ def test_partial_prod_is_product():
     p = Partial("prod")
     ok = p == Partial("product") and p.reduce_op == "product" and p.is_partial("prod") and hash(p) == hash(Partial("product"))
     assert_all_ranks(ok, repr(p))
+
+
+def test_compute_local_shape_and_global_offset_as_torch(switched_names):
+    """torch's ``_utils.compute_local_shape_and_global_offset`` as user code gets it under
+    the switch, given mpidtensor's mesh and placements: torch's answer for torch's
+    placements at the same coordinate (torch's own function, computed from the shape alone)."""
+    from torch.distributed.tensor import _utils as torch_utils
+    from torch.distributed.tensor.placement_types import Replicate as TR, _StridedShard as TSS
+
+    import mpidtensor
+    from mpidtensor import Replicate, _StridedShard
+
+    ours = switched_names
+    world = mpidtensor.init_device_mesh("cpu", (WORLD.size,))
+    wrong = [] if ours.__module__ == "mpidtensor.compat.torch_utils" else [f"user code got {ours.__module__}'s"]
+    cases = [((7, 5), [Shard(0)], [TorchShard(0)]), ((3, 5), [Shard(1)], [TorchShard(1)]),
+             ((2,), [Shard(0)], [TorchShard(0)]), ((4, 4), [Replicate()], [TR()]),
+             ((9, 2), [_StridedShard(0, split_factor=2)], [TSS(0, split_factor=2)])]
+    for shape, mine, theirs in cases:
+        got = ours(shape, world, mine)
+        want = torch_utils._compute_local_shape_and_global_offset(shape, world.shape, lambda d: world._coord[d],
+                                                                   theirs, False)
+        if tuple(got[0]) != tuple(want[0]) or tuple(got[1]) != tuple(want[1]):
+            wrong.append(f"{shape} {mine}: {got} != torch's {want}")
+    assert_all_ranks(not wrong, "; ".join(wrong))

@@ -1,5 +1,7 @@
-"""The switch's one table: a torch module path and the mpidtensor module that user code
-gets in its place (docs/unchanged-programs.md).
+"""The switch's rows: a torch module path and the mpidtensor module that user code gets in
+its place (:data:`ALIASES`), and the few torch functions below a row replaced by name
+(:data:`NAMES`); :mod:`.routes` derives everything else from them
+(docs/unchanged-programs.md).
 
 A plain data table; rows may be added by anyone. A row whose mpidtensor module does not
 import (``mpidtensor.pipelining`` before it exists) leaves user code with torch's module.
@@ -44,4 +46,13 @@ ALIASES: dict[str, str] = {
     "torch.distributed.pipelining.schedules": "mpidtensor.pipelining",
     "torch.distributed.pipelining.stage": "mpidtensor.pipelining.stage",
     "torch.distributed.pipelining.microbatch": "mpidtensor.pipelining.microbatch",
+}
+
+# torch functions below a row that user code gets as mpidtensor's (torch path -> mpidtensor
+# path), where torch's own would read mpidtensor's objects wrongly: torch's
+# compute_local_shape_and_global_offset tests `isinstance(p, Shard)` against torch's class and
+# so skips mpidtensor's placements (a full shape, no error).
+NAMES: dict[str, str] = {
+    "torch.distributed.tensor._utils.compute_local_shape_and_global_offset":
+        "mpidtensor.compat.torch_utils.compute_local_shape_and_global_offset",
 }

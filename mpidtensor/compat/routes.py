@@ -6,8 +6,8 @@ Two sources, one table (docs/unchanged-programs.md):
 - the module rows of :data:`~.aliases.ALIASES` (torch path -> mpidtensor module); every
   module of torch's tree below a row, and every package above one, is routed too
   (:func:`routed`);
-- the name tables the switch registers with :func:`override` (``torch.distributed``'s
-  ``init_process_group`` and friends).
+- the name tables: :data:`~.aliases.NAMES` and those the switch registers with
+  :func:`override` (``torch.distributed``'s ``init_process_group`` and friends).
 
 From those, :func:`replacement` answers by identity: the object torch defines or exports at
 a row's path (``torch.distributed.device_mesh.DeviceMesh``) is mpidtensor's wherever torch
@@ -25,7 +25,7 @@ import types
 import warnings
 from typing import Any, Iterator
 
-from .aliases import ALIASES
+from .aliases import ALIASES, NAMES
 
 __all__ = ["PARENTS", "module_names", "override", "overrides", "provided", "replacement", "routed", "target"]
 
@@ -35,6 +35,7 @@ PARENTS = frozenset(path.rsplit(".", k)[0] for path in ALIASES for k in range(1,
 _ABSENT = object()
 _OVERRIDES: dict[str, dict[str, Any]] = {}  # torch path -> {name: what user code gets}
 _by_id: dict[int, tuple[Any, Any]] | None = None  # id(torch object) -> (torch object, replacement)
+_NAMED_PATHS = frozenset(full.rsplit(".", 1)[0] for full in NAMES)
 
 
 def routed(path: str) -> bool:
@@ -68,7 +69,24 @@ def override(path: str, names: dict[str, Any]) -> None:
 
 
 def overrides(path: str) -> dict[str, Any]:
-    return _OVERRIDES.get(path, {})
+    """The names user code gets in place of torch's module ``path``'s own: the switch's
+    (:func:`override`) and :data:`~.aliases.NAMES`."""
+    found = _OVERRIDES.get(path)
+    if found is None:
+        if path not in _NAMED_PATHS:
+            return {}
+        found = _OVERRIDES[path] = {}
+    if path in _NAMED_PATHS:
+        for full, ours in NAMES.items():
+            module, name = full.rsplit(".", 1)
+            if module == path and name not in found:
+                found[name] = _resolve(ours)
+    return found
+
+
+def _resolve(dotted: str) -> Any:
+    module, name = dotted.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
 
 
 def replacement(original: Any) -> Any:
@@ -101,9 +119,9 @@ def _build() -> dict[int, tuple[Any, Any]]:
     """The identity table from the rows and the overrides (made once, on first need)."""
     global _by_id
     table: dict[int, tuple[Any, Any]] = {}
-    for path, names in _OVERRIDES.items():
+    for path in _NAMED_PATHS | _OVERRIDES.keys():
         module = _torch_module(path)
-        for name, ours in names.items():
+        for name, ours in overrides(path).items():
             theirs = getattr(module, name, _ABSENT) if module is not None else _ABSENT
             if theirs is not _ABSENT and theirs is not ours:
                 table[id(theirs)] = (theirs, ours)
