@@ -13,6 +13,7 @@ of dispatch are traced as custom ops (:mod:`mpidtensor.runtime.dynamo_hook`), an
 """
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -26,7 +27,11 @@ from .placements import Partial, Placement, Replicate, normalize_placements
 from .redistribute import redistribute_local
 from ..runtime import caches
 from ..runtime.effects import effect
-from .spec import DTensorSpec
+from .spec import DTensorSpec, from_torch_spec
+
+
+_INCONSISTENT_GRAD = ("To construct DTensor from torch.Tensor, it's recommended to use local_tensor.detach() "
+                      "and make requires_grad consistent.")  # torch's warning, word for word
 
 
 class DTensor(torch.Tensor):
@@ -49,12 +54,18 @@ class DTensor(torch.Tensor):
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
     ) -> "DTensor":
-        """``DTensor(local, spec, requires_grad=...)`` wraps ``local`` as it is (internal).
+        """``DTensor(local, spec, requires_grad=...)`` wraps ``local`` as it is (internal);
+        ``spec`` may be torch's ``DTensorSpec(mesh, placements, tensor_meta=...)`` over
+        mpidtensor's mesh and placements, as torch's tests build it.
 
         ``DTensor(local_tensor, device_mesh=..., placements=...)``, or with the mesh and
         placements positionally, is :meth:`from_local` (``requires_grad=True`` then makes
         the result a leaf that requires grad).
         """
+        if spec.__class__ is not DTensorSpec and hasattr(spec, "tensor_meta"):  # torch's DTensorSpec
+            if local_tensor.requires_grad and not requires_grad:
+                warnings.warn(_INCONSISTENT_GRAD, UserWarning, stacklevel=2)
+            spec = from_torch_spec(spec)
         if spec.__class__ is not DTensorSpec:
             if spec is not None and device_mesh is not None:
                 raise TypeError("DTensor(): device_mesh given both positionally and by keyword")

@@ -7,7 +7,8 @@ import torch
 
 from .layout import local_shape_and_offset
 from ..mesh import DeviceMesh
-from .placements import Placement
+from ..mesh.foreign import require_mesh
+from .placements import Placement, normalize_placements
 from ..runtime import caches
 
 
@@ -68,6 +69,19 @@ class DTensorSpec:
     def local_shape_and_offset(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """This rank's local shape and its offset in the global tensor."""
         return local_shape_and_offset(self.shape, self.placements, self.mesh.shape, self.mesh._coord)
+
+
+def from_torch_spec(spec) -> DTensorSpec:
+    """mpidtensor's spec for torch's ``DTensorSpec(mesh, placements, tensor_meta=TensorMeta(
+    shape, stride, dtype))`` built over mpidtensor's mesh and placements (torch's tests and
+    frameworks construct ``DTensor(local, spec, requires_grad=...)`` with one)."""
+    meta = getattr(spec, "tensor_meta", None)
+    if meta is None:
+        raise ValueError(f"DTensor(local, spec): the spec needs its tensor_meta (shape, stride, dtype), got {spec!r:.200}")
+    mesh = require_mesh(spec.mesh, "DTensor(local, spec)")
+    shape = tuple(meta.shape)
+    return DTensorSpec(mesh, normalize_placements(spec.placements, mesh.ndim, len(shape)), shape,
+                       tuple(meta.stride), meta.dtype)
 
 
 def _forget_freed_meshes() -> None:
