@@ -108,7 +108,9 @@ def test_init_device_mesh_smaller_than_world():
 
 def test_two_d_mesh_over_two_ranks_then_teardown():
     """torch's test_init: DeviceMesh("cpu", [[0], [last]]) built by every rank (a 2-D mesh
-    over 2 ranks), a DTensor on it, a 1-D mesh over [0, 2], then the group torn down."""
+    over 2 ranks), zeros on it (an empty local tensor outside it, as torch: it raised there
+    before, and the members then waited in the next mesh's Split), a DTensor on it, a 1-D
+    mesh over [0, 2], then the group torn down."""
     if N < 3:
         pytest.skip("needs ranks outside the meshes")
     from mpidtensor.tools import process_group
@@ -118,6 +120,8 @@ def test_two_d_mesh_over_two_ranks_then_teardown():
         mesh = DeviceMesh("cpu", [[0], [N - 1]])
         inside = RANK in (0, N - 1)
         ok = mesh._is_current_rank_part_of_mesh() == inside
+        z = mpidtensor.zeros([32, 3], device_mesh=mesh, placements=[Shard(0), Shard(1)])  # torch's test_init
+        ok = ok and z.shape == (32, 3) and z.to_local().shape == ((16, 3) if inside else (0,))
         if inside:
             x = mpidtensor.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0), Replicate()])
             ok = ok and x.to_local().shape == (2, 2) and torch.equal(x.full_tensor(), torch.arange(8.0).reshape(4, 2))

@@ -80,8 +80,6 @@ def randn(*size, requires_grad: bool = False, dtype: torch.dtype | None = None, 
 def _create(name: str, size, init: Init, dtype, layout, requires_grad: bool, mesh: DeviceMesh | None,
             placements, seeded: bool = False) -> DTensor:
     mesh = require_mesh(mesh, name)
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"{name}: rank {mesh.get_rank()} is not part of {mesh}")
     if layout != torch.strided:
         raise NotImplementedError(f"{name}: only layout=torch.strided is supported, got {layout}")
     shape = _size(name, size)
@@ -91,6 +89,8 @@ def _create(name: str, size, init: Init, dtype, layout, requires_grad: bool, mes
     placements = [Replicate()] * mesh.ndim if placements is None else placements
     placements = normalize_placements(placements, mesh.ndim, len(shape))
     spec = DTensorSpec(mesh, placements, shape, contiguous_strides(shape), dtype)
+    if mesh.get_coordinate() is None:  # as torch: a rank outside the mesh holds an empty tensor, no collective
+        return DTensor(torch.empty(0, dtype=dtype, device=random._mesh_device(mesh)), spec, requires_grad=requires_grad)
     whole = spec.with_placements([Replicate() if isinstance(p, Partial) else p for p in placements])
     local_shape, _ = whole.local_shape_and_offset()
     device = random._mesh_device(mesh)
