@@ -179,3 +179,10 @@ def test_torch_objects_rejected_naming_them(mesh1d):
         raises_everywhere(TypeError, call, f"{api} got torch's own DeviceMesh (torch.distributed.device_mesh.DeviceMesh")
     raises_everywhere(TypeError, lambda: mpidtensor.distribute_tensor(torch.ones(2), mesh1d, [TorchShard(0)]),
                       "torch's own placement (torch.distributed.tensor.placement_types.Shard")
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    theirs_dtensor = torch.Tensor._make_wrapper_subclass(TorchDTensor, (2,))  # torch's class; no mesh needed
+    raises_everywhere(TypeError, lambda: mpidtensor.distribute_tensor(theirs_dtensor, mesh1d),
+                      "distribute_tensor got torch's own DTensor (torch.distributed.tensor.DTensor")
+    raises_everywhere(TypeError, lambda: mpidtensor.DTensor.from_local(theirs_dtensor, mesh1d),
+                      "DTensor.from_local got torch's own DTensor")

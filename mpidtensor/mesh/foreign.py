@@ -15,7 +15,7 @@ from typing import Any
 
 from .device_mesh import DeviceMesh, current_mesh
 
-__all__ = ["foreign_message", "require_mesh"]
+__all__ = ["foreign_message", "refuse_torch_dtensor", "require_mesh"]
 
 
 def require_mesh(mesh: Any, api: str) -> DeviceMesh:
@@ -31,6 +31,13 @@ def require_mesh(mesh: Any, api: str) -> DeviceMesh:
             raise ValueError(f"{api} needs a device_mesh (or a `with mesh:` block around it)")
         return require_mesh(found, api)
     raise TypeError(foreign_message(mesh, api, "DeviceMesh"))
+
+
+def refuse_torch_dtensor(tensor: Any, api: str) -> None:
+    """A ``TypeError`` if ``tensor`` is torch's own DTensor (a plain tensor passes)."""
+    cls = type(tensor)
+    if cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed"):
+        raise TypeError(foreign_message(tensor, api, "DTensor"))
 
 
 def foreign_message(value: Any, api: str, kind: str) -> str:

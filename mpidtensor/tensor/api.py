@@ -9,7 +9,7 @@ from .layout import chunk_sizes, contiguous_strides, dim_runs, split_order, spli
 from . import validate
 from .dtensor import DTensor
 from ..mesh import DeviceMesh
-from ..mesh.foreign import require_mesh
+from ..mesh.foreign import refuse_torch_dtensor, require_mesh
 from ..comm import collectives
 from .placements import Partial, Placement, Replicate, Shard, normalize_placements, shard_dim
 from .redistribute import Take, ToPartial
@@ -38,6 +38,7 @@ def distribute_tensor(
     """
     if isinstance(tensor, DTensor):
         raise TypeError("distribute_tensor expects a plain torch.Tensor, got a DTensor")
+    refuse_torch_dtensor(tensor, "distribute_tensor")
     device_mesh = require_mesh(device_mesh, "distribute_tensor")
     placements = [Replicate()] * device_mesh.ndim if placements is None else placements
     placements = normalize_placements(placements, device_mesh.ndim, tensor.ndim)

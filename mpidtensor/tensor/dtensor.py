@@ -22,7 +22,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from .layout import contiguous_strides, strides_like
 from . import pickling, validate
 from ..mesh import DeviceMesh
-from ..mesh.foreign import require_mesh
+from ..mesh.foreign import refuse_torch_dtensor, require_mesh
 from .placements import Partial, Placement, Replicate, normalize_placements
 from .redistribute import redistribute_local
 from ..runtime import caches
@@ -150,6 +150,7 @@ class DTensor(torch.Tensor):
                     return _FromLocal.apply(local_tensor, known[0])
                 return DTensor(local_tensor, known[0])
         device_mesh = require_mesh(device_mesh, "DTensor.from_local")
+        refuse_torch_dtensor(local_tensor, "DTensor.from_local")
         placements = [Replicate()] * device_mesh.ndim if placements is None else placements
         if run_check:
             validate.check_local_tensors(local_tensor, device_mesh, placements, shape)
