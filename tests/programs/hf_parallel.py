@@ -1,22 +1,29 @@
-"""transformers' tensor parallelism, unmodified: a tiny random Llama saved locally, loaded
-with ``from_pretrained(path, tp_plan="auto")``, 3 AdamW steps; rank 0 prints each loss and
-a checksum of the last logits. Without a launcher (one process) it loads the model
-plainly: the reference. Usage: hf_tp.py DIR (DIR: made and saved by rank 0 if absent)"""
+"""transformers' own parallelism, unmodified: a tiny random Llama saved locally, loaded with
+``from_pretrained(path, tp_plan="auto")`` (MODE tp) or ``distributed_config=
+DistributedConfig(fsdp_size=N)`` (MODE fsdp: transformers' FSDP2), 3 AdamW steps; rank 0
+prints each loss and a checksum of the last logits. Without a launcher (one process) it
+loads the model plainly: the reference. Usage: hf_parallel.py DIR MODE (DIR: the model is
+made and saved there if absent; run it alone first)"""
 import os
 import sys
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.distributed import DistributedConfig
 
-path = sys.argv[1]
-distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+path, mode = sys.argv[1], sys.argv[2]
+world = int(os.environ.get("WORLD_SIZE", "1"))
+distributed = world > 1
 if not os.path.exists(os.path.join(path, "config.json")):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
     LlamaForCausalLM(config).save_pretrained(path)
-if distributed:
+if distributed and mode == "tp":
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+elif distributed:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 distributed_config=DistributedConfig(fsdp_size=world))
 else:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

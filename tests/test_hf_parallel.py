@@ -1,5 +1,6 @@
-"""transformers' tensor parallelism unmodified under the switch (issue 38):
-``from_pretrained(path, tp_plan="auto")`` of a tiny random Llama saved locally (no hub), 3
+"""transformers' own parallelism unmodified under the switch (issue 38): a tiny random Llama
+saved locally (no hub) loaded with ``from_pretrained(path, tp_plan="auto")`` (tensor
+parallel) or ``distributed_config=DistributedConfig(fsdp_size=N)`` (transformers' FSDP2), 3
 AdamW steps, under ``mpiexec -n N python -m mpidtensor.run``: the losses and the logits'
 checksum equal one process and torch's own run on gloo within 1e-5."""
 from __future__ import annotations
@@ -25,17 +26,16 @@ def _figures(output: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^((?:LOSS \d+)|CHECKSUM) (\S+)$", output, re.M)}
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.quick_at(2)
-def test_llama_tp_plan_auto():
+def _run(mode: str) -> list[str]:
     if N not in (2, 4):
         pytest.skip("the model's 4 heads split over 2 or 4 ranks")
     folder = WORLD.bcast(tempfile.mkdtemp(prefix="mpidtensor-hf-tp-") if WORLD.rank == 0 else None)
-    script = str(PROGRAMS / "hf_tp.py")
+    script = str(PROGRAMS / "hf_parallel.py")
     model = f"{folder}/llama"
-    alone = run_command([sys.executable, script, model], ranks=None, timeout=300, cwd=PROGRAMS)  # saves the model
-    ours = run_command([sys.executable, "-m", "mpidtensor.run", script, model], ranks=N, timeout=300, cwd=PROGRAMS)
-    theirs = run_peer([sys.executable, str(PROGRAMS / "torch_gloo.py"), script, model], ranks=N, timeout=300,
+    alone = run_command([sys.executable, script, model, mode], ranks=None, timeout=300, cwd=PROGRAMS)  # saves it
+    ours = run_command([sys.executable, "-m", "mpidtensor.run", script, model, mode], ranks=N, timeout=300,
+                       cwd=PROGRAMS)
+    theirs = run_peer([sys.executable, str(PROGRAMS / "torch_gloo.py"), script, model, mode], ranks=N, timeout=300,
                       cwd=PROGRAMS)
     problems = []
     want = _figures(alone.output)
@@ -47,4 +47,18 @@ def test_llama_tp_plan_auto():
             continue
         problems += [f"{name} {k}: {got[k]} != {want[k]}" for k in want
                      if not math.isclose(got[k], want[k], rel_tol=1e-5, abs_tol=1e-5)]
+    return problems
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.quick_at(2)
+def test_llama_tp_plan_auto():
+    problems = _run("tp")
+    assert_all_ranks(not problems, "\n".join(problems))
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
+def test_llama_transformers_fsdp():
+    problems = _run("fsdp")
     assert_all_ranks(not problems, "\n".join(problems))
