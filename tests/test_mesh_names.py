@@ -57,10 +57,11 @@ def test_flatten_names_as_accelerate():
     raises_everywhere(ValueError, lambda: mesh["no_such"], "no_such")  # as before: ValueError too
 
 
+@pytest.mark.exhaustive
 @pytest.mark.timeout(600)
-@pytest.mark.quick_at(4)
 def test_flatten_names_against_torch():
-    """accelerate's build_device_mesh under the switch prints what torch on gloo prints."""
+    """accelerate's build_device_mesh under the switch prints what torch on gloo prints
+    (full tier: four jobs, about 160 s here; the quick tier has the in-process test above)."""
     if N != 4:
         pytest.skip("compared at 4 ranks")
     problems = []
