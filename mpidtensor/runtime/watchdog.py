@@ -5,7 +5,8 @@ This module is the one place that waits: blocking collectives bracket their MPI 
 :func:`enter` / :func:`leave`; requests (non-blocking collectives, point-to-point messages,
 the async checkpoint's barrier) are completed by :func:`wait`, :func:`wait_all`,
 :func:`wait_any` and :func:`poll`, never by MPI's ``Wait`` / ``Waitall`` / ``Waitany``
-elsewhere (``tools/check_structure.py`` reports any such call outside this module).
+elsewhere (``tools/check_structure.py`` reports any such call outside this module); a
+blocking MPI call outside ``comm`` (a small agreement) runs through :func:`call`.
 
 Each thread that waits has a slot of its own (the async checkpoint's writer waits while
 the training does): the wait in progress as ``(kind, where, details)``, formatted only
@@ -24,13 +25,13 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from mpi4py import MPI
 
 from .settings import settings
 
-__all__ = ["ENABLED", "enter", "leave", "wait", "wait_all", "wait_any", "poll", "report"]
+__all__ = ["ENABLED", "enter", "leave", "wait", "wait_all", "wait_any", "call", "poll", "report"]
 
 
 def _timeout_changed(value: float | None) -> None:
@@ -125,6 +126,19 @@ def wait_any(requests: Sequence[MPI.Request], kind: str, where: Any, details: An
         slot.last, slot.what = slot.what, None
 
 
+def call(kind: str, where: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, a blocking MPI call outside ``comm`` (an agreement's ``allgather``...),
+    watched as ``kind`` on ``where``."""
+    if not ENABLED:
+        return fn(*args)
+    slot = _slot()
+    slot.what = (kind, where, None)
+    try:
+        return fn(*args)
+    finally:
+        slot.last, slot.what = slot.what, None
+
+
 def poll(request: MPI.Request, kind: str, where: Any, details: Any = None,
          pause: float = 0.0005, longest: float = 0.02) -> None:
     """Wait for ``request`` by testing it with sleeps in between (``pause`` doubling up to
@@ -168,10 +182,20 @@ def _watch() -> None:
             if first is None or first[0] is not what:
                 seen[id(slot)] = (what, now)
             elif ENABLED and now - first[1] > timeout:
-                sys.stderr.write(report(slot, now - first[1]))
-                sys.stderr.flush()
-                time.sleep(0.5)  # let the launcher forward the report before Abort tears the job down
-                MPI.COMM_WORLD.Abort(1)
+                _abort(slot, now - first[1])
+
+
+def _abort(slot: _Slot, waited: float) -> None:
+    """Print the report of ``slot``'s wait (a line, should the report itself fail) and end the job."""
+    try:
+        text = report(slot, waited)
+    except Exception as err:  # noqa: BLE001  (the job must end all the same)
+        text = (f"\n[mpidtensor watchdog] rank {MPI.COMM_WORLD.rank}: stuck for {waited:.1f} s in a wait "
+                f"(its report failed: {type(err).__name__}: {err}); aborting the job.\n")
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    time.sleep(0.5)  # let the launcher forward the report before Abort tears the job down
+    MPI.COMM_WORLD.Abort(1)
 
 
 def report(slot: _Slot, waited: float) -> str:
@@ -201,7 +225,9 @@ def describe(what: What) -> str:
 
 
 def _communicator(comm: MPI.Comm) -> str:
-    """``comm``'s size and its members' COMM_WORLD ranks."""
+    """``comm``'s size and its members' COMM_WORLD ranks (a freed one: said so)."""
+    if comm == MPI.COMM_NULL:
+        return "a communicator since freed"
     try:
         world = comm.group.Translate_ranks(list(range(comm.size)), MPI.COMM_WORLD.group)
         return f"a communicator of {comm.size} ranks (world ranks {list(world)})"
@@ -213,5 +239,5 @@ def world_rank(comm: MPI.Comm, rank: int) -> int | None:
     """The COMM_WORLD rank of ``comm``'s ``rank`` (for reports naming a peer)."""
     try:
         return comm.group.Translate_ranks([rank], MPI.COMM_WORLD.group)[0]
-    except MPI.Exception:
+    except MPI.Exception:  # a freed communicator
         return None

@@ -77,8 +77,9 @@ def shift(send: torch.Tensor, receive_numel: int, comm: MPI.Intracomm, tag: int,
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     requests = [comm.Irecv([as_buffer(received), receive_numel, datatype], source=left, tag=tag),
                 comm.Isend([as_buffer(send), send.numel(), datatype], dest=right, tag=tag)]
-    return Shift(requests, (send,), received, (f"ring shift{' (' + step + ')' if step else ''}", comm, {
-        "receive from rank": left, "bytes": receive_numel * send.dtype.itemsize, "send to rank": right, "tag": tag}))
+    return Shift(requests, (send,), received, (
+        f"ring shift{' (' + step + ')' if step else ''}", comm,
+        f"{receive_numel * send.dtype.itemsize} bytes from rank {left}, {send.nbytes} to rank {right}, tag {tag}"))
 
 
 def gather(flat: torch.Tensor, numels: Sequence[int], comm: MPI.Intracomm) -> list[torch.Tensor]:
