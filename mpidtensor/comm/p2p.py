@@ -57,17 +57,19 @@ class Pending:
 
 
 class _Receiving:
-    """A receive in words, for the watchdog's report (formatted only there)."""
+    """A receive in words, for the watchdog's report (formatted only there; it keeps no
+    buffer alive: the watchdog holds the previous wait's description)."""
 
-    __slots__ = ("comm", "pending", "action")
+    __slots__ = ("comm", "source", "tag", "nbytes", "action")
 
     def __init__(self, comm: MPI.Intracomm, pending: Pending, action: object) -> None:
-        self.comm, self.pending, self.action = comm, pending, action
+        self.comm, self.source, self.tag, self.nbytes = comm, pending.source, pending.tag, pending.buffer.numel()
+        self.action = action
 
     def __str__(self) -> str:
-        p = self.pending
-        return (f"{p.buffer.numel()} bytes from rank {p.source} (world rank {watchdog.world_rank(self.comm, p.source)})"
-                f", tag {p.tag}" + (f", for pipeline action {self.action}" if self.action is not None else ""))
+        return (f"{self.nbytes} bytes from rank {self.source} (world rank "
+                f"{watchdog.world_rank(self.comm, self.source)}), tag {self.tag}"
+                + (f", for pipeline action {self.action}" if self.action is not None else ""))
 
 
 class Channel:

@@ -63,22 +63,24 @@ _lock = threading.Lock()
 _watcher: threading.Thread | None = None
 
 
-def _slot() -> _Slot:
-    """This thread's slot; its first one starts the watcher."""
-    try:
-        return _local.slot
-    except AttributeError:
-        slot = _local.slot = _Slot(threading.current_thread())
-        with _lock:
-            _slots.append(slot)
-        _start()
-        return slot
+def _new_slot() -> _Slot:
+    """A slot for this thread, which has not waited before (the first one starts the
+    watcher). :func:`enter` reads ``_local.slot`` inline: a call less on the hot path."""
+    slot = _local.slot = _Slot(threading.current_thread())
+    with _lock:
+        _slots.append(slot)
+    _start()
+    return slot
 
 
 def enter(kind: str, where: Any, details: Any = None) -> None:
     """This thread now blocks in ``kind`` on ``where`` (a communicator, or words naming the
     peer); ``details`` (sizes, a dict or any printable object) is formatted only in a report."""
-    _slot().what = (kind, where, details)
+    try:
+        slot = _local.slot
+    except AttributeError:
+        slot = _new_slot()
+    slot.what = (kind, where, details)
 
 
 def leave() -> None:
@@ -88,71 +90,47 @@ def leave() -> None:
         slot.last, slot.what = slot.what, None
 
 
+def call(kind: str, where: Any, fn: Callable[..., Any], *args: Any, details: Any = None) -> Any:
+    """``fn(*args)``, a call that blocks until other ranks take part (an MPI wait, or a
+    blocking MPI call outside ``comm`` such as an agreement's), watched as ``kind`` on ``where``."""
+    if not ENABLED:
+        return fn(*args)
+    enter(kind, where, details)
+    try:
+        return fn(*args)
+    finally:
+        leave()
+
+
 def wait(request: MPI.Request, kind: str, where: Any, details: Any = None) -> None:
     """``request.Wait()``, watched as ``kind`` on ``where``."""
-    if not ENABLED:
-        request.Wait()
-        return
-    slot = _slot()
-    slot.what = (kind, where, details)
-    try:
-        request.Wait()
-    finally:
-        slot.last, slot.what = slot.what, None
+    call(kind, where, request.Wait, details=details)
 
 
 def wait_all(requests: Sequence[MPI.Request], kind: str, where: Any, details: Any = None) -> None:
     """``MPI.Request.Waitall(requests)``, watched as ``kind`` on ``where``."""
-    if not ENABLED:
-        MPI.Request.Waitall(requests)
-        return
-    slot = _slot()
-    slot.what = (kind, where, details)
-    try:
-        MPI.Request.Waitall(requests)
-    finally:
-        slot.last, slot.what = slot.what, None
+    call(kind, where, MPI.Request.Waitall, requests, details=details)
 
 
 def wait_any(requests: Sequence[MPI.Request], kind: str, where: Any, details: Any = None) -> int:
     """``MPI.Request.Waitany(requests)`` (the index of the one that completed), watched."""
-    if not ENABLED:
-        return MPI.Request.Waitany(requests)
-    slot = _slot()
-    slot.what = (kind, where, details)
-    try:
-        return MPI.Request.Waitany(requests)
-    finally:
-        slot.last, slot.what = slot.what, None
-
-
-def call(kind: str, where: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, a blocking MPI call outside ``comm`` (an agreement's ``allgather``...),
-    watched as ``kind`` on ``where``."""
-    if not ENABLED:
-        return fn(*args)
-    slot = _slot()
-    slot.what = (kind, where, None)
-    try:
-        return fn(*args)
-    finally:
-        slot.last, slot.what = slot.what, None
+    return call(kind, where, MPI.Request.Waitany, requests, details=details)
 
 
 def poll(request: MPI.Request, kind: str, where: Any, details: Any = None,
          pause: float = 0.0005, longest: float = 0.02) -> None:
     """Wait for ``request`` by testing it with sleeps in between (``pause`` doubling up to
     ``longest``): a thread beside the training that must not spin inside MPI; watched."""
-    slot = _slot() if ENABLED else None
-    if slot is not None:
-        slot.what = (kind, where, details)
+    watched = ENABLED
+    if watched:
+        enter(kind, where, details)
     try:
         while not request.Test():
             time.sleep(pause)
             pause = min(2 * pause, longest)
     finally:
-        if slot is not None:
-            slot.last, slot.what = slot.what, None
+        if watched:
+            leave()
 
 
 def _start() -> None:

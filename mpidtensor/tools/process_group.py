@@ -187,7 +187,8 @@ class MPIProcessGroup(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Pending:
         staged = [stage(t) for t in tensors]
         requests = [self.comm.Isend(as_buffer(t), dest=dst, tag=tag) for t in staged]
-        return _Pending(requests, staged, [], tensors, ("torch.distributed send", self.comm, _peer("to", dst, tag, staged)))
+        return _Pending(requests, staged, [], tensors,
+                        ("torch.distributed send", self.comm, _peer("to", dst, tag, staged)))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Pending:
         if src < 0:  # torch's recv(src=None) asks any source; it has no override for Python backends

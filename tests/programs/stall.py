@@ -7,9 +7,9 @@ must end the job (tests/test_stalls.py).
 
 PATH: fsdp (2 ranks), hsdp (4: 2 replicas x 2 shards, the rank stops in its backward),
 tp (2), gpipe, 1f1b (2 stages on 2 ranks), zbv (4 stages in a V on 2 ranks), ring (ring
-attention over 2 ranks, the rank stops before the ring's backward), async_save (the rank's checkpoint writer stops while the others
-train on; DIR: where to write), switch (``dist.all_reduce(async_op=True).wait()``
-under ``python -m mpidtensor.run``). The rank prints ``STALL=<time>`` as it stops.
+attention over 2 ranks, the rank stops before the ring's backward), async_save (the
+rank's checkpoint writer stops while the others train on; DIR: where to write), switch
+(``dist.all_reduce(async_op=True).wait()`` under ``python -m mpidtensor.run``). The rank prints ``STALL=<time>`` as it stops.
 """
 from __future__ import annotations
 
