@@ -85,9 +85,11 @@ def enter(kind: str, where: Any, details: Any = None) -> None:
 
 def leave() -> None:
     """The wait :func:`enter` announced has returned (or raised)."""
-    slot = getattr(_local, "slot", None)  # None: the watchdog was turned on during the wait
-    if slot is not None:
-        slot.last, slot.what = slot.what, None
+    try:
+        slot = _local.slot
+    except AttributeError:  # the watchdog was turned on during the wait
+        return
+    slot.last, slot.what = slot.what, None
 
 
 def call(kind: str, where: Any, fn: Callable[..., Any], *args: Any, details: Any = None) -> Any:
