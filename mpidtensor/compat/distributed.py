@@ -73,7 +73,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         problems.append(f"init_process_group(rank={rank}) on MPI rank {WORLD.rank}")
     agreement.raise_found(WORLD, problems, ValueError, name_ranks=True)
     if timeout is not None:
-        settings.update(timeout=timeout.total_seconds())
+        settings.update(timeout=timeout.total_seconds() if timeout.total_seconds() > 0 else None)
     process_group.init_process_group(WORLD)
 
 
