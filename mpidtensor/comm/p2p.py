@@ -93,7 +93,7 @@ class Channel:
         receive was seen to stay posted inside UCX and take the next round's notice)."""
         if self._notice != MPI.REQUEST_NULL:
             watchdog.wait_all([self.comm.Isend([_ONE, MPI.BYTE], self.comm.rank, NOTICE_TAG), self._notice],
-                              "the end of a round of messages (a message to itself)", self.comm)
+                              "the close of a round of messages (a step's; a message to itself)", self.comm)
 
     # -- receiving ------------------------------------------------------------------------
     def post(self, source: int, tag: int, metas, device: torch.device) -> Pending:
