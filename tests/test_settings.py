@@ -16,7 +16,7 @@ def test_defaults_and_exported():
     defaults = Settings.from_environ({})
     assert defaults.abort_on_exception and defaults.launch_check and defaults.fast_paths
     assert not defaults.debug and not defaults.strict
-    assert defaults.timeout is None and defaults.cuda_aware is None
+    assert defaults.timeout == 600.0 and defaults.cuda_aware is None
     assert defaults.buffer_pool_mb == 512.0 and defaults.progress == "off"
     assert mpidtensor.settings is settings and "settings" in mpidtensor.__all__
 
@@ -35,7 +35,9 @@ def test_every_field_has_its_variable():
     ({"MPIDTENSOR_ABORT_ON_EXCEPTION": "0"}, "abort_on_exception", False),
     ({"MPIDTENSOR_TIMEOUT": "2.5"}, "timeout", 2.5),
     ({"MPIDTENSOR_TIMEOUT": "0"}, "timeout", None),
-    ({"MPIDTENSOR_TIMEOUT": " "}, "timeout", None),
+    ({"MPIDTENSOR_TIMEOUT": "-1"}, "timeout", None),
+    ({"MPIDTENSOR_TIMEOUT": " "}, "timeout", 600.0),
+    ({}, "timeout", 600.0),
     ({"MPIDTENSOR_BUFFER_POOL_MB": "0"}, "buffer_pool_mb", 0.0),
     ({"MPIDTENSOR_BUFFER_POOL_MB": "64.5"}, "buffer_pool_mb", 64.5),
     ({"MPIDTENSOR_CUDA_AWARE": "1"}, "cuda_aware", True),

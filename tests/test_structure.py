@@ -66,3 +66,8 @@ def test_import_cycles_and_suffix_names(result):
     if findings and not ENFORCE_CYCLES_AND_NAMES:
         pytest.skip(f"not enforced yet: {findings}")
     assert not findings, check_structure.render(result)
+
+
+def test_every_wait_goes_through_the_watchdog(result):
+    """No MPI Wait/Waitall/Waitany outside runtime/watchdog.py: a rank stuck there would not report."""
+    assert not result["unwatched waits"], check_structure.render(result)

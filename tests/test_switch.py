@@ -36,6 +36,7 @@ import mpidtensor
 from helpers import assert_all_ranks, raises_everywhere
 from mpidtensor.compat import distributed as switch_dist, importer, mesh_groups, views
 from mpidtensor.tools import process_group
+from mpidtensor.runtime.settings import settings
 from subjob import run_command, run_peer
 
 WORLD = MPI.COMM_WORLD
@@ -179,13 +180,16 @@ def test_init_process_group_with_any_backend(switched):
     forms = [dict(backend="nccl"), dict(backend="gloo", init_method="tcp://127.0.0.1:1"),
              dict(backend="cpu:gloo,cuda:nccl", world_size=N, rank=RANK), dict(),
              dict(backend=None, store=torch_dist.HashStore(), timeout=__import__("datetime").timedelta(seconds=5))]
-    for form in forms:
-        dist.init_process_group(**form)
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        if (dist.get_world_size(), dist.get_rank(), dist.get_backend(), t.item()) != (N, RANK, "mpidtensor", N):
-            problems.append(f"{form}: {dist.get_world_size()} ranks, backend {dist.get_backend()}, sum {t.item()}")
-        dist.destroy_process_group()
+    with settings.override(timeout=settings.timeout):  # the form with a timeout sets the watchdog's
+        for form in forms:
+            dist.init_process_group(**form)
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            if (dist.get_world_size(), dist.get_rank(), dist.get_backend(), t.item()) != (N, RANK, "mpidtensor", N):
+                problems.append(f"{form}: {dist.get_world_size()} ranks, backend {dist.get_backend()}, sum {t.item()}")
+            if "timeout" in form and settings.timeout != 5.0:
+                problems.append(f"init_process_group(timeout=5 s) left the watchdog's at {settings.timeout}")
+            dist.destroy_process_group()
     assert_all_ranks(not problems, "; ".join(problems))
     raises_everywhere(ValueError, lambda: dist.init_process_group("nccl", world_size=N + 1), f"world_size={N + 1}")
     if N > 1:

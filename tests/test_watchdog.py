@@ -5,7 +5,7 @@ import pytest
 
 from helpers import assert_all_ranks
 from mpidtensor.runtime import watchdog
-from mpidtensor.runtime.settings import settings
+from mpidtensor.runtime.settings import Settings, settings
 from subjob import run_job
 
 HANG = """
@@ -29,7 +29,7 @@ def test_watchdog_aborts_a_hung_collective(tmp_path):
     result = run_job(HANG, tmp_path, env={"MPIDTENSOR_TIMEOUT": "1"}, timeout=100)
     problems = [] if result.returncode not in (None, 0) else ["the job was not aborted"]
     for needle in ("[mpidtensor watchdog] rank 0", "in all_gather on a communicator of 2 ranks (world ranks [0, 1])",
-                   "counts=[6, 6]", "previous collective: all_reduce", "MPIDTENSOR_TIMEOUT=1", "job.py"):
+                   "counts=[6, 6]", "previous completed wait: all_reduce", "MPIDTENSOR_TIMEOUT=1", "job.py"):
         if needle not in result.output:
             problems.append(f"output lacks {needle!r}")
     assert_all_ranks(not problems, f"{problems} after {result.seconds:.1f} s:\n{result.output[-3000:]}")
@@ -58,6 +58,11 @@ def test_no_false_alarm(tmp_path):
     assert_all_ranks(ok, f"rc {result.returncode}:\n{result.output[-2000:]}")
 
 
-def test_disabled_by_default():
-    assert_all_ranks(settings.timeout is None and not watchdog.ENABLED and watchdog._thread is None,
-                     f"watchdog on without MPIDTENSOR_TIMEOUT: {settings.timeout}")
+def test_on_by_default_and_off_at_zero():
+    """As torch's NCCL watchdog: on with 10 minutes unless the setting says otherwise."""
+    default, off = Settings.from_environ({}).timeout, Settings.from_environ({"MPIDTENSOR_TIMEOUT": "0"}).timeout
+    assert_all_ranks(default == 600.0 and off is None, f"default {default}, at 0: {off}")
+    with settings.override(timeout=None):
+        assert_all_ranks(not watchdog.ENABLED, "the watchdog stays on with the timeout off")
+    with settings.override(timeout=600.0):
+        assert_all_ranks(watchdog.ENABLED, "the watchdog is off with a timeout set")

@@ -8,9 +8,12 @@ and absolute imports resolved); (c) the process-wide effects of ``import mpidten
 (Python's and torch's hooks and tables compared before and after the import, in a fresh
 single-rank process) and of building a first, one-rank mesh, beside what
 ``mpidtensor.runtime.effects`` says it installed; (d) pairs of module names that differ
-only by a suffix (``format`` / ``format_utils``, ``traced`` / ``tracing``).
+only by a suffix (``format`` / ``format_utils``, ``traced`` / ``tracing``); (e) unwatched
+waits: a call of MPI's ``Wait`` / ``Waitall`` / ``Waitany`` / ``Waitsome`` outside
+``mpidtensor/runtime/watchdog.py``, the one place that waits (so that a stuck rank reports).
 
-The exit status is 1 if (a) finds a module or (c) finds an effect of the import itself;
+The exit status is 1 if (a) finds a module, (c) finds an effect of the import itself or
+(e) finds an unwatched wait;
 ``--strict`` makes (b) and (d) count too. ``--json`` prints the findings as JSON.
 """
 from __future__ import annotations
@@ -251,6 +254,25 @@ def suffix_pairs(found: dict[str, Path]) -> list[tuple[str, str]]:
     return pairs
 
 
+# --- (e) unwatched waits -----------------------------------------------------------------------
+WAITS = ("Wait", "Waitall", "Waitany", "Waitsome")
+WATCHED = "mpidtensor/runtime/watchdog.py"
+
+
+def unwatched_waits(found: dict[str, Path], root: Path) -> list[tuple[str, int, str]]:
+    """(module path, line, call) of every MPI wait (``request.Wait()``, ``MPI.Request.Waitall``,
+    ...) outside the watchdog module: such a wait would block a rank with no report."""
+    hits = []
+    for path in found.values():
+        relative = path.relative_to(root).as_posix()
+        if relative == WATCHED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in WAITS:
+                hits.append((relative, node.lineno, ast.unparse(node.func)))
+    return sorted(hits)
+
+
 # --- report ------------------------------------------------------------------------------------
 def check(root: Path) -> dict:
     """Every finding of (a)-(d) for the project at ``root``."""
@@ -260,6 +282,7 @@ def check(root: Path) -> dict:
         "import cycles": cycles(import_graph(found)),
         "effects": process_effects(root),
         "suffix pairs": suffix_pairs(found),
+        "unwatched waits": unwatched_waits(found, root),
     }
 
 
@@ -276,13 +299,15 @@ def render(result: dict) -> str:
         lines.append(f"      - {name} [{when}, {'installed' if done else 'not installed'}]: {what}")
     lines.append(f"(d) module names that differ by a suffix: {len(result['suffix pairs']) or 'none'}")
     lines += [f"    {a} / {b}" for a, b in result["suffix pairs"]]
+    lines.append(f"(e) MPI waits outside {WATCHED} (unwatched): {len(result['unwatched waits']) or 'none'}")
+    lines += [f"    {path}:{line}: {call}" for path, line, call in result["unwatched waits"]]
     return "\n".join(lines)
 
 
 def failed(result: dict, strict: bool = False) -> bool:
     """Whether the checks that must hold fail (all four with ``strict``)."""
     bad = bool(result["long modules"]) or bool(result["effects"]["import"]) \
-        or bool(result["effects"]["installed at import"])
+        or bool(result["effects"]["installed at import"]) or bool(result["unwatched waits"])
     return bad or (strict and bool(result["import cycles"] or result["suffix pairs"]))
 
 

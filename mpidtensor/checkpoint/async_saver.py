@@ -38,7 +38,6 @@ from __future__ import annotations
 import copy
 import os
 import threading
-import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
@@ -49,6 +48,7 @@ from mpi4py import MPI
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from ..runtime import watchdog
 from ..tensor.dtensor import DTensor
 from . import opaque, stateful, tree
 from .arguments import check_planner, communicator, refuse_sharded, storage
@@ -137,18 +137,16 @@ class _PatientComm(MPI.Intracomm):
     polling a nonblocking barrier with short sleeps (the caller's thread keeps the core
     and MPI's lock meanwhile), then run at once."""
 
-    def _arrive(self) -> None:
-        request, pause = self.Ibarrier(), 0.0005
-        while not request.Test():
-            time.sleep(pause)
-            pause = min(2 * pause, 0.02)
+    def _arrive(self, name: str) -> None:
+        watchdog.poll(self.Ibarrier(), "async checkpoint write: every rank's arrival (nonblocking barrier)", self,
+                      f"before its {name}")
 
 
 def _patient(name: str):
     collective = getattr(MPI.Intracomm, name)
 
     def call(self: _PatientComm, *args, **kwargs):
-        self._arrive()
+        self._arrive(name)
         return collective(self, *args, **kwargs)
 
     call.__name__ = name

@@ -78,13 +78,13 @@ def prepare_all_to_all(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intra
         return all_to_all(t, comm, split_dim=split_dim, concat_dim=concat_dim,
                           split_sizes=split_sizes, concat_sizes=concat_sizes)
     if packed:
-        return Prepared("all_to_all", shape, dtype, _packed_runner(
+        return Prepared("all_to_all", comm, shape, dtype, _packed_runner(
             comm, shape, dtype, split_dim, concat_dim, split_sizes, concat_sizes, out_shape, host=True), general)
     owned, own = owned_types()
     send_blocks = _blocks(shape, dtype, split_dim, split_sizes, own)
     recv_blocks = _blocks(out_shape, dtype, concat_dim, concat_sizes, own)
-    return Prepared("all_to_all", shape, dtype, _typed_runner(comm, out_shape, send_blocks, recv_blocks, host=True),
-                    general, owned)
+    return Prepared("all_to_all", comm, shape, dtype,
+                    _typed_runner(comm, out_shape, send_blocks, recv_blocks, host=True), general, owned)
 
 
 @lru_cache(maxsize=1024)

@@ -104,7 +104,7 @@ def prepare_all_gather(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intra
     sizes = tuple(sizes)
     lay = _layout(torch.Size(shape), dtype, dim, sizes, comm.size, comm.rank, limits())
     owned, own = owned_types()
-    return Prepared("all_gather", shape, dtype, _runner(lay, comm, dtype, own, host=True),
+    return Prepared("all_gather", comm, shape, dtype, _runner(lay, comm, dtype, own, host=True),
                     lambda t: all_gather(t, comm, dim=dim, sizes=sizes), owned)
 
 

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from ..runtime import progress
+from ..runtime import progress, watchdog
 from . import recorders
 from .base import ReduceOp, reduction
 from .buffers import as_buffer, empty, mpi_type, stage
@@ -27,10 +27,12 @@ from .buffers import as_buffer, empty, mpi_type, stage
 class Handle:
     """A started collective; ``wait()`` completes it and returns its result tensor."""
 
-    __slots__ = ("_request", "_keep", "_finish", "_result")
+    __slots__ = ("_request", "_keep", "_finish", "_result", "_what")
 
-    def __init__(self, request: MPI.Request, keep: tuple, finish: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, request: MPI.Request, keep: tuple, finish: Callable[[], torch.Tensor],
+                 what: tuple[str, MPI.Intracomm, dict]) -> None:
         self._request = request
+        self._what = what  # (kind, communicator, sizes) for the watchdog's report
         self._keep = keep  # buffers MPI reads or writes until completion
         self._finish = finish
         self._result: torch.Tensor | None = None
@@ -39,7 +41,7 @@ class Handle:
     def wait(self) -> torch.Tensor:
         """Block until the collective is done (idempotent); return its result."""
         if self._request is not None:
-            self._request.Wait()
+            watchdog.wait(self._request, *self._what)
             progress.finished(self)
             self._request = None
             self._result = self._finish()
@@ -70,7 +72,8 @@ def iall_gather(send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor | Non
     datatype = mpi_type(send.dtype)
     recorders.record("all_gather", src.nbytes)
     request = comm.Iallgather([as_buffer(src), src.numel(), datatype], [as_buffer(dst), src.numel(), datatype])
-    return Handle(request, (src, dst), lambda: out if dst is out else out.copy_(dst))
+    return Handle(request, (src, dst), lambda: out if dst is out else out.copy_(dst),
+                  ("iall_gather", comm, {"dtype": send.dtype, "bytes": src.nbytes}))
 
 
 def ireduce_scatter(
@@ -92,7 +95,8 @@ def ireduce_scatter(
     datatype = mpi_type(dtype)
     recorders.record("reduce_scatter", src.nbytes)
     request = comm.Ireduce_scatter_block([as_buffer(src), piece, datatype], [as_buffer(dst), piece, datatype], mpi_op)
-    return Handle(request, (src, dst), lambda: _finish_reduction(dst, out, op, comm.size))
+    return Handle(request, (src, dst), lambda: _finish_reduction(dst, out, op, comm.size),
+                  ("ireduce_scatter", comm, {"dtype": dtype, "bytes": src.nbytes}))
 
 
 def iall_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum", *, inplace: bool = False) -> Handle:
@@ -105,7 +109,8 @@ def iall_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum",
     datatype = mpi_type(dtype)
     recorders.record("all_reduce", src.nbytes)
     request = comm.Iallreduce(MPI.IN_PLACE, [as_buffer(src), src.numel(), datatype], mpi_op)
-    return Handle(request, (src,), lambda: _finish_reduction(src, out, op, comm.size))
+    return Handle(request, (src,), lambda: _finish_reduction(src, out, op, comm.size),
+                  ("iall_reduce", comm, {"dtype": dtype, "bytes": src.nbytes}))
 
 
 def _finish_reduction(result: torch.Tensor, out: torch.Tensor, op: str, size: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
+from ..runtime import watchdog
 from . import buffers
 
 ALIGN = 16  # bytes: each packed tensor starts at a multiple, so a dtype view of it is legal
@@ -44,12 +45,31 @@ def layout(metas: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[i
 
 
 class Pending:
-    """A posted receive: its request and the buffer it lands in."""
+    """A posted receive: its request and the buffer it lands in; ``source`` and ``tag``
+    name it in the watchdog's report."""
 
-    __slots__ = ("request", "buffer", "metas", "device")
+    __slots__ = ("request", "buffer", "metas", "device", "source", "tag")
 
-    def __init__(self, request: MPI.Request, buffer: torch.Tensor, metas, device: torch.device) -> None:
+    def __init__(self, request: MPI.Request, buffer: torch.Tensor, metas, device: torch.device,
+                 source: int, tag: int) -> None:
         self.request, self.buffer, self.metas, self.device = request, buffer, metas, device
+        self.source, self.tag = source, tag
+
+
+class _Receiving:
+    """A receive in words, for the watchdog's report (formatted only there; it keeps no
+    buffer alive: the watchdog holds the previous wait's description)."""
+
+    __slots__ = ("comm", "source", "tag", "nbytes", "action")
+
+    def __init__(self, comm: MPI.Intracomm, pending: Pending, action: object) -> None:
+        self.comm, self.source, self.tag, self.nbytes = comm, pending.source, pending.tag, pending.buffer.numel()
+        self.action = action
+
+    def __str__(self) -> str:
+        return (f"{self.nbytes} bytes from rank {self.source} (world rank "
+                f"{watchdog.world_rank(self.comm, self.source)}), tag {self.tag}"
+                + (f", for pipeline action {self.action}" if self.action is not None else ""))
 
 
 class Channel:
@@ -72,7 +92,8 @@ class Channel:
         message of this rank to itself (no ``MPI_Cancel``: with MPICH over UCX a cancelled
         receive was seen to stay posted inside UCX and take the next round's notice)."""
         if self._notice != MPI.REQUEST_NULL:
-            MPI.Request.Waitall([self.comm.Isend([_ONE, MPI.BYTE], self.comm.rank, NOTICE_TAG), self._notice])
+            watchdog.wait_all([self.comm.Isend([_ONE, MPI.BYTE], self.comm.rank, NOTICE_TAG), self._notice],
+                              "the close of a round of messages (a step's; a message to itself)", self.comm)
 
     # -- receiving ------------------------------------------------------------------------
     def post(self, source: int, tag: int, metas, device: torch.device) -> Pending:
@@ -80,14 +101,15 @@ class Channel:
         _, nbytes = layout(metas)
         buffer = buffers.empty((nbytes,), torch.empty(0, dtype=torch.uint8, device=device))
         request = self.comm.Irecv([buffers.as_buffer(buffer), MPI.BYTE], source, tag)
-        pending = Pending(request, buffer, metas, torch.device(device))
+        pending = Pending(request, buffer, metas, torch.device(device), source, tag)
         self._posted.append(pending)
         return pending
 
-    def wait(self, pending: Pending) -> list[torch.Tensor]:
+    def wait(self, pending: Pending, action: object = None) -> list[torch.Tensor]:
         """The tensors of a posted receive, once it has arrived; :class:`PeerFailed` if a
-        peer's failure notice comes first."""
-        self._wait_or_notice([pending.request])
+        peer's failure notice comes first. ``action`` (what the receive is for, such as a
+        pipeline action ``1F3``) names it in the watchdog's report."""
+        self._wait_or_notice([pending.request], "receive", _Receiving(self.comm, pending, action))
         self._posted.remove(pending)
         offsets, _ = layout(pending.metas)
         out = []
@@ -118,15 +140,17 @@ class Channel:
     def finish_sends(self) -> None:
         """Wait until every started send is done (or raise :class:`PeerFailed`)."""
         while self._sends:
-            index = self._wait_or_notice([r for r, _ in self._sends])
+            index = self._wait_or_notice([r for r, _ in self._sends], "sends", f"{len(self._sends)} messages")
             del self._sends[index]
 
-    def _wait_or_notice(self, requests: list[MPI.Request]) -> int:
+    def _wait_or_notice(self, requests: list[MPI.Request], kind: str, details: object) -> int:
         """Index of one of ``requests`` that completed; :class:`PeerFailed` if the failure
-        notice arrives first (one ``Waitany`` over both: no polling)."""
+        notice arrives first (one ``Waitany`` over both: no polling). ``kind`` and
+        ``details`` name the wait in the watchdog's report."""
         if self.failed:
             raise PeerFailed()
-        index = MPI.Request.Waitany([self._notice, *requests])
+        index = watchdog.wait_any([self._notice, *requests], f"point-to-point {kind} (or a peer's failure notice)",
+                                  self.comm, details)
         if index == 0:
             self.failed = True
             raise PeerFailed()

@@ -27,19 +27,19 @@ class Prepared:
     its arguments checked and its algorithm, counts and datatypes chosen when made.
 
     Calling it on a host tensor of that signature goes straight to MPI (after ``stage``: a
-    contiguous copy if it is not C-contiguous), with debug mode and the watchdog off and the
-    thresholds as they were; any other input, or those settings on, takes the general function (which
+    contiguous copy if it is not C-contiguous), watched by the watchdog, with debug mode off and the
+    thresholds as they were; any other input, or debug mode on, takes the general function (which
     checks and stages as usual). ``fast`` is the collective as a function of a staged host
     tensor, its constants bound (a kind's runner with ``host=True``); ``owned``: derived
     datatypes made for it alone (:func:`owned_types`), freed with it. Redistribution
     steps keep one per plan (docs/performance.md, "Where the time goes at 4 KiB")."""
 
-    __slots__ = ("kind", "shape", "dtype", "nbytes", "limits", "fast", "general", "__weakref__")
+    __slots__ = ("kind", "comm", "shape", "dtype", "nbytes", "limits", "fast", "general", "__weakref__")
 
-    def __init__(self, kind: str, shape: Sequence[int], dtype: torch.dtype,
+    def __init__(self, kind: str, comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype,
                  fast: Callable[[torch.Tensor], torch.Tensor] | None,
                  general: Callable[[torch.Tensor], torch.Tensor], owned: Sequence[MPI.Datatype] = ()) -> None:
-        self.kind, self.shape, self.dtype = kind, torch.Size(shape), dtype
+        self.kind, self.comm, self.shape, self.dtype = kind, comm, torch.Size(shape), dtype
         self.nbytes = prod(shape) * dtype.itemsize
         self.limits = limits()
         self.fast = fast  # None: this signature always takes the general function
@@ -49,13 +49,23 @@ class Prepared:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         if (type(tensor) is torch.Tensor and tensor.shape == self.shape and tensor.dtype is self.dtype
-                and self.fast is not None and not tensor.is_cuda and not (guard.ENABLED or watchdog.ENABLED)
+                and self.fast is not None and not tensor.is_cuda and not guard.ENABLED
                 and limits() == self.limits):
             recorders.record(self.kind, self.nbytes)
             if tensor.requires_grad or not tensor.is_contiguous() or tensor.is_neg() or tensor.is_conj():
                 tensor = stage(tensor)  # what ``stage`` would return as it is, checked inline
-            return self.fast(tensor)
+            if not watchdog.ENABLED:
+                return self.fast(tensor)
+            watchdog.enter(self.kind, self.comm, self)
+            try:
+                return self.fast(tensor)
+            finally:
+                watchdog.leave()
         return self.general(tensor)
+
+    def __str__(self) -> str:
+        """The collective's input in words (the watchdog's report)."""
+        return f"prepared for shape {tuple(self.shape)}, dtype {self.dtype} ({self.nbytes} bytes)"
 
 
 def owned_types() -> tuple[list[MPI.Datatype], Types]:

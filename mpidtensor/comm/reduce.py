@@ -65,7 +65,7 @@ def prepare_all_reduce(shape: Sequence[int], dtype: torch.dtype, comm: MPI.Intra
     fast = None
     if reduce_dtype == dtype:  # otherwise staging converts: the general function's work
         fast = _all_reduce_runner(comm, mpi_type(dtype), mpi_op, op, inplace, host=True)
-    return Prepared("all_reduce", shape, dtype, fast, lambda t: all_reduce(t, comm, op, inplace=inplace))
+    return Prepared("all_reduce", comm, shape, dtype, fast, lambda t: all_reduce(t, comm, op, inplace=inplace))
 
 
 def _all_reduce_runner(comm: MPI.Intracomm, datatype: MPI.Datatype, mpi_op: MPI.Op, op: str, inplace: bool,
@@ -130,7 +130,7 @@ def prepare_reduce_scatter(shape: Sequence[int], dtype: torch.dtype, comm: MPI.I
     fast = None
     if dim == 0 and reduce_dtype == dtype:  # otherwise staging moves or converts
         fast = _reduce_scatter_runner(comm, datatype, mpi_op, op, counts, out_shape, host=True)
-    return Prepared("reduce_scatter", shape, dtype, fast,
+    return Prepared("reduce_scatter", comm, shape, dtype, fast,
                     lambda t: reduce_scatter(t, comm, op, dim=dim, sizes=sizes))
 
 

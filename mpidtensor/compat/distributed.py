@@ -18,6 +18,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from ..runtime import agreement
+from ..runtime.settings import settings
 from ..tools import process_group
 from . import mesh_groups
 
@@ -61,9 +62,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                        device_id: Any = None) -> None:
     """``torch.distributed.init_process_group`` under the switch: the default group is
     mpidtensor's MPI backend over ``MPI.COMM_WORLD`` whatever ``backend`` names ("nccl",
-    "gloo", "cpu:gloo,cuda:nccl", None); ``init_method``, ``store``, ``timeout``,
-    ``pg_options`` and ``device_id`` are accepted and unused (MPI has connected the ranks;
-    ``MPIDTENSOR_TIMEOUT`` is the collectives' watchdog). A ``rank`` or ``world_size`` that
+    "gloo", "cpu:gloo,cuda:nccl", None); ``timeout`` sets the watchdog's (``MPIDTENSOR_TIMEOUT``);
+    ``init_method``, ``store``, ``pg_options`` and ``device_id`` are accepted and unused (MPI
+    has connected the ranks). A ``rank`` or ``world_size`` that
     differs from MPI's is a ``ValueError`` on every rank. Collective."""
     problems = []
     if world_size not in (-1, WORLD.size):
@@ -71,6 +72,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if rank not in (-1, WORLD.rank):
         problems.append(f"init_process_group(rank={rank}) on MPI rank {WORLD.rank}")
     agreement.raise_found(WORLD, problems, ValueError, name_ranks=True)
+    if timeout is not None:
+        settings.update(timeout=timeout.total_seconds() if timeout.total_seconds() > 0 else None)
     process_group.init_process_group(WORLD)
 
 

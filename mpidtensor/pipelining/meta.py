@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from mpi4py import MPI
 
+from ..runtime import watchdog
 from ..runtime.agreement import portable, raise_first, raise_listed
 from ..tensor.dtensor import DTensor
 from .crossing import DistMeta, dist_meta, meshes_for, rebuild
@@ -97,7 +98,7 @@ def infer(stages: list, stage_rank: dict[int, int], ctl: MPI.Intracomm, first_ar
             local_out[s] = outs
             if stage_rank[s + 1] != ctl.rank:
                 sends.append(ctl.isend(outs, dest=stage_rank[s + 1], tag=s + 1))
-    MPI.Request.Waitall(sends)
+    watchdog.wait_all(sends, "the pipeline's exchange of stage shapes", ctl)
     table = ctl.allgather((portable(error), found))
     raise_first([e for e, _ in table])
     every = {s: v for _, part in table for s, v in part.items()}

@@ -97,7 +97,7 @@ class Runtime:
                 elif (s, F, mb) in handoff:
                     args = handoff.pop((s, F, mb))
                 else:
-                    args = _as_inputs(channel.wait(posted.pop(here)), st, has_backward)
+                    args = _as_inputs(channel.wait(posted.pop(here), action), st, has_backward)
                 out = _guarded(action, lambda: st.forward_one_chunk(mb, args, kwarg_mbs[mb], save_outputs))
                 if st.is_last:
                     if loss_fn is not None and target_mbs is not None:
@@ -114,7 +114,7 @@ class Runtime:
             elif kind in (B, I):
                 grads = None
                 if not st.is_last:
-                    grads = handoff.pop((s, B, mb)) if (s, B, mb) in handoff else channel.wait(posted.pop(here))
+                    grads = handoff.pop((s, B, mb)) if (s, B, mb) in handoff else channel.wait(posted.pop(here), action)
                 loss = losses.get(mb) if st.is_last else None
                 if st.is_last and loss is None:
                     raise ValueError(f"stage {s} is the last and has no loss for micro-batch {mb}: "

@@ -27,10 +27,16 @@ def _flag(raw: str, name: str) -> bool:
     raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
 
 
+# The watchdog's default: torch's for NCCL. A healthy job waits that long in one wait only
+# while one rank works alone (docs/dtensor.md, "The watchdog").
+DEFAULT_TIMEOUT = 600.0
+
+
 def _seconds(raw: str, name: str) -> float | None:
+    """Seconds of the watchdog's timeout: empty is the default, 0 (or less) turns it off."""
     text = raw.strip()
     if not text:
-        return None
+        return DEFAULT_TIMEOUT
     try:
         value = float(text)
     except ValueError:
@@ -96,8 +102,9 @@ class Settings:
         "MPIDTENSOR_STRICT", _flag, False,
         "an op without a sharding rule raises instead of gathering to replicated")
     timeout: float | None = _setting(
-        "MPIDTENSOR_TIMEOUT", _seconds, None,
-        "seconds a collective may wait before the watchdog ends the job; unset: no watchdog")
+        "MPIDTENSOR_TIMEOUT", _seconds, DEFAULT_TIMEOUT,
+        "seconds a rank may wait on the others in one collective or message before the watchdog "
+        "ends the job (torch's default for NCCL); 0 turns the watchdog off")
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":

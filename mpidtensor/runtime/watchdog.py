@@ -1,13 +1,23 @@
-"""Watchdog (``MPIDTENSOR_TIMEOUT=seconds``): end a job stuck in a collective.
+"""The watchdog: every wait of a rank on other ranks is watched, and one that outlives
+``settings.timeout`` (``MPIDTENSOR_TIMEOUT``, default 600 s; 0 turns it off) ends the job.
 
-Each blocking collective is bracketed by ``enter`` / ``leave``, which set and clear
-one global slot. A daemon thread, started by the first ``enter``, wakes a few times
-per timeout; when the slot has been held longer than the timeout it prints this
-rank's collective, communicator, sizes, the previous collective and the Python stack
-to stderr, then calls ``MPI.COMM_WORLD.Abort``. Every rank stuck in a collective
-reports for itself, so the reports show which collective each one waits in.
-The timeout is ``settings.timeout``; the collectives test the module flag ``ENABLED``
-(kept by a settings listener equal to "a timeout is set") and record nothing while it is false.
+This module is the one place that waits: blocking collectives bracket their MPI call with
+:func:`enter` / :func:`leave`; requests (non-blocking collectives, point-to-point messages,
+the async checkpoint's barrier) are completed by :func:`wait`, :func:`wait_all`,
+:func:`wait_any` and :func:`poll`, never by MPI's ``Wait`` / ``Waitall`` / ``Waitany``
+elsewhere (``tools/check_structure.py`` reports any such call outside this module); a
+blocking MPI call outside ``comm`` (a small agreement) runs through :func:`call`.
+
+Each thread that waits has a slot of its own (the async checkpoint's writer waits while
+the training does): the wait in progress as ``(kind, where, details)``, formatted only
+for a report, and the previous one. A wait costs a tuple and two attribute writes; the
+clock is read only by the daemon thread that the first watched wait starts. It samples
+the slots a few times per timeout; a slot holding the same wait (the same tuple) for
+longer than the timeout makes it print this rank, the wait, how long it has lasted, the
+previous completed wait, the setting to raise and the waiting thread's Python stack to
+stderr, then call ``MPI.COMM_WORLD.Abort``. Every stuck rank reports for itself. Callers
+test the module flag ``ENABLED`` (kept equal to "a timeout is set" by a settings
+listener) and skip the bookkeeping while it is false.
 """
 from __future__ import annotations
 
@@ -15,12 +25,13 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from mpi4py import MPI
 
 from .settings import settings
 
+__all__ = ["ENABLED", "enter", "leave", "wait", "wait_all", "wait_any", "call", "poll", "report"]
 
 
 def _timeout_changed(value: float | None) -> None:
@@ -28,75 +39,185 @@ def _timeout_changed(value: float | None) -> None:
     ENABLED = value is not None and value > 0
 
 
-ENABLED: bool = False  # read by every collective: a module flag, kept by the listener
+ENABLED: bool = False  # read by every wait: a module flag, kept by the listener
 _timeout_changed(settings.timeout)
-
-
 settings.on_change("timeout", _timeout_changed)
 
-# (kind, comm, details, start time, thread id) of the collective in progress, or None
-_current: tuple[str, MPI.Comm, dict[str, Any], float, int] | None = None
-_last: str | None = None
-_thread: threading.Thread | None = None
+What = tuple  # (kind, where: a communicator or a description, details: anything printable)
+
+
+class _Slot:
+    """One thread's wait in progress (``what``) and its previous completed one (``last``)."""
+
+    __slots__ = ("what", "last", "thread")
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.what: What | None = None
+        self.last: What | None = None
+        self.thread = thread
+
+
+_local = threading.local()
+_slots: list[_Slot] = []  # every thread's that has waited (the watcher drops finished threads')
 _lock = threading.Lock()
+_watcher: threading.Thread | None = None
 
 
-def enter(kind: str, comm: MPI.Comm, details: dict[str, Any]) -> None:
-    """Record that this rank now blocks in collective ``kind`` on ``comm`` (``details``:
-    sizes, dtype... for the report)."""
-    global _current
-    if _thread is None:
-        _start()
-    _current = (kind, comm, details, time.monotonic(), threading.get_ident())
+def _new_slot() -> _Slot:
+    """A slot for this thread, which has not waited before (the first one starts the
+    watcher). :func:`enter` reads ``_local.slot`` inline: a call less on the hot path."""
+    slot = _local.slot = _Slot(threading.current_thread())
+    with _lock:
+        _slots.append(slot)
+    _start()
+    return slot
+
+
+def enter(kind: str, where: Any, details: Any = None) -> None:
+    """This thread now blocks in ``kind`` on ``where`` (a communicator, or words naming the
+    peer); ``details`` (sizes, a dict or any printable object) is formatted only in a report."""
+    try:
+        slot = _local.slot
+    except AttributeError:
+        slot = _new_slot()
+    slot.what = (kind, where, details)
 
 
 def leave() -> None:
-    """Record that the collective in progress has returned (or raised)."""
-    global _current, _last
-    if _current is not None:
-        _last = _current[0]
-    _current = None
+    """The wait :func:`enter` announced has returned (or raised)."""
+    try:
+        slot = _local.slot
+    except AttributeError:  # the watchdog was turned on during the wait
+        return
+    slot.last, slot.what = slot.what, None
+
+
+def call(kind: str, where: Any, fn: Callable[..., Any], *args: Any, details: Any = None) -> Any:
+    """``fn(*args)``, a call that blocks until other ranks take part (an MPI wait, or a
+    blocking MPI call outside ``comm`` such as an agreement's), watched as ``kind`` on ``where``."""
+    if not ENABLED:
+        return fn(*args)
+    enter(kind, where, details)
+    try:
+        return fn(*args)
+    finally:
+        leave()
+
+
+def wait(request: MPI.Request, kind: str, where: Any, details: Any = None) -> None:
+    """``request.Wait()``, watched as ``kind`` on ``where``."""
+    call(kind, where, request.Wait, details=details)
+
+
+def wait_all(requests: Sequence[MPI.Request], kind: str, where: Any, details: Any = None) -> None:
+    """``MPI.Request.Waitall(requests)``, watched as ``kind`` on ``where``."""
+    call(kind, where, MPI.Request.Waitall, requests, details=details)
+
+
+def wait_any(requests: Sequence[MPI.Request], kind: str, where: Any, details: Any = None) -> int:
+    """``MPI.Request.Waitany(requests)`` (the index of the one that completed), watched."""
+    return call(kind, where, MPI.Request.Waitany, requests, details=details)
+
+
+def poll(request: MPI.Request, kind: str, where: Any, details: Any = None,
+         pause: float = 0.0005, longest: float = 0.02) -> None:
+    """Wait for ``request`` by testing it with sleeps in between (``pause`` doubling up to
+    ``longest``): a thread beside the training that must not spin inside MPI; watched."""
+    watched = ENABLED
+    if watched:
+        enter(kind, where, details)
+    try:
+        while not request.Test():
+            time.sleep(pause)
+            pause = min(2 * pause, longest)
+    finally:
+        if watched:
+            leave()
 
 
 def _start() -> None:
-    global _thread
+    global _watcher
     with _lock:
-        if _thread is None:
-            _thread = threading.Thread(target=_watch, name="mpidtensor-watchdog", daemon=True)
-            _thread.start()
+        if _watcher is None:
+            _watcher = threading.Thread(target=_watch, name="mpidtensor-watchdog", daemon=True)
+            _watcher.start()
 
 
 def _watch() -> None:
-    """Poll the slot; abort the job once one collective has outlived the timeout."""
+    """Sample the slots; abort the job once one wait has outlived the timeout."""
+    seen: dict[int, tuple[What, float]] = {}  # id(slot) -> (its wait, when first seen)
     while True:
         timeout = settings.timeout
-        time.sleep(1.0 if timeout is None else min(max(timeout / 4, 0.05), 1.0))
-        current, timeout = _current, settings.timeout
-        if current is not None and ENABLED and time.monotonic() - current[3] > timeout:
-            sys.stderr.write(report(current))
-            sys.stderr.flush()
-            time.sleep(0.5)  # let the launcher forward the report before Abort tears the job down
-            MPI.COMM_WORLD.Abort(1)
+        time.sleep(1.0 if not ENABLED else min(max(timeout / 4, 0.05), 1.0))
+        now, timeout = time.monotonic(), settings.timeout
+        with _lock:
+            _slots[:] = [s for s in _slots if s.thread.is_alive() or s.what is not None]
+            slots = list(_slots)
+        for slot in slots:
+            what = slot.what
+            if what is None:
+                seen.pop(id(slot), None)
+                continue
+            first = seen.get(id(slot))
+            if first is None or first[0] is not what:
+                seen[id(slot)] = (what, now)
+            elif ENABLED and now - first[1] > timeout:
+                _abort(slot, now - first[1])
 
 
-def report(current: tuple[str, MPI.Comm, dict[str, Any], float, int]) -> str:
-    """The text printed when ``current`` has timed out."""
-    kind, comm, details, start, thread = current
-    frame = sys._current_frames().get(thread)
+def _abort(slot: _Slot, waited: float) -> None:
+    """Print the report of ``slot``'s wait (a line, should the report itself fail) and end the job."""
+    try:
+        text = report(slot, waited)
+    except Exception as err:  # noqa: BLE001  (the job must end all the same)
+        text = (f"\n[mpidtensor watchdog] rank {MPI.COMM_WORLD.rank}: stuck for {waited:.1f} s in a wait "
+                f"(its report failed: {type(err).__name__}: {err}); aborting the job.\n")
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    time.sleep(0.5)  # let the launcher forward the report before Abort tears the job down
+    MPI.COMM_WORLD.Abort(1)
+
+
+def report(slot: _Slot, waited: float) -> str:
+    """The text printed when ``slot``'s wait has lasted ``waited`` seconds, past the timeout."""
+    what = slot.what or ("(finished)", "", None)
+    frame = sys._current_frames().get(slot.thread.ident)
     stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (stack unavailable)\n"
-    facts = ", ".join(f"{k}={v}" for k, v in details.items())
+    timeout = settings.timeout or 0
     return (
-        f"\n[mpidtensor watchdog] rank {MPI.COMM_WORLD.rank}: stuck for {time.monotonic() - start:.1f} s "
-        f"(MPIDTENSOR_TIMEOUT={settings.timeout or 0:g}) in {kind} on {_describe(comm)}"
-        f"{': ' + facts if facts else ''}; previous collective: {_last or 'none'}; aborting the job.\n"
+        f"\n[mpidtensor watchdog] rank {MPI.COMM_WORLD.rank} (thread {slot.thread.name}): stuck for {waited:.1f} s "
+        f"(MPIDTENSOR_TIMEOUT={timeout:g}) in {describe(what)}; previous completed wait: "
+        f"{describe(slot.last) if slot.last else 'none'}; aborting the job.\n"
+        f"If this wait is expected to last more than {timeout:g} s in a healthy job (a rank working alone "
+        f"while the others wait), raise MPIDTENSOR_TIMEOUT (or pass init_process_group(timeout=...)); "
+        f"MPIDTENSOR_TIMEOUT=0 turns the watchdog off.\n"
         f"Stack of the waiting thread (most recent call last):\n{stack}"
     )
 
 
-def _describe(comm: MPI.Comm) -> str:
-    """``comm``'s size and its members' COMM_WORLD ranks."""
+def describe(what: What) -> str:
+    """``kind on where: details`` of a wait, in words."""
+    kind, where, details = what
+    place = _communicator(where) if isinstance(where, MPI.Comm) else str(where)
+    if isinstance(details, dict):
+        details = ", ".join(f"{k}={v}" for k, v in details.items())
+    return f"{kind}{' on ' + place if place else ''}{': ' + str(details) if details not in (None, '') else ''}"
+
+
+def _communicator(comm: MPI.Comm) -> str:
+    """``comm``'s size and its members' COMM_WORLD ranks (a freed one: said so)."""
+    if comm == MPI.COMM_NULL:
+        return "a communicator since freed"
     try:
         world = comm.group.Translate_ranks(list(range(comm.size)), MPI.COMM_WORLD.group)
         return f"a communicator of {comm.size} ranks (world ranks {list(world)})"
     except MPI.Exception:
         return f"a communicator of {comm.size} ranks"
+
+
+def world_rank(comm: MPI.Comm, rank: int) -> int | None:
+    """The COMM_WORLD rank of ``comm``'s ``rank`` (for reports naming a peer)."""
+    try:
+        return comm.group.Translate_ranks([rank], MPI.COMM_WORLD.group)[0]
+    except MPI.Exception:  # a freed communicator
+        return None

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.futures import Future
 
-from ..runtime import abort
+from ..runtime import abort, watchdog
 from ..comm import collectives
 from ..comm.buffers import as_buffer, stage
 from ..comm.exchange import exchange_rows
@@ -98,14 +98,15 @@ class _Pending(dist._Work):
     what was received into the caller's tensors where they were staged."""
 
     def __init__(self, requests: list[MPI.Request], keep: list[torch.Tensor],
-                 copies: list[tuple[torch.Tensor, torch.Tensor]], result: list[torch.Tensor]) -> None:
+                 copies: list[tuple[torch.Tensor, torch.Tensor]], result: list[torch.Tensor], what: tuple) -> None:
         super().__init__()
         self._requests, self._keep, self._copies, self._result = requests, keep, copies, result
+        self._what = what  # (kind, communicator, details) for the watchdog's report
         self._done = False
 
     def wait(self, timeout: Any = None) -> bool:
         if not self._done:
-            MPI.Request.Waitall(self._requests)
+            watchdog.wait_all(self._requests, *self._what)
             for into, received in self._copies:
                 into.copy_(received)
             self._done, self._keep = True, []
@@ -186,7 +187,8 @@ class MPIProcessGroup(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Pending:
         staged = [stage(t) for t in tensors]
         requests = [self.comm.Isend(as_buffer(t), dest=dst, tag=tag) for t in staged]
-        return _Pending(requests, staged, [], tensors)
+        return _Pending(requests, staged, [], tensors,
+                        ("torch.distributed send", self.comm, _peer("to", dst, tag, staged)))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Pending:
         if src < 0:  # torch's recv(src=None) asks any source; it has no override for Python backends
@@ -195,7 +197,8 @@ class MPIProcessGroup(dist.ProcessGroup):
         staged = [stage(t) for t in tensors]
         requests = [self.comm.Irecv(as_buffer(t), source=src, tag=tag) for t in staged]
         copies = [(t, s) for t, s in zip(tensors, staged) if s is not t]
-        return _Pending(requests, staged, copies, tensors)
+        return _Pending(requests, staged, copies, tensors,
+                        ("torch.distributed recv", self.comm, _peer("from", src, tag, staged)))
 
     def barrier(self, opts: Any = None) -> Completed:
         self.comm.Barrier()
@@ -243,3 +246,8 @@ def premultiplied(t: torch.Tensor, factor: Any) -> torch.Tensor:
     if factor is None:
         return t
     return t * (factor.to(t.device, t.dtype) if isinstance(factor, torch.Tensor) else factor)
+
+
+def _peer(direction: str, rank: int, tag: int, tensors: list[torch.Tensor]) -> str:
+    """A transfer in words for the watchdog's report."""
+    return f"{sum(t.nbytes for t in tensors)} bytes {direction} rank {rank}, tag {tag}"

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from ...comm import collectives, recorders
 from ...comm.buffers import as_buffer, empty, mpi_type, stage, unstage
+from ...runtime import watchdog
 
 
 def pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -44,10 +45,11 @@ def unpack(flat: torch.Tensor, shapes: Sequence[Sequence[int]], like: torch.Tens
 class Shift:
     """A started neighbour exchange; :meth:`wait` returns the received buffer."""
 
-    __slots__ = ("_requests", "_keep", "received")
+    __slots__ = ("_requests", "_keep", "received", "_what")
 
-    def __init__(self, requests: list[MPI.Request], keep: tuple, received: torch.Tensor) -> None:
+    def __init__(self, requests: list[MPI.Request], keep: tuple, received: torch.Tensor, what: tuple) -> None:
         self._requests = requests
+        self._what = what  # (kind, communicator, details) for the watchdog's report
         self._keep = keep  # buffers MPI uses until completion
         self.received = received
 
@@ -59,15 +61,15 @@ class Shift:
 
     def wait(self) -> torch.Tensor:
         if self._requests:
-            MPI.Request.Waitall(self._requests)
+            watchdog.wait_all(self._requests, *self._what)
             self._requests, self._keep = [], ()
         return self.received
 
 
-def shift(send: torch.Tensor, receive_numel: int, comm: MPI.Intracomm, tag: int) -> Shift:
+def shift(send: torch.Tensor, receive_numel: int, comm: MPI.Intracomm, tag: int, step: str = "") -> Shift:
     """Start sending flat ``send`` to rank + 1 and receiving ``receive_numel`` elements of
     its dtype from rank - 1 (ranks of ``comm``, cyclically); ``tag`` keeps concurrent
-    shifts of different kinds apart."""
+    shifts of different kinds apart; ``step`` names the shift in the watchdog's report."""
     send = stage(send)
     received = empty((receive_numel,), send)
     datatype = mpi_type(send.dtype)
@@ -75,7 +77,9 @@ def shift(send: torch.Tensor, receive_numel: int, comm: MPI.Intracomm, tag: int)
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     requests = [comm.Irecv([as_buffer(received), receive_numel, datatype], source=left, tag=tag),
                 comm.Isend([as_buffer(send), send.numel(), datatype], dest=right, tag=tag)]
-    return Shift(requests, (send,), received)
+    return Shift(requests, (send,), received, (
+        f"ring shift{' (' + step + ')' if step else ''}", comm,
+        f"{receive_numel * send.dtype.itemsize} bytes from rank {left}, {send.nbytes} to rank {right}, tag {tag}"))
 
 
 def gather(flat: torch.Tensor, numels: Sequence[int], comm: MPI.Intracomm) -> list[torch.Tensor]:

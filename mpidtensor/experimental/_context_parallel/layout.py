@@ -19,6 +19,7 @@ import torch
 from mpi4py import MPI
 
 from ...comm.buffers import as_buffer
+from ...runtime import watchdog
 from .load_balance import check_balanced_length
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -111,7 +112,8 @@ def agree(comm: MPI.Intracomm, query: torch.Tensor, key: torch.Tensor, value: to
             int(key.shape[:3] != value.shape[:3]), *_mask_facts(attn_mask)]
     facts = torch.tensor(mine, dtype=torch.int64)
     table = torch.empty((comm.size, len(mine)), dtype=torch.int64)
-    comm.Allgather([as_buffer(facts), len(mine), MPI.INT64_T], [as_buffer(table), len(mine), MPI.INT64_T])
+    watchdog.call("ring attention's agreement on block shapes (Allgather)", comm, comm.Allgather,
+                  [as_buffer(facts), len(mine), MPI.INT64_T], [as_buffer(table), len(mine), MPI.INT64_T])
     ranks = [dict(zip(_FACTS, row)) for row in table.tolist()]
     _check(ranks, balanced=balanced, causal=causal, enable_gqa=enable_gqa, cp=comm.size)
     return Layout(comm.rank, comm.size, balanced, causal,

@@ -149,7 +149,8 @@ class _Ring:
         flat = exchange.pack([key, value])
         for step in range(cp):
             source = (rank - step) % cp
-            pending = exchange.shift(flat, numels[(source - 1) % cp], self.comm, _KV_TAG) if step < cp - 1 else None
+            pending = exchange.shift(flat, numels[(source - 1) % cp], self.comm, _KV_TAG,
+                                     f"key/value block, ring step {step + 1} of {cp - 1}") if step < cp - 1 else None
             if step == 0:
                 yield _Block(source, key, value, pending)
             else:
@@ -244,7 +245,8 @@ def _backward(ring: _Ring, grad_out, query, key, value, out, lse, attn_mask):
             grad_key[:, kv_heads, plan.kv_rows].add_(key_grad)
             grad_value[:, kv_heads, plan.kv_rows].add_(value_grad)
         if ring_mode:
-            travelling = exchange.shift(accumulator, numels[(block.source - 1) % cp], ring.comm, _GRAD_TAG)
+            travelling = exchange.shift(accumulator, numels[(block.source - 1) % cp], ring.comm, _GRAD_TAG,
+                                         f"key/value gradients, ring step {step + 1} of {cp}")
     own = travelling.wait() if ring_mode else exchange.reduce_scatter(grads_all, numels, ring.comm)
     grad_key, grad_value = exchange.unpack(own, ring.kv_shapes(key, value, rank), like)
     return (torch.empty_like(query).copy_(grad_query), torch.empty_like(key).copy_(grad_key),
