@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..tensor.dtensor import DTensor
 from ..comm import accounting
-from ..runtime.agreement import attempt, portable, raise_first
+from ..runtime.agreement import attempt, exchange
 from ..comm.nonblocking import Handle, iall_gather, iall_reduce
 from ..comm.pool import advise_huge_pages, tracked_empty
 from ..comm.prepared import Prepared
@@ -262,10 +262,8 @@ class ParamGroup:
         """Per extension parameter and all-gather input, (gathered rows on dim 0, rows per
         rank in the send buffer), from every shard rank's input shapes (one ``allgather``),
         so that all ranks lay out, or refuse (``FSDPParam.input_rows``, a rank's ``error``), alike."""
-        mine = portable(error) if error is not None else {i: [tuple(t.shape) for t in inputs[i]]
-                                                          for i, _ in self._extensions}
-        every = self.info.shard_comm.allgather(mine)
-        raise_first([e for e in every if isinstance(e, BaseException)])
+        mine = None if error is not None else {i: [tuple(t.shape) for t in inputs[i]] for i, _ in self._extensions}
+        every = exchange(self.info.shard_comm, mine, error)
         return {i: p.input_rows([shapes[i] for shapes in every]) for i, p in self._extensions}
 
     def _check_inputs(self, i: int, p: FSDPParam, inputs: tuple[torch.Tensor, ...]) -> None:
