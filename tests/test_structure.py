@@ -31,6 +31,7 @@ EXPLAINED_BY = {
     "aten::tensor_split kernel": "tensor_split",
     "threads": "thread",
     "torch.load safe globals": "add_safe_globals",
+    "torch.ops.mpidtensor": "torch.ops.mpidtensor",
 }
 
 

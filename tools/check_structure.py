@@ -154,12 +154,16 @@ _PROBE = r"""
 import json, sys, threading
 import torch, torch.utils._foreach_utils
 import torch.optim.optimizer as opt
-from mpi4py import MPI
 
 def state():
+    mpi = sys.modules.get("mpi4py.MPI")  # not imported before mpidtensor is: its import is observed
     return {
+        "MPI initialized": mpi is not None and mpi.Is_initialized(),
+        "torch.ops.mpidtensor": sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("mpidtensor::")),
         "sys.excepthook": repr(sys.excepthook),
-        "sys.meta_path": [repr(f) for f in sys.meta_path],
+        # mpi4py's own finder (mpi4py._mpiabi) comes with importing mpi4py: part of the declared MPI start-up
+        "sys.meta_path": [repr(f) for f in sys.meta_path
+                          if not getattr(f, "__module__", type(f).__module__).startswith("mpi4py")],
         "torch.Tensor attributes": sorted(torch.Tensor.__dict__),
         "optimizer step hooks": [sorted(map(str, opt._global_optimizer_pre_hooks)),
                                  sorted(map(str, opt._global_optimizer_post_hooks))],
@@ -175,13 +179,17 @@ def changed(before, after):
 
 before = state()
 import mpidtensor
-from mpidtensor.runtime import effects
 at_import = state()
+from mpi4py import MPI
+from mpidtensor.runtime import effects
 installed_at_import = effects.installed()
 mesh = mpidtensor.DeviceMesh("cpu", [0], comm=MPI.COMM_SELF)
 after_mesh = state()
 print(json.dumps({
     "import": changed(before, at_import),
+    "MPI initialized by the import": at_import["MPI initialized"],
+    "torch ops after the import": at_import["torch.ops.mpidtensor"],
+    "declared at import": [e[0] for e in effects.describe() if e[1] == "import"],
     "installed at import": installed_at_import,
     "first mesh": changed(at_import, after_mesh),
     "installed": effects.installed(),
@@ -208,7 +216,15 @@ def process_effects(root: Path) -> dict:
                           cwd=root, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"the effects probe failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    declared = {change for change, name in DECLARED_AT_IMPORT.items() if name in found["declared at import"]}
+    found["declared import"] = [c for c in found["import"] if c in declared]
+    found["import"] = [c for c in found["import"] if c not in declared]  # what no declaration names
+    return found
+
+
+# An observed change of the import and the effect (``runtime.effects.AT_IMPORT``) that declares it.
+DECLARED_AT_IMPORT = {"MPI initialized": "MPI start-up"}
 
 
 # --- (d) names that differ by a suffix -----------------------------------------------------------
@@ -269,7 +285,10 @@ def render(result: dict) -> str:
     lines += [f"    {path}: {n}" for path, n in result["long modules"]]
     lines.append(f"(b) import cycles at module level: {len(result['import cycles']) or 'none'}")
     lines += ["    " + " -> ".join(cycle) for cycle in result["import cycles"]]
-    lines.append(f"(c) process-wide effects of `import mpidtensor`: {', '.join(effects['import']) or 'none'}")
+    lines.append(f"(c) process-wide effects of `import mpidtensor`: {', '.join(effects['import']) or 'none'} undeclared"
+                 f"; declared: {', '.join(effects['declared import']) or 'none'}")
+    lines.append(f"    MPI initialized by the import: {effects['MPI initialized by the import']}; "
+                 f"torch.ops.mpidtensor after it: {', '.join(effects['torch ops after the import']) or 'none'}")
     lines.append(f"    after a first one-rank mesh: {', '.join(effects['first mesh']) or 'none'}")
     lines.append(f"    effects installed (runtime.effects): {', '.join(effects['installed']) or 'none'}")
     for name, when, what, done in effects["described"]:
