@@ -38,8 +38,8 @@ PARENTS = frozenset(path.rsplit(".", k)[0] for path in ALIASES for k in range(1,
 # fills "torch.distributed" with the MPI-backed init_process_group and friends).
 OVERRIDES: dict[str, dict[str, Any]] = {}
 
-_VIEWS: dict[str, types.ModuleType | None] = {}
-_STAND_INS: dict[str, Any] = {}
+_VIEWS: dict[str, types.ModuleType | None] = {}  # not cleared: user code holds these modules
+_STAND_INS: dict[str, Any] = {}  # not cleared: user code holds these objects
 _ABSENT = object()
 _HIDDEN = ("__spec__", "__loader__", "__package__")  # read through to the module, not None
 

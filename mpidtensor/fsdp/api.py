@@ -139,7 +139,7 @@ def _modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     return modules
 
 
-@cache  # process constant: one FSDP class per module class, as torch makes it
+@cache  # not cleared: one FSDP class per module class, as torch makes it
 def _fsdp_class(cls: type) -> type:
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
 

@@ -6,7 +6,7 @@ transition is one method that checks the state it leaves:
 
 * ``start_unshard``: ``SHARDED`` or ``SHARDED_POST_FORWARD`` -> ``UNSHARDING``: one
   ``Iallgather`` of every rank's send buffer (``packing``), in rank order, into a pooled
-  buffer (``mesh.pool``); from ``SHARDED_POST_FORWARD`` over the subgroup of
+  buffer (``comm.pool``); from ``SHARDED_POST_FORWARD`` over the subgroup of
   ``reshard_after_forward=k`` ranks only, from the rows each rank kept. A group of one
   plain parameter split evenly along dim 0 on the host is gathered straight into
   ``unsharded_flat`` (the ranks' shards back to back are the parameter). Contiguous
@@ -33,7 +33,7 @@ all-reduced over the data-parallel mesh.
 
 ``CPUOffloadPolicy`` on a non-CPU mesh: ``shard_flat`` and the ``.grad`` shards on the
 host, copied to the device for the all-gather and back after the reduce-scatter.
-``shard_flat`` and ``unsharded_flat`` are registered with ``mesh.accounting`` (and every
+``shard_flat`` and ``unsharded_flat`` are registered with ``comm.accounting`` (and every
 resize reported), so ``memory_allocated()`` shows sharded + currently gathered bytes.
 """
 from __future__ import annotations

@@ -43,7 +43,7 @@ class BoundedCache(dict):
 
 
 GENERATION = 0  # bumped by clear_all: read as ``caches.GENERATION`` (a module attribute) on use
-_CACHES: dict[str, BoundedCache] = {}
+_CACHES: dict[str, BoundedCache] = {}  # not cleared: the registry itself (clear_all empties each)
 _CLEARERS: list[tuple[str, Callable[[], None], bool]] = []
 
 
