@@ -12,10 +12,12 @@ and buffers, the meshes of its ``input_args``, ``get_mesh(dim_names, None)`` if 
 callbacks written for torch accept None), and every mesh the program built or derived.
 Sender and receiver must hold the same place in their copies (the same local shard): the
 pipeline group pairs ranks of equal coordinates, as a pipeline dim of one world mesh does.
-A mesh that cannot be found, or a pairing of other coordinates, raises ``ValueError`` on
-every rank at the first step. The search is local, so a stage's ranks must hold alike
-what it looks among (they do when they run one program): a mesh built on some of a
-stage's ranks only is not agreed on, and the others would wait in the coordinate check.
+A mesh that cannot be found, a ``get_mesh`` that raises or answers wrongly on any rank,
+or a pairing of other coordinates, raises ``ValueError`` on every rank at the first step:
+the stage's ranks agree (:mod:`..runtime.agreement`) over the copy the search finds. The
+search is local, so a stage's ranks must hold alike what it looks among (they do when
+they run one program): a mesh built on some of a stage's ranks only is not agreed on,
+and the others would wait in the agreement.
 
 Gradients go back the same way. An input's gradient is first redistributed to the
 input's own placements (a ``Partial`` gradient is summed over the mesh then), so what is
