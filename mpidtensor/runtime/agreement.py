@@ -63,7 +63,7 @@ def raise_first(errors: list[BaseException | None]) -> None:
 
 def raise_agreed(comm: MPI.Intracomm, error: BaseException | None) -> None:
     """Raise on every rank the first error any rank met (one ``allgather``)."""
-    raise_first(comm.allgather(portable(error)))
+    exchange(comm, None, error)
 
 
 def outcomes(comm: MPI.Intracomm, value: Any, error: BaseException | None = None) -> list[tuple[Any, Any]]:
