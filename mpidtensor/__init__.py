@@ -1,9 +1,10 @@
 """mpidtensor: PyTorch DTensor semantics on MPI.
 
 Public names match ``torch.distributed.tensor``; launch with ``mpiexec``/``srun``.
-Importing the package changes nothing in torch or Python: the process-wide effects
-(the abort hook, ``Tensor.to_dtensor``, optimizer hooks...) are installed when the first
-mesh is built; ``mpidtensor.runtime.effects.describe()`` lists them.
+Importing the package changes nothing in torch or Python; it starts MPI (mpi4py's default,
+``runtime.effects.AT_IMPORT``). The process-wide effects (the abort hook,
+``Tensor.to_dtensor``, optimizer hooks, the custom ops...) are installed when the first mesh
+is built; ``mpidtensor.runtime.effects.describe()`` lists them.
 """
 from .tensor.api import distribute_module, distribute_tensor
 from .tensor.dtensor import DTensor

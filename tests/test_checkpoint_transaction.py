@@ -40,7 +40,7 @@ def test_commit_sees_every_part_in_rank_order():
         committed.append(parts)
         return sorted(parts, reverse=True)
 
-    result = transaction.commit_on_rank0(WORLD, WORLD.rank * 10, None, commit)
+    result = agreement.gather_to_rank0(WORLD, WORLD.rank * 10, None, commit)
     assert_all_ranks(result == [r * 10 for r in reversed(range(WORLD.size))], f"{result}")
     assert_all_ranks(len(committed) == (WORLD.rank == 0), f"{committed}")
 
@@ -49,7 +49,7 @@ def test_an_error_on_the_last_rank_stops_the_commit_everywhere():
     committed = []
     last = WORLD.size - 1
     part, error = agreement.attempt(lambda: 1 / (WORLD.rank - last))  # ZeroDivisionError on the last rank
-    raises_everywhere(ZeroDivisionError, lambda: transaction.commit_on_rank0(WORLD, part, error, committed.append),
+    raises_everywhere(ZeroDivisionError, lambda: agreement.gather_to_rank0(WORLD, part, error, committed.append),
                       "division by zero")
     assert_all_ranks(committed == [], "the commit ran")
 

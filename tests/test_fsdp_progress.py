@@ -1,4 +1,4 @@
-"""mesh.progress (MPI progress for in-flight collectives: off, MPI_Test from FSDP's hooks,
+"""runtime.progress (MPI progress for in-flight collectives: off, MPI_Test from FSDP's hooks,
 a progress thread) and FSDP's all-gather into the unsharded parameters: same training as
 one process in every mode (the reduce-scatter is blocking in ``off``, non-blocking in the
 others), on uneven shards and a shard dim > 0, nothing left in flight, a clean exit with

@@ -189,6 +189,31 @@ def test_get_mesh_names_the_mesh() -> None:
     assert_all_ranks(calls == want, f"get_mesh called with {calls}")
 
 
+@needs_pipeline
+@pytest.mark.parametrize("failure", ["raises", "returns another mesh"])
+def test_get_mesh_failing_on_one_rank_raises_on_every_rank(failure: str) -> None:
+    """A ``get_mesh`` that fails on the last rank only (at 4 ranks: one of the last stage's
+    two tensor-parallel ranks) raises ``ValueError`` naming the stage on every rank, the
+    other ranks of that stage included, instead of leaving them waiting."""
+    world = init_device_mesh("cpu", (PP, TP), mesh_dim_names=("pp", "tp"))
+    world["tp"]
+
+    def get_mesh(names, layout):
+        if WORLD.rank != WORLD.size - 1:
+            return world[names]
+        if failure == "raises":
+            raise KeyError(f"no mesh named {names}")
+        return world
+
+    mesh, model, indices, modules, stages, schedule = _setup("Schedule1F1B", get_mesh=get_mesh)
+    stage = stages[0]
+    tokens = torch.randint(0, VOCAB, (MICRO * ROWS, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    match = "get_mesh raised KeyError" if failure == "raises" else "not a copy of that mesh"
+    raises_everywhere(ValueError, lambda: schedule.step(*((tokens[:, :-1],) if stage.is_first else ()),
+                                                        target=tokens[:, 1:] if stage.is_last else None),
+                      match=match)
+
+
 class Narrow(nn.Module):
     """A stage whose output is sharded by rows over ``tp``, one row per micro-batch: the
     second tensor-parallel rank sends an empty local tensor and gets an empty gradient back."""

@@ -1,4 +1,4 @@
-"""mesh.pool: communication buffers are reused, but never while a tensor still refers to them."""
+"""comm.pool: communication buffers are reused, but never while a tensor still refers to them."""
 import gc
 
 import pytest

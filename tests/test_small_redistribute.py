@@ -1,4 +1,4 @@
-"""Redistribution's prepared fast path (``mesh.prepared.Prepared``, kept on a plan's steps).
+"""Redistribution's prepared fast path (``comm.prepared.Prepared``, kept on a plan's steps).
 
 The first run of a cached plan prepares each collective; later runs go straight to MPI.
 Checked here: every placement pair (1-D, uneven lengths at 3 ranks, a 2x2 mesh) gives the

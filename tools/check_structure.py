@@ -8,24 +8,36 @@ and absolute imports resolved); (c) the process-wide effects of ``import mpidten
 (Python's and torch's hooks and tables compared before and after the import, in a fresh
 single-rank process) and of building a first, one-rank mesh, beside what
 ``mpidtensor.runtime.effects`` says it installed; (d) pairs of module names that differ
-only by a suffix (``format`` / ``format_utils``, ``traced`` / ``tracing``); (e) unwatched
-waits: a call of MPI's ``Wait`` / ``Waitall`` / ``Waitany`` / ``Waitsome`` outside
-``mpidtensor/runtime/watchdog.py``, the one place that waits (so that a stuck rank reports).
+only by a suffix (``format`` / ``format_utils``, ``traced`` / ``tracing``); (e) caches that
+``clear_cache()`` does not reach (``functools`` caches and module-level memo dicts not
+registered with ``runtime.caches``, the rule at :func:`unowned_caches`); (f) module paths
+named in docstrings and comments that name no module of the tree (the rule at
+:func:`dangling_references`); (g) unwatched waits: a call of MPI's ``Wait`` / ``Waitall`` /
+``Waitany`` / ``Waitsome`` outside ``mpidtensor/runtime/watchdog.py``, the one place that waits
+(so that a stuck rank reports).
 
-The exit status is 1 if (a) finds a module, (c) finds an effect of the import itself or
-(e) finds an unwatched wait;
-``--strict`` makes (b) and (d) count too. ``--json`` prints the findings as JSON.
+The probe of (c) starts before mpi4py is imported, so it sees MPI started by the import
+(``MPI.Is_initialized()``: the one effect ``runtime.effects.AT_IMPORT`` declares) and lists
+the ``torch.ops.mpidtensor`` ops in torch's op registry after the import and the first mesh.
+
+The exit status is 1 if (a), (e), (f) or (g) finds anything or (c) finds an undeclared effect of
+the import itself; ``--strict`` makes (b) and (d) count too. ``--json`` prints the findings
+as JSON.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import io
 import json
 import os
+import re
 import subprocess
 import sys
+import tokenize
 from itertools import combinations
 from pathlib import Path
+from typing import Callable
 
 MAX_LINES = 600
 PACKAGE = "mpidtensor"
@@ -157,12 +169,16 @@ _PROBE = r"""
 import json, sys, threading
 import torch, torch.utils._foreach_utils
 import torch.optim.optimizer as opt
-from mpi4py import MPI
 
 def state():
+    mpi = sys.modules.get("mpi4py.MPI")  # not imported before mpidtensor is: its import is observed
     return {
+        "MPI initialized": mpi is not None and mpi.Is_initialized(),
+        "torch.ops.mpidtensor": sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("mpidtensor::")),
         "sys.excepthook": repr(sys.excepthook),
-        "sys.meta_path": [repr(f) for f in sys.meta_path],
+        # mpi4py's own finder (mpi4py._mpiabi) comes with importing mpi4py: part of the declared MPI start-up
+        "sys.meta_path": [repr(f) for f in sys.meta_path
+                          if not getattr(f, "__module__", type(f).__module__).startswith("mpi4py")],
         "torch.Tensor attributes": sorted(torch.Tensor.__dict__),
         "optimizer step hooks": [sorted(map(str, opt._global_optimizer_pre_hooks)),
                                  sorted(map(str, opt._global_optimizer_post_hooks))],
@@ -178,13 +194,17 @@ def changed(before, after):
 
 before = state()
 import mpidtensor
-from mpidtensor.runtime import effects
 at_import = state()
+from mpi4py import MPI
+from mpidtensor.runtime import effects
 installed_at_import = effects.installed()
 mesh = mpidtensor.DeviceMesh("cpu", [0], comm=MPI.COMM_SELF)
 after_mesh = state()
 print(json.dumps({
     "import": changed(before, at_import),
+    "MPI initialized by the import": at_import["MPI initialized"],
+    "torch ops after the import": at_import["torch.ops.mpidtensor"],
+    "declared at import": [e[0] for e in effects.describe() if e[1] == "import"],
     "installed at import": installed_at_import,
     "first mesh": changed(at_import, after_mesh),
     "installed": effects.installed(),
@@ -211,7 +231,15 @@ def process_effects(root: Path) -> dict:
                           cwd=root, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"the effects probe failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    declared = {change for change, name in DECLARED_AT_IMPORT.items() if name in found["declared at import"]}
+    found["declared import"] = [c for c in found["import"] if c in declared]
+    found["import"] = [c for c in found["import"] if c not in declared]  # what no declaration names
+    return found
+
+
+# An observed change of the import and the effect (``runtime.effects.AT_IMPORT``) that declares it.
+DECLARED_AT_IMPORT = {"MPI initialized": "MPI start-up"}
 
 
 # --- (d) names that differ by a suffix -----------------------------------------------------------
@@ -254,7 +282,201 @@ def suffix_pairs(found: dict[str, Path]) -> list[tuple[str, str]]:
     return pairs
 
 
-# --- (e) unwatched waits -----------------------------------------------------------------------
+# --- (e) caches nobody owns --------------------------------------------------------------------
+# A cache is owned when ``clear_cache()`` (``runtime.caches``) reaches it. Two shapes are looked for:
+# - a function decorated with functools' ``cache`` / ``lru_cache``: owned when its module passes
+#   the function (``f.cache_clear``) to ``caches.on_clear``, directly or through the tuple a ``for``
+#   loop around that call iterates over;
+# - a module-level dict (``{}``, ``dict()``, ``OrderedDict()``, ``defaultdict(...)``, a weak
+#   dictionary) that one function of the module both looks up (``.get``, ``[key]``, ``in``) and
+#   fills (``[key] = ...``, ``.setdefault``): the memo pattern. Registries filled by a register
+#   function and read elsewhere do not match it. Owned when a function passed to ``on_clear``
+#   in that module names the dict. (Dicts made by ``caches.cache`` are the registry's own.)
+# Either is exempt when its ``def`` / assignment line says why it is never cleared with a comment
+# ``# not cleared: <why>`` (a memo of facts fixed for the process, or a registry of live objects).
+_CACHE_DECORATORS = {"cache", "lru_cache"}
+_DICT_FACTORIES = {"dict", "OrderedDict", "defaultdict", "WeakKeyDictionary", "WeakValueDictionary"}
+_EXEMPT = "# not cleared:"
+
+
+def _is_cache_decorator(node: ast.expr) -> bool:
+    target = node.func if isinstance(node, ast.Call) else node
+    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
+    return name in _CACHE_DECORATORS
+
+
+def _on_clear_names(tree: ast.Module) -> set[str]:
+    """The names passed to ``on_clear`` in ``tree`` (also those a ``for`` loop around the call
+    iterates over), and the names used inside the functions so passed."""
+    passed: set[str] = set()
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For)]
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and ast.unparse(call.func).endswith("on_clear"):
+            args = [*call.args, *(k.value for k in call.keywords)]
+            passed |= {n.id for a in args for n in ast.walk(a) if isinstance(n, ast.Name)}
+            for loop in loops:
+                if any(c is call for c in ast.walk(loop)):
+                    passed |= {n.id for n in ast.walk(loop.iter) if isinstance(n, ast.Name)}
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and fn.name in passed:
+            passed |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+    return passed
+
+
+def _module_dicts(tree: ast.Module) -> dict[str, int]:
+    """Module-level names bound to a new dict, by line."""
+    found = {}
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        made = isinstance(value, ast.Dict) and not value.keys or isinstance(value, ast.Call) and (
+            getattr(value.func, "id", None) or getattr(value.func, "attr", None)) in _DICT_FACTORIES
+        if made:
+            found.update({t.id: node.lineno for t in targets if isinstance(t, ast.Name)})
+    return found
+
+
+def _memoizes(fn: ast.FunctionDef, name: str) -> bool:
+    """Whether ``fn`` both looks ``name`` up and fills it."""
+    reads = writes = False
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and getattr(node.func.value, "id", None) == name:
+            reads |= node.func.attr == "get"
+            writes |= node.func.attr == "setdefault"
+        elif isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == name:
+            if isinstance(node.ctx, ast.Store):
+                writes = True
+            else:
+                reads = True
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) \
+                and any(getattr(c, "id", None) == name for c in node.comparators):
+            reads = True
+    return reads and writes
+
+
+def unowned_caches(found: dict[str, Path], root: Path) -> list[str]:
+    """``path:line name`` of each cache ``clear_cache()`` does not reach (the rule above)."""
+    problems = []
+    for path in found.values():
+        text = path.read_text()
+        lines, tree = text.splitlines(), ast.parse(text, str(path))
+        owned = _on_clear_names(tree)
+        where = path.relative_to(root)
+        functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+        for fn in functions:
+            if any(_is_cache_decorator(d) for d in fn.decorator_list) and fn.name not in owned \
+                    and not any(_EXEMPT in lines[d.lineno - 1] for d in fn.decorator_list):
+                problems.append(f"{where}:{fn.lineno} {fn.name} (functools cache)")
+        for name, line in _module_dicts(tree).items():
+            if name not in owned and _EXEMPT not in lines[line - 1] and any(_memoizes(fn, name) for fn in functions):
+                problems.append(f"{where}:{line} {name} (module-level dict filled as a memo)")
+    return problems
+
+
+# --- (f) module paths in docstrings and comments that name nothing -----------------------------
+# What counts as a reference (in docstrings and ``#`` comments of the package's modules):
+# - the target of a Sphinx role (``:mod:``, ``:func:``, ``:class:``, ``:meth:``, ``:attr:``,
+#   ``:data:``, ``:exc:``), ``~`` dropped, when it is relative (``.meta``, ``..runtime.agreement``),
+#   absolute (``mpidtensor.mesh``) or starts with a subpackage of mpidtensor (``mesh.prepared``);
+# - a double-backticked literal or a bare word of dotted identifiers starting with ``mpidtensor.``;
+# - a double-backticked literal of dotted identifiers (at most ``()`` after) that starts with a
+#   subpackage of mpidtensor and whose second part is the name of some module of the tree
+#   (``mesh.pool``, as ``comm.pool`` exists): a variable's attribute (``tensor.shape``) is not
+#   taken for one.
+# It resolves when the longest prefix naming a module of the tree is followed by nothing (a
+# ``:mod:`` must be a module) or by a name that module binds at top level (def, class,
+# assignment, import); further attributes are not followed.
+_ROLE = re.compile(r":(mod|func|class|meth|attr|data|exc):`~?([.\w]+)`")
+_LITERAL = re.compile(r"``([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(\))?``")
+_ABSOLUTE = re.compile(r"(?<![\w.`])(mpidtensor(?:\.[A-Za-z_]\w*)+)")
+
+
+def _texts(tree: ast.Module, source: str) -> list[tuple[int, str]]:
+    """(line, text) of each docstring and comment of a module."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = node.body[0] if node.body else None
+            if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+                found.append((doc.lineno, doc.value.value))
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            found.append((token.start[0], token.string))
+    return found
+
+
+def _bound_names(path: Path) -> set[str]:
+    """The names a module binds at top level."""
+    names = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def _resolves(dotted: str, found: dict[str, Path], bound: Callable[[str], set[str]], module_only: bool) -> bool:
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:k])
+        if prefix in found:
+            rest = parts[k:]
+            return not rest or (not module_only and rest[0] in bound(prefix))
+    return False
+
+
+def _references(text: str, package: str, subpackages: set[str], module_words: set[str]) -> list[tuple[str, bool]]:
+    """(absolute dotted name, must be a module) of each reference in one line of text, for a
+    module of ``package``."""
+    refs: list[tuple[str, bool]] = []
+    for role, target in _ROLE.findall(text):
+        if target.startswith("."):
+            up = len(target) - len(target.lstrip("."))
+            base = package.split(".")
+            refs.append((".".join(base[:len(base) - (up - 1)] + [target.lstrip(".")]), role == "mod"))
+        elif target.startswith(PACKAGE + "."):
+            refs.append((target, role == "mod"))
+        elif target.split(".")[0] in subpackages and "." in target:
+            refs.append((f"{PACKAGE}.{target}", role == "mod"))
+    for literal in _LITERAL.findall(text):
+        first, second = literal.split(".")[:2]
+        if literal.startswith(PACKAGE + "."):
+            refs.append((literal, False))
+        elif first in subpackages and second in module_words:
+            refs.append((f"{PACKAGE}.{literal}", False))
+    refs += [(absolute, False) for absolute in _ABSOLUTE.findall(text)]
+    return list(dict.fromkeys(refs))
+
+
+def dangling_references(found: dict[str, Path], root: Path) -> list[str]:
+    """``path:line reference`` of each module path in a docstring or comment that names
+    nothing in the tree (the rule above)."""
+    subpackages = {name.split(".")[1] for name in found if name.count(".") >= 1}
+    module_words = {part for name in found for part in name.split(".")[1:]}
+    bound_by: dict[str, set[str]] = {}
+
+    def bound(module: str) -> set[str]:
+        if module not in bound_by:
+            bound_by[module] = _bound_names(found[module])
+        return bound_by[module]
+
+    problems = []
+    for name, path in found.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        source = path.read_text()
+        for start, block in _texts(ast.parse(source, str(path)), source):
+            for line, text in enumerate(block.splitlines(), start):
+                for ref, module_only in _references(text, package, subpackages, module_words):
+                    if not _resolves(ref, found, bound, module_only):
+                        problems.append(f"{path.relative_to(root)}:{line} {ref}")
+    return problems
+
+# --- (g) unwatched waits -----------------------------------------------------------------------
 WAITS = ("Wait", "Waitall", "Waitany", "Waitsome")
 WATCHED = "mpidtensor/runtime/watchdog.py"
 
@@ -275,13 +497,15 @@ def unwatched_waits(found: dict[str, Path], root: Path) -> list[tuple[str, int, 
 
 # --- report ------------------------------------------------------------------------------------
 def check(root: Path) -> dict:
-    """Every finding of (a)-(d) for the project at ``root``."""
+    """Every finding of (a)-(g) for the project at ``root``."""
     found = modules(root)
     return {
         "long modules": long_modules(found, root),
         "import cycles": cycles(import_graph(found)),
         "effects": process_effects(root),
         "suffix pairs": suffix_pairs(found),
+        "unowned caches": unowned_caches(found, root),
+        "dangling references": dangling_references(found, root),
         "unwatched waits": unwatched_waits(found, root),
     }
 
@@ -292,22 +516,31 @@ def render(result: dict) -> str:
     lines += [f"    {path}: {n}" for path, n in result["long modules"]]
     lines.append(f"(b) import cycles at module level: {len(result['import cycles']) or 'none'}")
     lines += ["    " + " -> ".join(cycle) for cycle in result["import cycles"]]
-    lines.append(f"(c) process-wide effects of `import mpidtensor`: {', '.join(effects['import']) or 'none'}")
+    lines.append(f"(c) process-wide effects of `import mpidtensor`: {', '.join(effects['import']) or 'none'} undeclared"
+                 f"; declared: {', '.join(effects['declared import']) or 'none'}")
+    lines.append(f"    MPI initialized by the import: {effects['MPI initialized by the import']}; "
+                 f"torch.ops.mpidtensor after it: {', '.join(effects['torch ops after the import']) or 'none'}")
     lines.append(f"    after a first one-rank mesh: {', '.join(effects['first mesh']) or 'none'}")
     lines.append(f"    effects installed (runtime.effects): {', '.join(effects['installed']) or 'none'}")
     for name, when, what, done in effects["described"]:
         lines.append(f"      - {name} [{when}, {'installed' if done else 'not installed'}]: {what}")
     lines.append(f"(d) module names that differ by a suffix: {len(result['suffix pairs']) or 'none'}")
     lines += [f"    {a} / {b}" for a, b in result["suffix pairs"]]
-    lines.append(f"(e) MPI waits outside {WATCHED} (unwatched): {len(result['unwatched waits']) or 'none'}")
+    lines.append(f"(e) caches clear_cache() does not reach: {len(result['unowned caches']) or 'none'}")
+    lines += [f"    {where}" for where in result["unowned caches"]]
+    lines.append(f"(f) module paths in docstrings and comments that name nothing: "
+                 f"{len(result['dangling references']) or 'none'}")
+    lines += [f"    {where}" for where in result["dangling references"]]
+    lines.append(f"(g) MPI waits outside {WATCHED} (unwatched): {len(result['unwatched waits']) or 'none'}")
     lines += [f"    {path}:{line}: {call}" for path, line, call in result["unwatched waits"]]
     return "\n".join(lines)
 
 
 def failed(result: dict, strict: bool = False) -> bool:
-    """Whether the checks that must hold fail (all four with ``strict``)."""
+    """Whether the checks that must hold fail (all of them with ``strict``)."""
     bad = bool(result["long modules"]) or bool(result["effects"]["import"]) \
-        or bool(result["effects"]["installed at import"]) or bool(result["unwatched waits"])
+        or bool(result["effects"]["installed at import"]) or bool(result["unowned caches"]) \
+        or bool(result["dangling references"]) or bool(result["unwatched waits"])
     return bad or (strict and bool(result["import cycles"] or result["suffix pairs"]))
 
 

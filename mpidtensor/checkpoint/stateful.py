@@ -10,7 +10,7 @@ may sit anywhere in nested dicts, lists and tuples.
 
 A ``state_dict()`` or ``load_state_dict()`` that raises on some ranks raises a
 ``CheckpointError`` naming the object's key and each failing rank on every rank
-(``mesh.agreement.raise_found``: one small ``allgather``), so that no rank is left
+(``runtime.agreement.raise_found``: one small ``allgather``), so that no rank is left
 waiting in a later collective.
 """
 from __future__ import annotations

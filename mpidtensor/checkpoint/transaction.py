@@ -34,8 +34,9 @@ fills its boxes (:meth:`~LoadFormat.read_boxes`); one
 ``allgather`` agrees on errors and on problems found (checksums); the values of the
 non-tensor leaves are put back into the state dict.
 
-Each step that can fail on some ranks only is agreed through :mod:`..mesh.agreement`;
-:func:`commit_on_rank0` and :func:`remove_stale` are the two steps of its own.
+Each step that can fail on some ranks only is agreed through :mod:`..runtime.agreement`
+(the commit is its :func:`~..runtime.agreement.gather_to_rank0`); :func:`remove_stale` is
+the one step of its own.
 """
 from __future__ import annotations
 
@@ -48,14 +49,14 @@ import torch
 from mpi4py import MPI
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..runtime.agreement import attempt, on_rank0, portable, raise_agreed, raise_first, raise_listed
+from ..runtime.agreement import attempt, exchange, gather_to_rank0, on_rank0, raise_agreed, raise_listed
 from . import io, opaque, shards, tree, union
 from .errors import CheckpointError
 from .metadata import gc_paused, torch_leaves
 from .storage import StorageReader, StorageWriter
 
-__all__ = ["Job", "LoadFormat", "SaveFormat", "SavedTensor", "commit_on_rank0", "load", "remove_stale", "save",
-           "start_save", "target_errors"]
+__all__ = ["Job", "LoadFormat", "SaveFormat", "SavedTensor", "load", "remove_stale", "save", "start_save",
+           "target_errors"]
 
 
 @dataclass
@@ -206,7 +207,7 @@ def save(fmt: SaveFormat, state_dict: Any, comm: MPI.Intracomm) -> Metadata:
             raise_agreed(comm, attempt(fmt.create, job)[1])  # all exist before any rank writes into one
         part, error = attempt(fmt.write_boxes, job, boxes)
         with gc_paused():  # a commit may hand on a large Metadata: rank 0 builds it, the others unpickle it
-            committed, stale = commit_on_rank0(comm, part, error, lambda parts: fmt.commit(job, parts))
+            committed, stale = gather_to_rank0(comm, part, error, lambda parts: fmt.commit(job, parts))
     except Exception:
         io.remove_files(job.directory, own)  # no committed checkpoint names them
         raise
@@ -221,15 +222,14 @@ def load(fmt: LoadFormat, state_dict: Any, comm: MPI.Intracomm) -> None:
     saved = on_rank0(comm, fmt.open)
     metas = [shards.leaf_meta(leaf.fqn, leaf.value) for leaf in leaves]
     unloadable = [shards.unloadable(leaf.fqn, leaf.value) for leaf in leaves]
-    gathered = comm.allgather((metas, [p for p in unloadable if p]))
+    gathered = exchange(comm, (metas, [p for p in unloadable if p]))
     job = Job(fmt.path, comm, state_dict, leaves, [metas for metas, _ in gathered], saved)
     raise_listed(target_errors(fmt.contents(job), job.metas, fmt.values_refused)
                  + [p for _, problems in gathered for p in problems], CheckpointError)
     outcome, error = attempt(fmt.read_boxes, job)
     problems, values = outcome if error is None else ([], {})
-    outcomes = comm.allgather((problems, portable(error)))
-    raise_first([e for _, e in outcomes])
-    raise_listed([p for rank_problems, _ in outcomes for p in rank_problems], CheckpointError)
+    found = exchange(comm, problems, error)
+    raise_listed([p for rank_problems in found for p in rank_problems], CheckpointError)
     for i, value in values.items():
         tree.put(state_dict, leaves[i].keys, value)
 
@@ -265,20 +265,6 @@ def target_errors(contents: dict[str, SavedTensor | None], metas_by_rank: list[l
     for key, (cls, boxes, targets) in opaque_targets.items():
         errors.append(opaque.layout_error(key, cls, boxes, targets))
     return [e for e in errors if e]
-
-
-def commit_on_rank0(comm: MPI.Intracomm, part: Any, error: BaseException | None,
-                    commit: Callable[[list], Any]) -> Any:
-    """Every rank's ``part`` (what it wrote, or None with its ``error``) gathered to rank
-    0, which runs ``commit(parts)`` unless some rank met an error; the commit's result on
-    every rank, or the first error (a ``gather`` and a ``bcast``)."""
-    gathered = comm.gather((part, portable(error)), root=0)
-
-    def decide() -> Any:
-        raise_first([e for _, e in gathered])
-        return commit([p for p, _ in gathered])
-
-    return on_rank0(comm, decide)
 
 
 def remove_stale(comm: MPI.Intracomm, directory: str, names: list[str]) -> None:

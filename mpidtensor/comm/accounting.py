@@ -5,7 +5,7 @@ Three kinds, each with its current figure and peak:
 * **library**: buffers the library allocated outside the pool and registered here
   (``track_buffer``; FSDP's shard and unsharded buffers, re-measured after an in-place
   ``resize_`` by ``track_resize``); a weak reference to each storage tells when it is freed;
-* **pool**: buffers of :mod:`mesh.pool` that are handed out (``pool_handed_out``, until
+* **pool**: buffers of :mod:`.pool` that are handed out (``pool_handed_out``, until
   ``pool_returned``); a hand-out counts as an allocation, as one from torch's cache does; the
   pool's idle buffers are cached, not allocated, like torch's caching allocator's;
 * **dtensor**: storages of live DTensors' local tensors that are not library buffers,
@@ -21,7 +21,7 @@ import torch
 
 KINDS = ("library", "pool", "dtensor")
 
-_storages: dict[int, tuple[weakref.ref, int, str]] = {}  # id(storage) -> (ref, nbytes, kind)
+_storages: dict[int, tuple[weakref.ref, int, str]] = {}  # not cleared: live storages, id -> (ref, nbytes, kind)
 current = {kind: 0 for kind in KINDS}
 peak = {kind: 0 for kind in (*KINDS, "all")}
 counts = {"allocated": 0, "freed": 0, "allocated_bytes": 0, "freed_bytes": 0}

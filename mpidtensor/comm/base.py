@@ -71,7 +71,7 @@ def beyond(thresholds: tuple[tuple[int, int], ...], size: int, total_bytes: int)
     return any(size >= ranks and total_bytes // size >= nbytes for ranks, nbytes in thresholds)
 
 
-@cache  # bounded: dtypes x ops
+@cache  # not cleared: a fact of the dtype and op, bounded by dtypes x ops
 def reduction(dtype: torch.dtype, op: str) -> tuple[torch.dtype, MPI.Op]:
     """The dtype MPI reduces in and the MPI op for ``op`` on ``dtype``."""
     if op not in _OPS:

@@ -46,7 +46,7 @@ def has_mpi_type(dtype: torch.dtype) -> bool:
     return dtype in _MPI_TYPES
 
 
-@cache
+@cache  # not cleared: one datatype per dtype, for the process (committed types are kept)
 def mpi_type(dtype: torch.dtype) -> MPI.Datatype:
     """The MPI datatype for one element of ``dtype`` (opaque bytes if MPI has none)."""
     if dtype in _MPI_TYPES:
@@ -84,7 +84,7 @@ def cuda_aware() -> bool:
     return _mpi_cuda_support() if override is None else override
 
 
-@cache
+@cache  # not cleared: fixed for the process
 def _mpi_cuda_support() -> bool:
     """``MPIX_Query_cuda_support()`` of the loaded libmpi; False where it cannot tell."""
     return bool(query_cuda_support())
@@ -127,7 +127,7 @@ def _values(tensor: torch.Tensor) -> torch.Tensor:
 
 def empty(shape: torch.Size | tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An uninitialised C-contiguous tensor on ``like``'s communication device; on the
-    host from the buffer pool (``mesh.pool``), elsewhere from torch's allocator."""
+    host from the buffer pool (``comm.pool``), elsewhere from torch's allocator."""
     if not like.is_cuda and pool.limit_bytes:
         return pool.take(shape, dtype or like.dtype)  # a torch.Size keys the pool as its tuple does
     return tracked_empty(shape, dtype or like.dtype, comm_device(like))

@@ -12,7 +12,8 @@ repeated collective pays for checks, choices, counts and datatypes once):
 - ``reduce``: :func:`all_reduce`, :func:`reduce_scatter`;
 - ``rooted``: :func:`broadcast`, :func:`scatter`;
 - ``base``: what they share: the tunable thresholds, argument checks, reduction ops, the
-  watchdog slot; ``compiled``: the custom ops tensors take while torch.compile traces.
+  watchdog slot; ``compiled``: the custom ops tensors take while torch.compile traces
+  (registered in torch's op registry at the first mesh, a process-wide effect).
 
 Every choice is made from facts every rank shares (global bytes per rank against
 thresholds measured per MPI library), so every rank makes the same one. Every collective
@@ -33,13 +34,21 @@ them when it lays out a call: tests and benchmarks set ``base.MAX_COUNT = n``.
 """
 from __future__ import annotations
 
-from . import base, compiled  # noqa: F401  (compiled registers the custom ops of traced tensors)
+from ..runtime.effects import effect
 from .alltoall import all_to_all, prepare_all_to_all
 from .base import ReduceOp
 from .gather import all_gather, prepare_all_gather
 from .prepared import Prepared
 from .reduce import all_reduce, prepare_all_reduce, prepare_reduce_scatter, reduce_scatter
 from .rooted import broadcast, scatter
+
+
+@effect("torch.ops.mpidtensor custom ops", "first mesh",
+        "registers torch.ops.mpidtensor.all_gather, all_to_all, all_reduce and reduce_scatter in torch's op "
+        "registry: the collectives as opaque ops that torch.compile traces")
+def _register_traced_ops() -> None:
+    from . import compiled  # noqa: F401  (registers the ops and fills base.TRACED_OPS)
+
 
 __all__ = [
     "Prepared", "ReduceOp", "all_gather", "all_reduce", "all_to_all", "broadcast", "prepare_all_gather",

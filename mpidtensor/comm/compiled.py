@@ -13,23 +13,47 @@ registers the ops; ``collectives`` does.)
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
 from mpi4py import MPI
 
+from ..runtime import caches
 from . import alltoall, base, gather, reduce
 
-_COMMS: list[MPI.Comm] = []  # a custom op takes ints, not communicators: the graph keeps the index
-_COMM_IDS: dict[int, int] = {}  # id(comm) -> index; the list keeps every comm alive
+# A custom op takes ints, not communicators: a graph keeps the index of each communicator it
+# calls, and the table keeps the communicator alive until its mesh is freed (then dropped).
+_COMMS: dict[int, MPI.Comm] = {}  # index -> communicator
+_COMM_IDS: dict[int, int] = {}  # id(comm) -> index
+_NEXT_INDEX = itertools.count()
 
 
 def _comm_id(comm: MPI.Comm) -> int:
     index = _COMM_IDS.get(id(comm))
     if index is None:
-        index = _COMM_IDS[id(comm)] = len(_COMMS)
-        _COMMS.append(comm)
+        index = _COMM_IDS[id(comm)] = next(_NEXT_INDEX)  # never reused: a stale graph cannot reach a new comm
+        _COMMS[index] = comm
     return index
+
+
+def _comm(index: int) -> MPI.Comm:
+    """The communicator a graph calls by ``index``; ``RuntimeError`` once its mesh was freed."""
+    comm = _COMMS.get(index)
+    if comm is None:
+        raise RuntimeError("a compiled graph calls a collective on a communicator whose DeviceMesh was freed")
+    return comm
+
+
+def _drop_freed() -> None:
+    """Forget the communicators freed since (with their mesh); live ones stay, since the
+    compiled graphs that hold their indices may run again."""
+    for index, comm in list(_COMMS.items()):
+        if comm == MPI.COMM_NULL:
+            del _COMMS[index], _COMM_IDS[id(comm)]
+
+
+caches.on_clear("compiled-graph communicators", _drop_freed)
 
 
 def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -40,7 +64,7 @@ def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 @torch.library.custom_op("mpidtensor::all_gather", mutates_args=())
 def all_gather_op(tensor: torch.Tensor, comm: int, dim: int, sizes: list[int]) -> torch.Tensor:
-    return gather.all_gather(tensor, _COMMS[comm], dim=dim, sizes=sizes)
+    return gather.all_gather(tensor, _comm(comm), dim=dim, sizes=sizes)
 
 
 @all_gather_op.register_fake
@@ -52,21 +76,21 @@ def _(tensor, comm, dim, sizes):
 def all_to_all_op(
     tensor: torch.Tensor, comm: int, split_dim: int, concat_dim: int, split_sizes: list[int], concat_sizes: list[int]
 ) -> torch.Tensor:
-    return alltoall.all_to_all(tensor, _COMMS[comm], split_dim=split_dim, concat_dim=concat_dim,
+    return alltoall.all_to_all(tensor, _comm(comm), split_dim=split_dim, concat_dim=concat_dim,
                                split_sizes=split_sizes, concat_sizes=concat_sizes)
 
 
 @all_to_all_op.register_fake
 def _(tensor, comm, split_dim, concat_dim, split_sizes, concat_sizes):
     shape = list(tensor.shape)
-    shape[split_dim % tensor.ndim] = split_sizes[_COMMS[comm].rank]
+    shape[split_dim % tensor.ndim] = split_sizes[_comm(comm).rank]
     shape[concat_dim % tensor.ndim] = sum(concat_sizes)
     return tensor.new_empty(shape)
 
 
 @torch.library.custom_op("mpidtensor::all_reduce", mutates_args=())
 def all_reduce_op(tensor: torch.Tensor, comm: int, op: str) -> torch.Tensor:
-    return reduce.all_reduce(tensor, _COMMS[comm], op)
+    return reduce.all_reduce(tensor, _comm(comm), op)
 
 
 @all_reduce_op.register_fake
@@ -76,12 +100,12 @@ def _(tensor, comm, op):
 
 @torch.library.custom_op("mpidtensor::reduce_scatter", mutates_args=())
 def reduce_scatter_op(tensor: torch.Tensor, comm: int, op: str, dim: int, sizes: list[int]) -> torch.Tensor:
-    return reduce.reduce_scatter(tensor, _COMMS[comm], op, dim=dim, sizes=sizes)
+    return reduce.reduce_scatter(tensor, _comm(comm), op, dim=dim, sizes=sizes)
 
 
 @reduce_scatter_op.register_fake
 def _(tensor, comm, op, dim, sizes):
-    return _resized(tensor, dim, sizes[_COMMS[comm].rank])
+    return _resized(tensor, dim, sizes[_comm(comm).rank])
 
 
 # --- what a kind calls for a fake or functional tensor (``base.TRACED_OPS``) -------------------

@@ -4,7 +4,7 @@ A collective that ranks enter with different kinds, dtypes, sizes or shapes hang
 corrupts data in MPI. Under debug mode every collective first exchanges a small
 fingerprint with one ``allgather`` on its own communicator; every rank compares the
 same list, so a mismatch (or an argument error found on some ranks only) raises the
-same error on every rank, naming the collective, the ranks and what differs, before
+same error on every rank (the exchange and the raise are :mod:`..runtime.agreement`'s), naming the collective, the ranks and what differs, before
 any data moves. ``settings.debug`` turns it on (``settings.update(debug=True)`` on every
 rank alike); the collectives test the module flag ``ENABLED``, which a settings listener
 keeps equal to it, and skip this module entirely while it is false.
@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
+from ..runtime.agreement import outcomes, raise_first
 from ..runtime.settings import settings
 
 ENABLED: bool = settings.debug  # read by every collective: a module flag, not a settings lookup
@@ -51,12 +52,8 @@ def check(
         try:
             validate()
         except _ERRORS as exc:
-            error = (type(exc).__name__, str(exc))
-    mine = (_MARK, kind, comm.size, tuple(sorted(facts.items())), error)
-    everyone = comm.allgather(mine)
-    message, exc_type = _verdict(everyone)
-    if message is not None:
-        raise exc_type(f"MPIDTENSOR_DEBUG: {message}")
+            error = exc
+    raise_first([_verdict(outcomes(comm, (_MARK, kind, comm.size, tuple(sorted(facts.items()))), error))])
 
 
 def tensor_facts(tensor: torch.Tensor, masked: tuple[int, ...] = ()) -> dict[str, Any]:
@@ -72,17 +69,23 @@ def norm_dim(dim: int, ndim: int) -> int:
     return dim % ndim if -ndim <= dim < ndim and ndim else dim
 
 
-def _verdict(everyone: list) -> tuple[str | None, type[Exception]]:
+def _verdict(everyone: list) -> Exception | None:
+    """The error (or None) that the gathered ``(fingerprint, error)`` pairs call for."""
+    message, exc_type = _judge(everyone)
+    return None if message is None else exc_type(f"MPIDTENSOR_DEBUG: {message}")
+
+
+def _judge(everyone: list) -> tuple[str | None, type[Exception]]:
     """The error message (or None) that the gathered fingerprints call for, and its type."""
-    foreign = [r for r, f in enumerate(everyone) if not (isinstance(f, tuple) and len(f) == 5 and f[0] == _MARK)]
+    foreign = [r for r, f in enumerate(everyone) if not _ours(f)]
     if foreign:
         return (f"ranks {foreign} entered a collective that is not an mpidtensor collective while "
                 f"the others entered one"), ValueError
-    kinds = [f[1] for f in everyone]
+    kinds = [f[1] for f, _ in everyone]
     if len(set(kinds)) > 1:
         return "ranks entered different collectives: " + _by_rank(kinds), ValueError
     kind = kinds[0]
-    facts = [dict(f[3]) for f in everyone]
+    facts = [dict(f[3]) for f, _ in everyone]
     keys = sorted(set().union(*facts))
     differ = []
     for key in keys:
@@ -91,12 +94,19 @@ def _verdict(everyone: list) -> tuple[str | None, type[Exception]]:
             differ.append(f"{key} differs: " + _by_rank(values))
     if differ:
         return f"{kind} on a communicator of {len(everyone)} ranks: " + "; ".join(differ), ValueError
-    errors = [(r, f[4]) for r, f in enumerate(everyone) if f[4] is not None]
+    errors = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
     if errors:
-        exc_type = {"TypeError": TypeError, "IndexError": IndexError}.get(errors[0][1][0], ValueError)
-        detail = "; ".join(f"rank {r}: {name}: {text}" for r, (name, text) in errors)
+        first = type(errors[0][1])
+        exc_type = first if first in _ERRORS else ValueError
+        detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in errors)
         return f"{kind} got bad arguments on ranks {[r for r, _ in errors]} ({detail})", exc_type
     return None, ValueError
+
+
+def _ours(pair: Any) -> bool:
+    """Whether ``pair`` is an mpidtensor collective's ``(fingerprint, error)``."""
+    return (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], tuple) and len(pair[0]) == 4
+            and pair[0][0] == _MARK)
 
 
 def _by_rank(values: list) -> str:

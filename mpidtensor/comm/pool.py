@@ -21,7 +21,7 @@ The pool keeps at most ``PER_SIZE`` buffers of one size, ``MAX_SIZES`` sizes and
 ``settings.buffer_pool_mb`` MiB (``MPIDTENSOR_BUFFER_POOL_MB``, default 512; 0 turns
 pooling off; a change resizes the pool at once) in all, dropping
 the least recently used idle sizes first; a request it cannot pool gets a fresh
-buffer, freed as usual. Hand-outs and returns are reported to :mod:`mesh.accounting`
+buffer, freed as usual. Hand-outs and returns are reported to :mod:`.accounting`
 as allocations and frees; a buffer is known to be back when a scan or a request of
 its size sees it idle, so between scans the handed-out figure is an upper bound. A
 buffer handed out again is counted (a free and an allocation) and reported at the next
@@ -111,7 +111,7 @@ class BufferPool:
 
     def scan(self) -> int:
         """Mark the buffers nobody holds as back and report the reuses since the last scan to
-        :mod:`mesh.accounting`; the bytes still handed out (exact now)."""
+        :mod:`.accounting`; the bytes still handed out (exact now)."""
         with self._lock:
             if self._reused:
                 accounting.pool_reused(self._reused_bytes, self._reused)
@@ -196,7 +196,7 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def tracked_empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """An uninitialised tensor the library allocates outside the pool: advised by
     :func:`advise_huge_pages` before its first touch and registered with
-    :mod:`mesh.accounting`, so the memory API counts it."""
+    :mod:`.accounting`, so the memory API counts it."""
     return accounting.track_buffer(advise_huge_pages(torch.empty(shape, dtype=dtype, device=device)))
 
 

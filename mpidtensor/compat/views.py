@@ -40,8 +40,8 @@ __all__ = ["PARENTS", "override", "stand_in", "view"]
 
 PARENTS = routes.PARENTS
 
-_VIEWS: dict[str, types.ModuleType | None] = {}
-_STAND_INS: dict[str, Any] = {}
+_VIEWS: dict[str, types.ModuleType | None] = {}  # not cleared: user code holds these modules
+_STAND_INS: dict[str, Any] = {}  # not cleared: user code holds these objects
 _ABSENT = object()
 _HIDDEN = ("__spec__", "__loader__", "__package__")  # read through to the module, not None
 

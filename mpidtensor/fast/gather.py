@@ -43,7 +43,7 @@ GATHER = register(
 class Route:
     """How one input spec is all-gathered: the output spec, the communicator, the dim, this
     rank's (offset, size) along it, and the two collectives prepared for this rank's block
-    (``mesh.prepared``: checks and choices made once, later calls go to MPI). Read
+    (``comm.prepared``: checks and choices made once, later calls go to MPI). Read
     the other way, a partial whole reduce-scattered to the spec and its gradient gathered
     back (a sequence-parallel row Linear or embedding, :func:`shard_route`)."""
 

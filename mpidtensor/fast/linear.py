@@ -52,14 +52,14 @@ from ..tensor.placements import Partial, Placement, Replicate, Shard, normalize_
 from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
 from .gather import Route, gather_route, shard_route
-from ..runtime.caches import cache
+from ..runtime import caches
 from .registry import enabled, register
 from .rules import keeps_layout
 
 aten = torch.ops.aten
 
 
-_GRAD_SPECS: dict = cache("fast.linear.grad_specs")  # (input spec, partial) -> gradient spec
+_GRAD_SPECS: dict = caches.cache("fast.linear.grad_specs")  # (input spec, partial) -> gradient spec
 
 
 def _grad_spec(x: DTensor, partial: bool) -> DTensorSpec:
@@ -210,7 +210,7 @@ class LocalLinearForward:
         self.given, self.wanted, self.local_out = given, wanted, local_out
         self.prepare_input, self.prepare_output = prepare_input, prepare_output
         self.comm = mesh.comm_for((0,))
-        self.checked: tuple = ()  # the parameter specs ``plans`` were decided for, by identity
+        self.checked: tuple = ()  # the rules' generation and the parameter specs ``plans`` were decided for
         self.plans: dict[tuple, tuple | None] = {}  # by input ndim and dtype (``_decide``)
         self.out_specs: dict[tuple, DTensorSpec] = {}  # by input shape and dtype (``_out_spec``)
 
@@ -263,8 +263,8 @@ class LocalLinearForward:
         if x.ndim == 0 or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
             return None
         weight, bias = module.weight, module.bias
-        specs = (getattr(weight, "_spec", None), getattr(bias, "_spec", None))
-        if specs != self.checked:
+        specs = (caches.GENERATION, getattr(weight, "_spec", None), getattr(bias, "_spec", None))
+        if specs != self.checked:  # other parameters, or the rules changed (caches.clear_all)
             self.checked, self.plans = specs, {}
         key = (x.ndim, x.dtype)
         plan = self.plans.get(key, False)

@@ -32,6 +32,7 @@ from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..comm import collectives
 from ..tensor.placements import Shard
+from ..runtime import caches
 from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
 from .linear import local_grad
@@ -137,6 +138,7 @@ class LocalNormForward:
         self.comm = mesh.comm_for((0,))
         self.decided: dict[tuple, bool] = {}  # by the input's and the parameters' specs (``_applies``)
         self.rules: dict[tuple, bool] = {}  # the norm rule's verdict, by layout (``_rule_agrees``)
+        self.generation = caches.GENERATION  # of the rules both tables were decided under
 
     def __deepcopy__(self, memo: dict) -> "LocalNormForward":
         twin = copy.copy(self)  # the mesh and the style's conversions are shared, as the DTensors' specs are
@@ -161,6 +163,8 @@ class LocalNormForward:
     def _applies(self, module: nn.Module, x: Any) -> bool:
         if not isinstance(x, DTensor) or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
             return False
+        if self.generation != caches.GENERATION:  # the rules changed (caches.clear_all): decide again
+            self.decided, self.rules, self.generation = {}, {}, caches.GENERATION
         params = (module.weight, getattr(module, "bias", None))
         key = (x._spec, *(p._spec if isinstance(p, DTensor) else p is None for p in params))
         fits = self.decided.get(key)

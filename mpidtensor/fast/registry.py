@@ -35,7 +35,7 @@ class FastPath:
         return f"FastPath({self.name!r}, hits={self.hits})"
 
 
-_PATHS: dict[str, FastPath] = {}
+_PATHS: dict[str, FastPath] = {}  # not cleared: the registry of fast paths, by name
 
 
 def register(name: str, shortcuts: str, decided_by: str) -> FastPath:

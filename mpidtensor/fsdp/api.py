@@ -22,6 +22,7 @@ from torch import nn
 from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
 from ..mesh.foreign import require_mesh
+from ..runtime import caches
 from ..runtime.agreement import attempt, raise_agreed
 from ..mesh.relations import joint_mesh
 from ..tensor.placements import Shard
@@ -138,14 +139,22 @@ def _modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     return modules
 
 
-@cache
+@cache  # not cleared: one FSDP class per module class, as torch makes it
 def _fsdp_class(cls: type) -> type:
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
 
 
-@cache
+# kept when another mesh is freed: a freed default mesh is seen on use and built again
+_DEFAULT_MESHES = caches.cache("fsdp.default_meshes", maxsize=None, holds_meshes=False)
+
+
 def _default_mesh(device_type: str) -> DeviceMesh:
-    return init_device_mesh(device_type, (MPI.COMM_WORLD.size,))
+    """The 1-D world mesh ``fully_shard`` uses without one: built once per device type, and
+    again after the user freed it (all ranks free it alike, so all rebuild it alike)."""
+    mesh = _DEFAULT_MESHES.get(device_type)
+    if mesh is None or mesh._freed:
+        mesh = _DEFAULT_MESHES[device_type] = init_device_mesh(device_type, (MPI.COMM_WORLD.size,))
+    return mesh
 
 
 def _ignored_ids(ignored_params: Iterable[nn.Parameter] | None) -> set[int]:

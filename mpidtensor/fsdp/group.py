@@ -6,7 +6,7 @@ transition is one method that checks the state it leaves:
 
 * ``start_unshard``: ``SHARDED`` or ``SHARDED_POST_FORWARD`` -> ``UNSHARDING``: one
   ``Iallgather`` of every rank's send buffer (``packing``), in rank order, into a pooled
-  buffer (``mesh.pool``); from ``SHARDED_POST_FORWARD`` over the subgroup of
+  buffer (``comm.pool``); from ``SHARDED_POST_FORWARD`` over the subgroup of
   ``reshard_after_forward=k`` ranks only, from the rows each rank kept. A group of one
   plain parameter split evenly along dim 0 on the host is gathered straight into
   ``unsharded_flat`` (the ranks' shards back to back are the parameter). Contiguous
@@ -33,7 +33,7 @@ all-reduced over the data-parallel mesh.
 
 ``CPUOffloadPolicy`` on a non-CPU mesh: ``shard_flat`` and the ``.grad`` shards on the
 host, copied to the device for the all-gather and back after the reduce-scatter.
-``shard_flat`` and ``unsharded_flat`` are registered with ``mesh.accounting`` (and every
+``shard_flat`` and ``unsharded_flat`` are registered with ``comm.accounting`` (and every
 resize reported), so ``memory_allocated()`` shows sharded + currently gathered bytes.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..tensor.dtensor import DTensor
 from ..comm import accounting
-from ..runtime.agreement import attempt, portable, raise_first
+from ..runtime.agreement import attempt, exchange
 from ..comm.nonblocking import Handle, iall_gather, iall_reduce
 from ..comm.pool import advise_huge_pages, tracked_empty
 from ..comm.prepared import Prepared
@@ -262,10 +262,8 @@ class ParamGroup:
         """Per extension parameter and all-gather input, (gathered rows on dim 0, rows per
         rank in the send buffer), from every shard rank's input shapes (one ``allgather``),
         so that all ranks lay out, or refuse (``FSDPParam.input_rows``, a rank's ``error``), alike."""
-        mine = portable(error) if error is not None else {i: [tuple(t.shape) for t in inputs[i]]
-                                                          for i, _ in self._extensions}
-        every = self.info.shard_comm.allgather(mine)
-        raise_first([e for e in every if isinstance(e, BaseException)])
+        mine = None if error is not None else {i: [tuple(t.shape) for t in inputs[i]] for i, _ in self._extensions}
+        every = exchange(self.info.shard_comm, mine, error)
         return {i: p.input_rows([shapes[i] for shapes in every]) for i, p in self._extensions}
 
     def _check_inputs(self, i: int, p: FSDPParam, inputs: tuple[torch.Tensor, ...]) -> None:

@@ -16,7 +16,7 @@ need no gradient), waits for every reduce-scatter (unless ``set_is_last_backward
 and reshards. A registered forward method (``register_fsdp_forward_method``) runs the
 pre/post-forward hooks around itself; the module's own forward calls inside it are
 nested (``method_depth``) and leave the parameters gathered. Every hook ends with
-``mesh.progress.poke()`` (an ``MPI_Test`` on an in-flight collective in the ``hooks``
+``runtime.progress.poke()`` (an ``MPI_Test`` on an in-flight collective in the ``hooks``
 progress mode; nothing in the default ``off``).
 """
 from __future__ import annotations

@@ -78,7 +78,7 @@ class _Roots:
 # program dropped can be collected. A registry, not a cache: `clear_cache()` must not forget
 # the program's meshes (a load would then build a second mesh instead of returning the live
 # one). One entry per layout the program built; each entry prunes its dead roots.
-_ROOTS: dict[tuple, _Roots] = {}
+_ROOTS: dict[tuple, _Roots] = {}  # not cleared: the live roots (weak), pruned as they die
 
 
 def live_roots() -> list:

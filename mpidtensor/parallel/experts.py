@@ -12,7 +12,7 @@ local weights, by one of two dispatches:
 
 * ``"all_to_all"`` (default): each rank holds its own tokens (expert parallelism over
   data-parallel ranks). The (token, expert) pairs go to the experts' ranks in one row
-  exchange (``mesh.exchange``, after one of the counts), run there top-1 with unit weights,
+  exchange (``comm.exchange``, after one of the counts), run there top-1 with unit weights,
   come back in a second, and are weighted and summed on the sender. Backward runs the
   two exchanges in reverse.
 * ``"all_reduce"``: every rank holds the same tokens (the experts split over a

@@ -21,7 +21,7 @@ from torch import nn
 
 __all__ = ["ParallelForwardModule", "install", "own_forward", "swapped_class"]
 
-_CLASSES: dict[type, type] = {}  # a module class -> its swapped subclass
+_CLASSES: dict[type, type] = {}  # not cleared: a module class -> its swapped subclass (one per class)
 
 
 class ParallelForwardModule:

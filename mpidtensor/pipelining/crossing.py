@@ -12,10 +12,12 @@ and buffers, the meshes of its ``input_args``, ``get_mesh(dim_names, None)`` if 
 callbacks written for torch accept None), and every mesh the program built or derived.
 Sender and receiver must hold the same place in their copies (the same local shard): the
 pipeline group pairs ranks of equal coordinates, as a pipeline dim of one world mesh does.
-A mesh that cannot be found, or a pairing of other coordinates, raises ``ValueError`` on
-every rank at the first step. The search is local, so a stage's ranks must hold alike
-what it looks among (they do when they run one program): a mesh built on some of a
-stage's ranks only is not agreed on, and the others would wait in the coordinate check.
+A mesh that cannot be found, a ``get_mesh`` that raises or answers wrongly on any rank,
+or a pairing of other coordinates, raises ``ValueError`` on every rank at the first step:
+the stage's ranks agree (:mod:`..runtime.agreement`) over the copy the search finds. The
+search is local, so a stage's ranks must hold alike what it looks among (they do when
+they run one program): a mesh built on some of a stage's ranks only is not agreed on,
+and the others would wait in the agreement.
 
 Gradients go back the same way. An input's gradient is first redistributed to the
 input's own placements (a ``Partial`` gradient is summed over the mesh then), so what is
@@ -27,10 +29,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
-from mpi4py import MPI
-
 from ..mesh.device_mesh import DeviceMesh
 from ..mesh.relations import find_copy
+from ..runtime.agreement import attempt, exchange
 from ..tensor.dtensor import DTensor
 
 
@@ -99,33 +100,53 @@ def meshes_of(tensors: Iterable[Any]) -> list[DeviceMesh]:
 def meshes_for(stage_index: int, metas: list, first: list[DeviceMesh],
                get_mesh: Callable[..., Any] | None) -> list[DeviceMesh | None]:
     """This rank's copy of the mesh of each DTensor in ``metas`` (None for plain tensors);
-    ``ValueError`` naming the mesh when there is none or the coordinates differ."""
+    ``ValueError`` on every rank of the stage naming the mesh when there is none, when
+    ``get_mesh`` fails or returns another mesh, or when the coordinates differ.
+
+    The stage's ranks agree on each verdict over the copy of the mesh that the search
+    finds (the same communicator on each of them, whatever ``get_mesh`` does on one),
+    so a callback that fails on one rank raises on all of them rather than leaving the
+    others waiting."""
     meshes: list[DeviceMesh | None] = []
     for m in metas:
         if m.dist is None:
             meshes.append(None)
             continue
-        mesh = None
-        if get_mesh is not None:  # torch passes its layout object second; None is what its callbacks accept
-            mesh = get_mesh(m.dist.mesh[1], None)
-            if mesh is None:
-                raise ValueError(f"stage {stage_index} receives a {m.dist.text()} and its get_mesh "
-                                 f"returned None for it")
-            if not isinstance(mesh, DeviceMesh) or mesh._copies_key() != m.dist.mesh:
-                raise ValueError(f"stage {stage_index} receives a {m.dist.text()}; get_mesh returned {mesh!r}, "
-                                 f"not a copy of that mesh (same dim names, over the same rank grid)")
-        else:
-            mesh = find_copy(m.dist.mesh, first)
-            if mesh is None:
-                raise ValueError(f"stage {stage_index} receives a {m.dist.text()} and this rank holds no copy of "
-                                 f"that mesh: build the mesh it comes from on every rank (e.g. slice the world "
-                                 f"mesh) or pass PipelineStage(get_mesh=...)")
-        # agreed over the mesh's ranks: a stage's ranks run its module (collectives) together
-        moved = tuple(mesh.get_coordinate()) != m.dist.coordinate
-        if mesh._cart.allreduce(moved, op=MPI.LOR):
+        mesh, error = attempt(_copy_for, stage_index, m.dist, first, get_mesh)
+        home = find_copy(m.dist.mesh, first)  # searched alike on the stage's ranks: where they agree
+        if home is None:  # no rank of the stage holds a copy: each raises its own verdict alike
+            raise error or ValueError(_no_copy(stage_index, m.dist))
+        moved = error is None and tuple(mesh.get_coordinate()) != m.dist.coordinate
+        if any(exchange(home.comm, moved, error)):
             raise ValueError(f"stage {stage_index} receives a {m.dist.text()} sent from coordinate "
                              f"{m.dist.coordinate} of that mesh to a rank at another place in its copy (this one: "
                              f"{tuple(mesh.get_coordinate())}): the pipeline group must pair ranks at the same place "
                              f"in their meshes")
         meshes.append(mesh)
     return meshes
+
+
+def _copy_for(stage_index: int, dist: DistMeta, first: list[DeviceMesh],
+              get_mesh: Callable[..., Any] | None) -> DeviceMesh:
+    """This rank's copy of ``dist``'s mesh: ``get_mesh``'s answer, checked, or the search's."""
+    if get_mesh is None:
+        mesh = find_copy(dist.mesh, first)
+        if mesh is None:
+            raise ValueError(_no_copy(stage_index, dist))
+        return mesh
+    try:  # torch passes its layout object second; None is what its callbacks accept
+        mesh = get_mesh(dist.mesh[1], None)
+    except Exception as err:  # noqa: BLE001  (agreed over the stage's ranks by the caller)
+        raise ValueError(f"stage {stage_index} receives a {dist.text()} and its get_mesh raised "
+                         f"{type(err).__name__}: {err}") from err
+    if mesh is None:
+        raise ValueError(f"stage {stage_index} receives a {dist.text()} and its get_mesh returned None for it")
+    if not isinstance(mesh, DeviceMesh) or mesh._copies_key() != dist.mesh:
+        raise ValueError(f"stage {stage_index} receives a {dist.text()}; get_mesh returned {mesh!r}, "
+                         f"not a copy of that mesh (same dim names, over the same rank grid)")
+    return mesh
+
+
+def _no_copy(stage_index: int, dist: DistMeta) -> str:
+    return (f"stage {stage_index} receives a {dist.text()} and this rank holds no copy of that mesh: build the "
+            f"mesh it comes from on every rank (e.g. slice the world mesh) or pass PipelineStage(get_mesh=...)")

@@ -17,7 +17,7 @@ import torch
 from mpi4py import MPI
 
 from ..runtime import watchdog
-from ..runtime.agreement import portable, raise_first, raise_listed
+from ..runtime.agreement import exchange, raise_listed
 from ..tensor.dtensor import DTensor
 from .crossing import DistMeta, dist_meta, meshes_for, rebuild
 
@@ -99,9 +99,7 @@ def infer(stages: list, stage_rank: dict[int, int], ctl: MPI.Intracomm, first_ar
             if stage_rank[s + 1] != ctl.rank:
                 sends.append(ctl.isend(outs, dest=stage_rank[s + 1], tag=s + 1))
     watchdog.wait_all(sends, "the pipeline's exchange of stage shapes", ctl)
-    table = ctl.allgather((portable(error), found))
-    raise_first([e for e, _ in table])
-    every = {s: v for _, part in table for s, v in part.items()}
+    every = {s: v for part in exchange(ctl, found, error) for s, v in part.items()}
     problems = []
     for s in sorted(every):
         sent, expected = every[s][1], every.get(s + 1, (None,))[0]

@@ -8,10 +8,13 @@ the same error (type and message) on every rank.
 
 - :func:`agree`: a ``with`` block whose error on any rank is raised on every rank;
 - :func:`attempt` + :func:`raise_agreed`: the same for a value-returning step;
+- :func:`exchange`: every rank's value and error in one collective, the first error
+  raised on every rank, else every rank's value (:func:`outcomes` is the exchange
+  without the raise, for a caller that builds its own verdict from them);
 - :func:`raise_found`: each rank's list of problems, raised as one error naming all
   (:func:`raise_listed` is its local half, for a list every rank already holds alike);
 - :func:`on_rank0`: rank 0 decides (reads a file, commits), every rank gets the result
-  or the error;
+  or the error; :func:`gather_to_rank0` first brings every rank's value (or error) to it;
 - :func:`require_same`: a value every rank must hold alike (shapes, signatures).
 
 Checks decided from what every rank shares (global shapes, specs, meshes) need none of
@@ -25,8 +28,8 @@ from typing import Any, Callable, Iterator
 
 from mpi4py import MPI
 
-__all__ = ["agree", "attempt", "on_rank0", "portable", "raise_agreed", "raise_first", "raise_found",
-           "raise_listed", "require_same"]
+__all__ = ["agree", "attempt", "exchange", "gather_to_rank0", "on_rank0", "outcomes", "portable",
+           "raise_agreed", "raise_first", "raise_found", "raise_listed", "require_same"]
 
 
 def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
@@ -60,7 +63,21 @@ def raise_first(errors: list[BaseException | None]) -> None:
 
 def raise_agreed(comm: MPI.Intracomm, error: BaseException | None) -> None:
     """Raise on every rank the first error any rank met (one ``allgather``)."""
-    raise_first(comm.allgather(portable(error)))
+    exchange(comm, None, error)
+
+
+def outcomes(comm: MPI.Intracomm, value: Any, error: BaseException | None = None) -> list[tuple[Any, Any]]:
+    """Every rank's ``(value, error)`` (``error`` made :func:`portable`), in rank order (one
+    ``allgather``); nothing raised: the caller judges the list, alike on every rank."""
+    return comm.allgather((value, portable(error)))
+
+
+def exchange(comm: MPI.Intracomm, value: Any, error: BaseException | None = None) -> list[Any]:
+    """Every rank's ``value``, once no rank met an error: else the first rank's ``error``
+    raised on every rank (one ``allgather`` carries both)."""
+    table = outcomes(comm, value, error)
+    raise_first([e for _, e in table])
+    return [v for v, _ in table]
 
 
 @contextmanager
@@ -107,6 +124,20 @@ def on_rank0(comm: MPI.Intracomm, fn: Callable[..., Any], *args: Any) -> Any:
     value, error = comm.bcast(attempt(fn, *args) if comm.rank == 0 else None, root=0)
     raise_first([error])
     return value
+
+
+def gather_to_rank0(comm: MPI.Intracomm, value: Any, error: BaseException | None,
+                    decide: Callable[[list[Any]], Any]) -> Any:
+    """Every rank's ``value`` (or ``error``) gathered to rank 0, which runs
+    ``decide(values)`` unless some rank met an error; its result on every rank, or the
+    first error raised on every rank (a ``gather`` and a ``bcast``)."""
+    gathered = comm.gather((value, portable(error)), root=0)
+
+    def judged() -> Any:
+        raise_first([e for _, e in gathered])
+        return decide([v for v, _ in gathered])
+
+    return on_rank0(comm, judged)
 
 
 def require_same(comm: MPI.Intracomm, value: Any, what: str | Callable[[list[Any]], str],

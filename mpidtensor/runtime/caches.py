@@ -5,12 +5,17 @@ plain ``dict.get``), bounded where user input can grow it: past ``maxsize`` entr
 oldest is dropped. :func:`clear_all` (``mpidtensor.clear_cache``) empties every one, and
 :func:`mesh_freed` (called by ``DeviceMesh.free``) empties those that may hold a mesh's
 communicators, so nothing calls a freed communicator through a cached plan.
+
+A verdict kept outside the registry (an object's own table, e.g. a parallel module's
+fast-path decisions) keys itself by :data:`GENERATION`, which every :func:`clear_all`
+bumps: ``clear_cache()`` and every change of the sharding rules (``register_sharding``,
+the context-parallel dispatcher: each clears) reach it too.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Hashable
 
-__all__ = ["BoundedCache", "cache", "clear_all", "mesh_freed", "registered", "on_clear"]
+__all__ = ["GENERATION", "BoundedCache", "cache", "clear_all", "mesh_freed", "registered", "on_clear"]
 
 
 class BoundedCache(dict):
@@ -37,7 +42,8 @@ class BoundedCache(dict):
         return f"BoundedCache({self.name!r}, {len(self)}/{self.maxsize})"
 
 
-_CACHES: dict[str, BoundedCache] = {}
+GENERATION = 0  # bumped by clear_all: read as ``caches.GENERATION`` (a module attribute) on use
+_CACHES: dict[str, BoundedCache] = {}  # not cleared: the registry itself (clear_all empties each)
 _CLEARERS: list[tuple[str, Callable[[], None], bool]] = []
 
 
@@ -64,7 +70,9 @@ def registered() -> dict[str, int]:
 
 
 def clear_all() -> None:
-    """Empty every registered cache."""
+    """Empty every registered cache; a verdict keyed by :data:`GENERATION` is stale after."""
+    global GENERATION
+    GENERATION += 1
     for c in _CACHES.values():
         c.clear()
     for _, clear, _ in _CLEARERS:

@@ -1,18 +1,11 @@
 """Setup that needs ``torch._dynamo``, run when torch.compile first imports it.
 
-<<<<<<< HEAD
 :func:`when_dynamo_loads` defers such setup (marking functions as graph breaks) to
-Dynamo's own import: importing Dynamo takes longer than importing torch (1.2 s against
-1.3 s here), so a program that never compiles should not pay it. The import hook it may
-put on ``sys.meta_path`` is a process-wide effect, installed with the first mesh
-(``dtensor`` registers it with :mod:`mpidtensor.runtime.effects`). (Collectives reached while torch.compile traces go through the
-custom ops of :mod:`mpidtensor.mesh.traced`.)
-=======
-:func:`when_dynamo_loads` defers such setup (marking functions as graph breaks) from
-``import mpidtensor`` to Dynamo's own import: importing Dynamo takes longer than
-importing torch. (Collectives reached while torch.compile traces go through the
-custom ops of :mod:`mpidtensor.comm.compiled`.)
->>>>>>> comm
+Dynamo's own import: importing Dynamo takes longer than importing torch, so a program that
+never compiles should not pay it. The import hook it may put on ``sys.meta_path`` is a
+process-wide effect, installed with the first mesh (``dtensor`` registers it with
+:mod:`mpidtensor.runtime.effects`). (Collectives reached while torch.compile traces go
+through the custom ops of :mod:`mpidtensor.comm.compiled`.)
 """
 from __future__ import annotations
 

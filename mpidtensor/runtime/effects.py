@@ -1,8 +1,13 @@
 """Every process-wide effect mpidtensor can have on Python or torch, listed in one place.
 
-``import mpidtensor`` changes nothing outside the package. Each effect (a hook, a patch
-of a torch table, a kernel) is registered here with the moment a user opts into it, and
-installed then, once:
+``import mpidtensor`` changes nothing in Python or torch. It has one effect outside them,
+:data:`AT_IMPORT`: MPI starts (mpi4py's default, when the package first imports
+``mpi4py.MPI``). Starting it later, at the first mesh, would need ``mpi4py.rc.initialize =
+False``, a process-wide mpi4py setting: a program that imports mpidtensor and then calls
+mpi4py itself before building a mesh (to read its rank, say) would meet an uninitialized
+MPI, which MPICH answers by aborting the process. Each other effect (a hook, a patch of a
+torch table, a kernel, a custom op) is registered here with the moment a user opts into
+it, and installed then, once:
 
 - ``"first mesh"``: when the first :class:`~mpidtensor.DeviceMesh` is built (a program
   that builds one runs distributed tensors; :func:`first_mesh` is called by the mesh);
@@ -19,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Effect", "describe", "effect", "first_mesh", "install", "installed"]
+__all__ = ["AT_IMPORT", "Effect", "describe", "effect", "first_mesh", "install", "installed"]
 
 WHEN = ("first mesh", "explicit")
 
@@ -33,6 +38,14 @@ class Effect:
     installed: bool = False
 
 
+# The one effect of ``import mpidtensor`` (name, what it does and what follows from it).
+AT_IMPORT = ("MPI start-up",
+             "MPI is initialized when mpidtensor first imports mpi4py.MPI (mpi4py's default, unless the program "
+             "imported it before: then mpi4py.rc decided), at MPI_THREAD_MULTIPLE, and mpi4py adds its finder to "
+             "sys.meta_path; the thread level is fixed from "
+             "then on, and a process forked afterwards (DataLoader workers, multiprocessing's default start method "
+             "on Linux) is a copy of an initialized MPI process, which MPI libraries do not support: use the "
+             "'spawn' or 'forkserver' start method")
 _EFFECTS: dict[str, Effect] = {}
 _MESH_BUILT = False
 
@@ -79,5 +92,6 @@ def installed() -> list[str]:
 
 
 def describe() -> list[tuple[str, str, str, bool]]:
-    """(name, when, what, installed) for every registered effect."""
-    return [(e.name, e.when, e.what, e.installed) for e in _EFFECTS.values()]
+    """(name, when, what, installed) for the effect of the import and every registered one."""
+    return [(AT_IMPORT[0], "import", AT_IMPORT[1], True)] + [(e.name, e.when, e.what, e.installed)
+                                                             for e in _EFFECTS.values()]

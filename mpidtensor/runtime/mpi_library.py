@@ -55,7 +55,7 @@ def _open(path: str | None) -> ctypes.CDLL | None:
         return None
 
 
-@cache
+@cache  # not cleared: fixed for the process
 def library_path() -> str | None:
     """The file of the ``libmpi`` mpi4py loaded, or None where it cannot be found."""
     for path in _candidates():
@@ -81,7 +81,7 @@ def query_cuda_support(path: str | None = None) -> bool | None:
     return bool(query())
 
 
-@cache
+@cache  # not cleared: fixed for the process
 def describe() -> MPILibrary:
     """The MPI library in use (computed once per process)."""
     vendor, version = MPI.get_vendor()
@@ -98,7 +98,7 @@ def describe() -> MPILibrary:
 
 
 # Where a collective's regular form beats its irregular one, per MPI library: for each choice
-# of ``mesh.collectives``, the ``(ranks, global bytes / ranks)`` pairs from which the regular
+# of ``comm.collectives``, the ``(ranks, global bytes / ranks)`` pairs from which the regular
 # form is taken (any pair reached). Measured with benchmarks/bench_collectives.py on both
 # wheels (docs/mpi-settings.md): MPICH's Alltoallw and Allgatherv fall far behind a packed
 # Alltoall and a padded Allgather at large sizes; Open MPI's do not.

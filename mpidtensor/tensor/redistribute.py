@@ -44,7 +44,7 @@ from .spec import DTensorSpec
 class _Collective:
     """A step that is one collective. Its first run on a plain tensor prepares the collective
     for that tensor's shape and dtype on the mesh's communicator
-    (:class:`mesh.prepared.Prepared`: checks, algorithm, counts and datatypes decided once)
+    (:class:`comm.prepared.Prepared`: checks, algorithm, counts and datatypes decided once)
     and keeps it on the step, which a plan holds: later runs go straight to MPI.
     ``inplace``: the caller owns ``t`` and no longer needs it (an all-reduce may reuse it)."""
 

@@ -188,7 +188,7 @@ def empty_cache() -> None:
         trim(0)
 
 
-@cache
+@cache  # not cleared: fixed for the process
 def _malloc_trim():
     name = ctypes.util.find_library("c")
     try:

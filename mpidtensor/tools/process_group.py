@@ -5,7 +5,7 @@ Hugging Face ``generate(synced_gpus=True)`` all-reduces a "this rank finished" f
 that a rank stopping early keeps joining the others' forwards (FSDP gathers in every
 one), training loops all-reduce metrics, libraries call ``dist.barrier()``.
 :func:`init_process_group` registers a torch ``ProcessGroup`` backend, ``"mpidtensor"``,
-whose collectives are mpidtensor's on an MPI communicator (``mesh.collectives``: the
+whose collectives are mpidtensor's on an MPI communicator (``comm.collectives``: the
 staging path, bfloat16 reduced in float32, debug-mode checks, the watchdog) and makes it
 torch's default group over the MPI ranks; ``dist.new_group(ranks)`` gets a
 sub-communicator. Functional collectives (``torch.distributed._functional_collectives``)

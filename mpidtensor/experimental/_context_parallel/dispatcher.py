@@ -33,7 +33,7 @@ aten = torch.ops.aten
 _FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _SEQ = 2  # q/k/v are [batch, heads, sequence, head dim]
-_replaced: dict = {}  # op -> the rule it had before enabling
+_replaced: dict = {}  # not cleared: op -> the rule it had before enabling, put back on disabling
 
 
 def _enable_context_parallel_dispatcher() -> None:

@@ -1,11 +1,11 @@
 """Moving key/value blocks (and their gradients) between the ranks of a ring.
 
 Blocks travel as one flat C-contiguous buffer each (keys then values, :func:`pack`), on
-the communication device of ``mesh.buffers`` (host memory for CUDA tensors unless MPI is
+the communication device of ``comm.buffers`` (host memory for CUDA tensors unless MPI is
 CUDA-aware), so that one message carries both. :func:`shift` starts a neighbour exchange
 (``Irecv`` from rank - 1, ``Isend`` to rank + 1) that the caller tests now and then
 during the block computation it overlaps with and waits for after it; :func:`gather` and :func:`reduce_scatter` are the
-all-gather variant's two collectives (``mesh.collectives``).
+all-gather variant's two collectives (``comm.collectives``).
 """
 from __future__ import annotations
 
