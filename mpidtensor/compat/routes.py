@@ -33,7 +33,8 @@ __all__ = ["PARENTS", "module_names", "override", "overrides", "provided", "repl
 PARENTS = frozenset(path.rsplit(".", k)[0] for path in ALIASES for k in range(1, path.count(".") + 1))
 
 _ABSENT = object()
-_OVERRIDES: dict[str, dict[str, Any]] = {}  # torch path -> {name: what user code gets}
+# torch path -> {name: what user code gets}
+_OVERRIDES: dict[str, dict[str, Any]] = {}  # not cleared: the switch's routing, set when installed
 _by_id: dict[int, tuple[Any, Any]] | None = None  # id(torch object) -> (torch object, replacement)
 _NAMED_PATHS = frozenset(full.rsplit(".", 1)[0] for full in NAMES)
 
