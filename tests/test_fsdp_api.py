@@ -313,7 +313,10 @@ def test_custom_all_gather_and_reduce_scatter(mesh1d):
     losses, _ = train(net, x, target, steps=2, comm=WORLD)
     assert_close(losses, ref_losses, **TOL)
     assert_same_model(net, ref, **TOL)
-    assert_all_ranks(gather.calls >= 2 * 4 and scatter.calls == 2 * 3, f"{gather.calls} {scatter.calls}")
+    if WORLD.size > 1:  # (a one-rank mesh runs no collective, custom or not, as torch)
+        assert_all_ranks(gather.calls >= 2 * 4 and scatter.calls == 2 * 3, f"{gather.calls} {scatter.calls}")
+    else:
+        assert_all_ranks(gather.calls == scatter.calls == 0, f"{gather.calls} {scatter.calls}")
     raises_everywhere(TypeError, lambda: net.set_custom_all_gather(lambda *a: None), "allocate")
 
 

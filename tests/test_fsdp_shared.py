@@ -110,10 +110,11 @@ def test_shared_block_collective_counts(mesh1d, reshard_after_forward):
         with CommDebugMode() as bwd:
             loss.backward()
         net.zero_grad()
-        forward_gathers = 3 if step == 0 and reshard_after_forward else 2
-        assert_all_ranks(Counter(fwd.get_comm_counts()) == Counter(all_gather=forward_gathers),
+        many = WORLD.size > 1  # (a one-rank mesh runs no collective, as torch)
+        forward_gathers = (3 if step == 0 and reshard_after_forward else 2) if many else 0
+        assert_all_ranks(Counter(fwd.get_comm_counts()) == +Counter(all_gather=forward_gathers),
                          f"step {step} forward {fwd.get_comm_counts()}")
-        want = Counter(reduce_scatter=2, all_gather=1 if reshard_after_forward else 0)
+        want = Counter(reduce_scatter=2, all_gather=1 if reshard_after_forward else 0) if many else Counter()
         assert_all_ranks(Counter(bwd.get_comm_counts()) == +want, f"step {step} backward {bwd.get_comm_counts()}")
         block = net.block._fsdp_state.group
         assert_all_ranks(block.sharded_state is ShardedState.SHARDED and not block.reducing,
@@ -153,7 +154,7 @@ def test_calls_using_different_parameters(mesh1d):
     with CommDebugMode() as comm:
         F.cross_entropy(net(local_x), local_t).backward()
     net.zero_grad()
-    assert_all_ranks(comm.get_comm_counts()["reduce_scatter"] == 2, f"{comm.get_comm_counts()}")
+    assert_all_ranks(comm.get_comm_counts()["reduce_scatter"] == (2 if WORLD.size > 1 else 0), f"{comm.get_comm_counts()}")
     net = _make(SwitchNet)
     _shard(net, [net.switch], mesh=mesh1d)
     losses, _ = train(net, local_x, local_t, comm=WORLD)
@@ -172,7 +173,7 @@ def test_two_forwards_one_backward(mesh1d):
     with CommDebugMode() as comm:
         loss = F.cross_entropy(net(local_x), local_t) + F.cross_entropy(net(2 * local_x), local_t)
         loss.backward()
-    assert_all_ranks(comm.get_comm_counts()["reduce_scatter"] == 2, f"{comm.get_comm_counts()}")
+    assert_all_ranks(comm.get_comm_counts()["reduce_scatter"] == (2 if WORLD.size > 1 else 0), f"{comm.get_comm_counts()}")
     grads = {n: p.grad for n, p in ref.named_parameters()}
     for name, p in net.named_parameters():
         assert_close(p.grad.full_tensor(), grads[name], **TOL)

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from ..runtime import agreement
 from ..tools import process_group
 from ..tools.monitored_barrier import run as monitored_barrier_run
-from . import mesh_groups
+from . import cpp_groups, mesh_groups
 
 __all__ = ["OVERRIDES", "export_launcher_environment", "init_process_group", "monitored_barrier"]
 
@@ -116,4 +116,5 @@ OVERRIDES: dict[str, Any] = {
     "get_rank": get_rank,
     "get_world_size": get_world_size,
     **mesh_groups.OVERRIDES,  # collectives given a mesh's group (an MPI communicator)
+    **cpp_groups.DISTRIBUTED_OVERRIDES,  # torch's C++-backed utilities refuse a mesh's group by name
 }
