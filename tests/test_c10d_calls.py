@@ -2,7 +2,9 @@
 cannot show: parameters made equal across ranks by hand (``broadcast``/``all_reduce`` of
 an ``nn.Parameter``, which c10d writes outside autograd), a ``monitored_barrier`` that a
 rank misses (torch's ``RuntimeError`` naming it on rank 0, after the timeout), and ranks
-whose sizes differ under the debug guard (a ``ValueError`` on every rank)."""
+whose sizes differ under the debug guard (a ``ValueError`` on every rank); torch's
+utilities that need a C++ process group, given a mesh's group under the switch, raise a
+``TypeError`` naming themselves."""
 from datetime import timedelta
 
 import pytest
@@ -13,6 +15,7 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, raises_everywhere
 from mpidtensor.comm import guard
+from mpidtensor.compat import cpp_groups, importer, views
 from mpidtensor.compat import distributed as switch_dist
 from mpidtensor.tools.process_group import init_process_group
 
@@ -99,3 +102,32 @@ def test_sizes_that_differ_across_ranks_raise_everywhere_under_debug(mpi_group, 
     monkeypatch.setattr(guard, "ENABLED", True)
     raises_everywhere(ValueError, lambda: dist.all_reduce(torch.ones(3 + (RANK == N - 1))))
     raises_everywhere(ValueError, lambda: dist.broadcast(torch.ones(3 + (RANK == N - 1)), src=0))
+
+
+@pytest.fixture
+def switched():
+    """The switch's views of torch.distributed and torch.distributed._composable for one test."""
+    views.override("torch.distributed", switch_dist.OVERRIDES)
+    views.override("torch.distributed._composable", cpp_groups.COMPOSABLE_OVERRIDES)
+    importer.install()
+    yield
+    importer.uninstall()
+
+
+def test_utilities_needing_a_cpp_group_name_themselves(switched, mesh1d):
+    """Given a mesh or its group (MPI communicators), torch's C++-backed utilities raise a
+    TypeError naming the utility and what to use, not pybind's list of signatures."""
+    import torch.distributed as user_dist
+    from torch.distributed._composable import replicate
+
+    group = mesh1d.get_group()
+    calls = {
+        "torch.distributed._verify_params_across_processes": lambda: user_dist._verify_params_across_processes(
+            group, [torch.ones(2)]),
+        "torch.distributed._broadcast_coalesced": lambda: user_dist._broadcast_coalesced(group, [torch.ones(2)], 64, 0),
+        "torch.distributed.Reducer": lambda: user_dist.Reducer([torch.ones(2)], [[0]], [64], group),
+        "torch.distributed._composable.replicate": lambda: replicate(nn.Linear(2, 2), device_mesh=mesh1d),
+    }
+    for name, call in calls.items():
+        raises_everywhere(TypeError, call, f"{name}")
+        raises_everywhere(TypeError, call, "use")

@@ -29,8 +29,8 @@ _DDP = ("use DistributedDataParallel / replicate on the default group (init_proc
 # torch.distributed's functions that hand their group to C++, and what to use instead
 NEEDS_CPP_GROUP = {
     "_verify_params_across_processes": f"DDP's check of parameter shapes: {_DDP}",
-    "_broadcast_coalesced": "DDP's broadcast of module states: broadcast each tensor with "
-                            "torch.distributed.broadcast(tensor, src, group=mesh.get_group())",
+    "_broadcast_coalesced": "DDP's broadcast of module states: use torch.distributed.broadcast(tensor, src, "
+                            "group=mesh.get_group()) for each tensor",
     "Reducer": f"DDP's gradient reducer: {_DDP}",
 }
 
