@@ -28,8 +28,8 @@ def devices(call: str, args: tuple) -> None:
     for arg in args:
         for t in arg if isinstance(arg, (list, tuple)) else (arg,):
             for u in t if isinstance(t, (list, tuple)) else (t,):
-                if isinstance(u, torch.Tensor) and u.device.type not in ("cpu", "cuda"):
-                    if u.device.type == "meta":
+                if isinstance(u, torch.Tensor) and not (u.is_cpu or u.is_cuda):
+                    if u.is_meta:
                         raise NotImplementedError(f"ProcessGroupMPI::{call}: Cannot copy out of meta tensor; no data!")
                     raise RuntimeError(f"ProcessGroupMPI::{call}: unsupported device type {u.device.type}")
 
