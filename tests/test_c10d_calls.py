@@ -131,3 +131,28 @@ def test_utilities_needing_a_cpp_group_name_themselves(switched, mesh1d):
     for name, call in calls.items():
         raises_everywhere(TypeError, call, f"{name}")
         raises_everywhere(TypeError, call, "use")
+
+
+def test_rooted_calls_on_a_mesh_group(switched, mesh1d):
+    """``reduce``, ``gather`` and ``scatter`` given a mesh's group (an MPI communicator)
+    under the switch: the root's values as torch's, ``dst``/``src`` global ranks, writes
+    into a parameter outside autograd; a monitored barrier on it passes."""
+    import torch.distributed as user_dist
+
+    group, root = mesh1d.get_group(), N - 1
+    problems = []
+    t = nn.Parameter(torch.full((2,), RANK + 1.0))
+    user_dist.reduce(t, dst=root, group=group)
+    if RANK == root and t.tolist() != [N * (N + 1) / 2] * 2:
+        problems.append(f"reduce {t}")
+    pieces = [torch.zeros(2) for _ in range(N)] if RANK == root else None
+    user_dist.gather(torch.full((2,), float(RANK)), pieces, dst=root, group=group)
+    if RANK == root and torch.stack(pieces).tolist() != [[float(k)] * 2 for k in range(N)]:
+        problems.append(f"gather {pieces}")
+    mine = torch.zeros(3, 2)[:, 0]
+    user_dist.scatter(mine, [torch.full((3,), 10.0 + k) for k in range(N)] if RANK == root else None, src=root,
+                      group=group)
+    if mine.tolist() != [10.0 + RANK] * 3:
+        problems.append(f"scatter {mine}")
+    user_dist.monitored_barrier(group=group, timeout=timedelta(seconds=60))
+    assert_all_ranks(not problems, f"{problems}")
