@@ -31,7 +31,8 @@ def run(comm: MPI.Intracomm, timeout: timedelta | float | None = None, wait_all_
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     millis = int(seconds * 1000)
     deadline = time.monotonic() + seconds
-    top = comm.Get_attr(MPI.TAG_UB)
+    top = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767  # (the same on every communicator; Open MPI gives
+    # a derived one, a mesh's Cartcomm, none; 32767 is the least MPI allows)
     arrive, release = top, top - 1
     if comm.rank != 0:
         MPI.Request.Waitall([comm.isend(None, dest=0, tag=arrive)])
