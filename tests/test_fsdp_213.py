@@ -160,7 +160,9 @@ def test_list_is_one_group(mesh1d):
         torch.nn.functional.cross_entropy(net(x), target).backward()
     counts = Counter(comm.get_comm_counts())
     groups = len(net.blocks) + 1
-    assert_all_ranks(counts["all_gather"] == 2 * groups and counts["reduce_scatter"] == groups, f"{counts}")
+    many = WORLD.size > 1  # (a one-rank mesh runs no collective, as torch)
+    assert_all_ranks(counts["all_gather"] == 2 * groups * many and counts["reduce_scatter"] == groups * many,
+                     f"{counts}")
     for p in net.parameters():
         p.grad = None
     net2 = make_net()

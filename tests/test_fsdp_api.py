@@ -235,7 +235,8 @@ def test_requires_all_reduce_hsdp():
     net.set_requires_all_reduce(False)
     with CollectiveLog() as log:
         _backward(net)
-    assert_all_ranks("all_reduce" not in log.calls and "reduce_scatter" in log.calls, f"{log.calls}")
+    scatters = WORLD.size // 2 > 1  # (a one-rank shard group reduces nothing: no collective, as torch)
+    assert_all_ranks("all_reduce" not in log.calls and ("reduce_scatter" in log.calls) == scatters, f"{log.calls}")
     assert_all_ranks(all(p.grad is None for p in net.parameters()), "gradients set without the all-reduce")
     net.set_requires_all_reduce(True)
     with CollectiveLog() as log:
@@ -312,7 +313,10 @@ def test_custom_all_gather_and_reduce_scatter(mesh1d):
     losses, _ = train(net, x, target, steps=2, comm=WORLD)
     assert_close(losses, ref_losses, **TOL)
     assert_same_model(net, ref, **TOL)
-    assert_all_ranks(gather.calls >= 2 * 4 and scatter.calls == 2 * 3, f"{gather.calls} {scatter.calls}")
+    if WORLD.size > 1:  # (a one-rank mesh runs no collective, custom or not, as torch)
+        assert_all_ranks(gather.calls >= 2 * 4 and scatter.calls == 2 * 3, f"{gather.calls} {scatter.calls}")
+    else:
+        assert_all_ranks(gather.calls == scatter.calls == 0, f"{gather.calls} {scatter.calls}")
     raises_everywhere(TypeError, lambda: net.set_custom_all_gather(lambda *a: None), "allocate")
 
 

@@ -297,9 +297,10 @@ def test_backend_premul_sum_p2p_and_rooted(switched, mpi_group):
     dist.reduce(t, dst=0)
     if RANK == 0:
         check("reduce", t, torch.tensor([N * (N + 1) / 2]))
+    outs = [torch.zeros(1) for _ in range(N)]
+    dist.all_to_all(outs, [torch.tensor([10.0 * RANK + k]) for k in range(N)])
+    check("all_to_all", torch.cat(outs), 10.0 * torch.arange(float(N)) + RANK)
     assert_all_ranks(not bad, "; ".join(bad))
-    raises_everywhere(NotImplementedError, lambda: dist.all_to_all([torch.zeros(1)] * N, [torch.zeros(1)] * N),
-                      "torch.distributed.all_to_all is not provided")
 
 
 # --- unmodified programs in sub-jobs -----------------------------------------------------------

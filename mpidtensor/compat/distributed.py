@@ -1,28 +1,27 @@
 """What ``torch.distributed`` gives user code under the switch in place of torch's own:
 ``init_process_group`` with any backend name gives the MPI-backed default group;
-``reduce``, ``gather`` and ``scatter``, which torch sends to no method a Python backend
-can override, composed from the backend's collectives; the launcher's variables
-(``RANK``, ``LOCAL_RANK``, ...) from MPI; and, for the calls the backend cannot carry,
-one ``NotImplementedError`` naming the call, raised where it is called (every rank runs
-the same program), before any collective.
+``monitored_barrier``, which torch's function refuses on any backend but gloo; the c10d
+calls given a mesh's group (``mesh_groups``); the launcher's variables (``RANK``,
+``LOCAL_RANK``, ...) from MPI. Every other c10d call that takes a group reaches the
+backend's methods through torch's own function (tests/test_c10d_sweep.py).
 """
 from __future__ import annotations
 
 import os
 import socket
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
 from ..runtime import agreement
 from ..runtime.settings import settings
 from ..tools import process_group
-from . import mesh_groups
+from ..tools.monitored_barrier import run as monitored_barrier_run
+from . import cpp_groups, mesh_groups
 
-__all__ = ["OVERRIDES", "UNPROVIDED", "export_launcher_environment", "init_process_group"]
+__all__ = ["OVERRIDES", "export_launcher_environment", "init_process_group", "monitored_barrier"]
 
 WORLD = MPI.COMM_WORLD
 
@@ -77,41 +76,6 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     process_group.init_process_group(WORLD)
 
 
-def _group_size(group: Any) -> int:
-    return get_world_size(group)
-
-
-def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = dist.ReduceOp.SUM, group: Any = None,
-           async_op: bool = False, group_dst: int | None = None) -> Any:
-    """``torch.distributed.reduce``: an all-reduce (every rank's ``tensor`` holds the result;
-    torch leaves the others' unspecified)."""
-    return mesh_groups.all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-
-def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int | None = None,
-           group: Any = None, async_op: bool = False, group_dst: int | None = None) -> Any:
-    """``torch.distributed.gather``: an all-gather whose pieces the destination keeps."""
-    pieces = [torch.empty_like(tensor) for _ in range(_group_size(group))]
-    work = mesh_groups.all_gather(pieces, tensor.contiguous(), group=group)
-    if gather_list is not None and _is_root(group, dst, group_dst):
-        for into, piece in zip(gather_list, pieces):
-            into.copy_(piece)
-    return work if async_op else None
-
-
-def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int | None = None,
-            group: Any = None, async_op: bool = False, group_src: int | None = None) -> Any:
-    """``torch.distributed.scatter``: the source's list broadcast, each rank keeping its piece."""
-    n = _group_size(group)
-    root = _is_root(group, src, group_src)
-    stacked = torch.stack([t.to(tensor.dtype) for t in scatter_list]) if root else \
-        torch.empty((n, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-    work = mesh_groups.broadcast(stacked, src=0 if src is None and group_src is None else src, group=group,
-                                 group_src=group_src)
-    tensor.copy_(stacked[get_rank(group)])
-    return work if async_op else None
-
-
 def get_rank(group: Any = None) -> int:
     """``torch.distributed.get_rank``; an MPI communicator (what an mpidtensor mesh's
     ``get_group()`` returns, which torchtitan's vocab-parallel embedding passes) answers
@@ -124,41 +88,36 @@ def get_world_size(group: Any = None) -> int:
     return group.Get_size() if isinstance(group, MPI.Comm) else dist.get_world_size(group)
 
 
-def _is_root(group: Any, root: int | None, group_root: int | None) -> bool:
-    """Whether this rank is the collective's root (``root`` global, ``group_root`` in the group)."""
-    if group_root is not None:
-        return get_rank(group) == group_root
-    return dist.get_rank() == (0 if root is None else root)
+def monitored_barrier(group: Any = None, timeout: timedelta | float | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """``torch.distributed.monitored_barrier`` on the MPI backend's groups and on mesh groups
+    (MPI communicators): rank 0 waits at most ``timeout`` and names the ranks that did not
+    arrive, in torch's ``RuntimeError`` (``tools.monitored_barrier``). torch's own function
+    refuses every backend but gloo; any other group goes to it."""
+    if isinstance(group, MPI.Intracomm):
+        return monitored_barrier_run(group, timeout, wait_all_ranks)
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, process_group.MPIProcessGroup):
+        return dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+    return pg.monitored_barrier(timeout, wait_all_ranks)
 
 
-def _refuse(name: str, why: str) -> Callable[..., Any]:
-    message = f"torch.distributed.{name} is not provided by mpidtensor's MPI backend: {why}"
+def shrink_group(ranks_to_exclude: list[int], group: Any = None, shrink_flags: int = 0,
+                 pg_options: Any = None) -> Any:
+    """``torch.distributed.shrink_group``: the MPI backend cannot shrink a group (torch's
+    gloo cannot either): torch's ``TypeError`` for such a backend, before any change."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if isinstance(pg, process_group.MPIProcessGroup):
+        raise TypeError(f"Process group backend for '{pg.group_name}' does not support shrinking operations.")
+    return dist.shrink_group(ranks_to_exclude, group=group, shrink_flags=shrink_flags, pg_options=pg_options)
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(message)
-
-    refuse.__name__ = refuse.__qualname__ = name
-    refuse.__doc__ = message
-    return refuse
-
-
-# torch.distributed's functions that reach a backend method a Python backend cannot provide
-UNPROVIDED = {
-    "all_to_all": "use all_to_all_single",
-    "all_gather_coalesced": "call all_gather per tensor",
-    "all_reduce_coalesced": "call all_reduce per tensor",
-    "monitored_barrier": "use barrier (MPIDTENSOR_TIMEOUT watches collectives)",
-    "gather_object": "use all_gather_object",
-    "scatter_object_list": "use broadcast_object_list",
-}
 
 OVERRIDES: dict[str, Any] = {
     "init_process_group": init_process_group,
-    "reduce": reduce,
-    "gather": gather,
-    "scatter": scatter,
+    "monitored_barrier": monitored_barrier,
+    "shrink_group": shrink_group,
     "get_rank": get_rank,
     "get_world_size": get_world_size,
     **mesh_groups.OVERRIDES,  # collectives given a mesh's group (an MPI communicator)
-    **{name: _refuse(name, why) for name, why in UNPROVIDED.items()},
+    **cpp_groups.DISTRIBUTED_OVERRIDES,  # torch's C++-backed utilities refuse a mesh's group by name
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..runtime import effects
 from ..tools import process_group
-from . import distributed, importer, views
+from . import cpp_groups, distributed, importer, views
 
 __all__ = ["EFFECT", "install_torch_distributed"]
 
@@ -21,6 +21,7 @@ def _install() -> None:
     distributed.export_launcher_environment()
     process_group.init_process_group()
     views.override("torch.distributed", distributed.OVERRIDES)
+    views.override("torch.distributed._composable", cpp_groups.COMPOSABLE_OVERRIDES)
     importer.install()
 
 

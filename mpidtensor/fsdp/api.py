@@ -31,7 +31,7 @@ from .module import FSDPModule
 from .param import FSDPParam, MeshInfo
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_offload_policy
 from .spmd import DataParallelMeshDims, SpmdLayout
-from .state import FSDPState
+from .state import FSDPState, state_of
 
 # Parameters that a fully_shard call replaced by its sharded DTensors: another module that
 # still refers to one (a tie across groups) would otherwise be sharded as a separate copy.
@@ -97,14 +97,13 @@ def fully_shard(
         for users, param in managed:
             spmd.check(param, f"{type(users[0][0]).__name__}.{users[0][1]}")
         mesh = spmd.dp_mesh
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard needs a 1-D (FSDP) or 2-D (HSDP) DeviceMesh, got {mesh!r}")
+    _check_mesh(mesh, spmd is not None)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable, got {shard_placement_fn!r}")
     reshard_after_forward = _post_forward_size(reshard_after_forward, mesh)
     check_offload_policy(offload_policy, {p.device for _, p in managed}, mesh)
     _check_params(managed, mesh, mp_policy, offload_policy, spmd)
-    _check_not_tied_across_groups(managed)
+    shared_elsewhere = _shared_with_other_groups(managed)
     classes = [_fsdp_class(type(m)) for m in modules]  # (before any change: a class that cannot be subclassed raises here)
     dims = [_shard_dim(param, shard_placement_fn) for _, param in managed]
     info = MeshInfo(mesh)
@@ -118,10 +117,25 @@ def fully_shard(
     for _, param in managed:
         _REPLACED[id(param)] = weakref.ref(param, lambda _, key=id(param): _REPLACED.pop(key, None))
     state = FSDPState(modules, group, mp_policy)
+    state.shared_elsewhere = shared_elsewhere
     for m, cls in zip(modules, classes):
         m._fsdp_state = state
         m.__class__ = cls
     return module
+
+
+fully_shard.state = state_of  # torch's way to reach a module's FSDP state (None if it has none)
+
+
+def _check_mesh(mesh: DeviceMesh, spmd: bool) -> None:
+    """torch's checks of ``fully_shard``'s mesh, with its exception types: 1-D or 2-D, a
+    2-D (HSDP) mesh with dim names (``dp_mesh_dims``: ``mesh`` is its data-parallel mesh)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"fully_shard needs a DeviceMesh, got {mesh!r}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None and not spmd:
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
 
 
 def _modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
@@ -216,9 +230,14 @@ def _check_params(managed: list, mesh: DeviceMesh, mp: MixedPrecisionPolicy, off
     meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
     if len(meshes) > 1:
         raise ValueError(f"fully_shard needs all DTensor parameters on one mesh, got {sorted(map(repr, meshes))}")
-    for p in params:
+    for users, p in managed:
         if p.ndim == 0:
-            raise ValueError("fully_shard cannot shard a 0-dimensional parameter")
+            raise ValueError(f"fully_shard doesn't support scalar parameters. Change {users[0][1]} to a 1D tensor with "
+                             "numel equal to 1.")
+        if not p.is_contiguous():
+            raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: {p.shape=} "
+                                      f"{p.stride()=} ({type(users[0][0]).__name__}.{users[0][1]}: e.g. a channels_last "
+                                      "weight; make it contiguous first)")
     tp_mesh = next(iter(meshes)) if meshes else None
     if tp_mesh is not None and spmd is None:  # (dp_mesh_dims: SpmdLayout.check did it)
         _check_tp(params, mesh, tp_mesh)
@@ -227,17 +246,12 @@ def _check_params(managed: list, mesh: DeviceMesh, mp: MixedPrecisionPolicy, off
         raise ValueError(f"trainable parameters of one group must share a dtype, got {sorted(map(str, trainable))}")
 
 
-def _check_not_tied_across_groups(managed: list) -> None:
-    """Refuse a parameter that an earlier ``fully_shard`` call already sharded for another
-    module (tied weights split over two groups would silently come apart)."""
-    for users, param in managed:
-        ref = _REPLACED.get(id(param))
-        if ref is not None and ref() is param:
-            names = ", ".join(f"{type(m).__name__}.{n}" for m, n in users)
-            raise ValueError(
-                f"parameter {names} is shared with a module that fully_shard already sharded: tied "
-                "parameters must be in one group; apply fully_shard to a module holding all their users"
-            )
+def _shared_with_other_groups(managed: list) -> list[tuple[nn.Module, str]]:
+    """The (module, name) of each parameter that an earlier ``fully_shard`` call already
+    sharded for another module: tied weights split over two groups would come apart. As
+    torch, the first forward raises (``FSDPState._lazy_init``), naming it from the root."""
+    return [users[0] for users, param in managed
+            if (ref := _REPLACED.get(id(param))) is not None and ref() is param]
 
 
 def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] | None) -> int | None:
@@ -251,7 +265,8 @@ def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] |
     else:
         dim = choice.dim + param.ndim if choice.dim < 0 else choice.dim
         if not 0 <= dim < param.ndim:
-            raise ValueError(f"shard_placement_fn returned {choice} for a {param.ndim}-D parameter")
+            raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: {param.shape} "
+                                 f"(shard_placement_fn returned {choice})")
         if dim in tp_dims:
             raise ValueError(
                 f"shard_placement_fn returned {choice} for a parameter tensor parallelism already shards on "

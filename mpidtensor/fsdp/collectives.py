@@ -18,7 +18,7 @@ import torch
 from mpi4py import MPI
 
 from ..runtime import progress
-from ..comm.nonblocking import Handle, iall_gather, ireduce_scatter
+from ..comm.nonblocking import Handle, iall_gather, iall_reduce, ireduce_scatter
 from ..comm.pool import pool, tracked_empty
 from ..comm.collectives import Prepared, prepare_reduce_scatter
 
@@ -57,7 +57,11 @@ def allocate(custom: Any, size: Sequence[int], dtype: torch.dtype, device: torch
 
 
 def start_all_gather(custom: Any, send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor) -> Handle | _Done:
-    """Start gathering every rank's ``send`` into ``out``; ``wait()`` returns ``out``."""
+    """Start gathering every rank's ``send`` into ``out``; ``wait()`` returns ``out``. On a
+    one-rank group there is nothing to gather: ``send`` is copied, no collective runs,
+    custom or not (as torch's FSDP, which skips collectives on a one-rank mesh)."""
+    if comm.size == 1:
+        return _Done(None, out.view(-1).copy_(send.view(-1)))
     if custom is None:
         return iall_gather(send, comm, out=out)
     return _Done(custom(output_tensor=out, input_tensor=send, group=comm, async_op=True), out)
@@ -73,6 +77,8 @@ def start_reduce_scatter(custom: Any, send: torch.Tensor, comm: MPI.Intracomm,
     of its data anyway (docs/performance.md, "FSDP step"); prepared once per size and dtype
     in the caller's ``prepared`` (its checks and layout made once, later calls go to MPI)."""
     piece = send.numel() // comm.size
+    if comm.size == 1:  # nothing to reduce, custom or not (as torch's FSDP on a one-rank mesh)
+        return _Done(None, send)
     if custom is None:
         if progress.mode() == "off":
             run = prepared.get((piece, send.dtype))
@@ -83,6 +89,13 @@ def start_reduce_scatter(custom: Any, send: torch.Tensor, comm: MPI.Intracomm,
         return ireduce_scatter(send, comm, "sum", out=allocate(None, (piece,), send.dtype, send.device))
     out = allocate(custom, (piece,), send.dtype, send.device)
     return _Done(custom(output_tensor=out, input_tensor=send, group=comm, op="sum", async_op=True), out)
+
+
+def start_all_reduce(flat: torch.Tensor, comm: MPI.Intracomm) -> Handle | _Done:
+    """Start summing ``flat`` in place over ``comm`` (nothing to do on one rank)."""
+    if comm.size == 1:
+        return _Done(None, flat)
+    return iall_reduce(flat, comm, "sum", inplace=True)
 
 
 def divide_factors(dp_size: int, factor: float | None, reduce_dtype: torch.dtype,

@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..tensor.dtensor import DTensor
 from ..comm import accounting
 from ..runtime.agreement import attempt, exchange
-from ..comm.nonblocking import Handle, iall_gather, iall_reduce
+from ..comm.nonblocking import Handle
 from ..comm.pool import advise_huge_pages, tracked_empty
 from ..comm.prepared import Prepared
 from . import collectives, packing
@@ -197,7 +197,8 @@ class ParamGroup:
             self._ensure_unsharded_storage()
             comm = self.info.shard_comm
             nbytes = self.gathered[0].local_numel * self.gathered[0].orig_dtype.itemsize
-            handle = iall_gather(self.shard_flat[:nbytes], comm, out=self.unsharded_flat[:nbytes * comm.size])
+            handle = collectives.start_all_gather(None, self.shard_flat[:nbytes], comm,
+                                                  self.unsharded_flat[:nbytes * comm.size])
             self._gather, self.sharded_state = (handle, True), UNSHARDING
             return
         if self.direct:
@@ -444,7 +445,7 @@ class ParamGroup:
             if replicated:
                 flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for _, g in replicated])
                 collectives.divide(flat, pre)
-                reduce = iall_reduce(flat, self.info.mesh.comm_for(tuple(range(self.info.mesh.ndim))), "sum", inplace=True)
+                reduce = collectives.start_all_reduce(flat, self.info.mesh.comm_for(tuple(range(self.info.mesh.ndim))))
         self._pending = (scatter, [p for p, _ in sharded], reduce, [p for p, _ in replicated])
 
     def use_separate_reduce_scatter(self, enable: bool) -> None:
@@ -476,7 +477,7 @@ class ParamGroup:
                 if self._partial is not None:
                     out, self._partial = out.add_(self._partial), None
                 if self.info.replicate_comm is not None:
-                    iall_reduce(out, self.info.replicate_comm, "sum", inplace=True).wait()
+                    collectives.start_all_reduce(out, self.info.replicate_comm).wait()
                 outputs.append((out, sharded, [p.shard_numel for p in sharded]))
         if reduce is not None:
             outputs.append((reduce.wait(), replicated, [p.numel for p in replicated]))

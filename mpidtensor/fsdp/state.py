@@ -65,6 +65,7 @@ class FSDPState:
         self.is_last_backward = True
         self.post_optim_event: Any = None
         self.comm_ctx: object = self  # share_comm_ctx: the context these hooks share (no streams on MPI)
+        self.shared_elsewhere: list[tuple[nn.Module, str]] = []  # (module, name): also in an earlier group
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
@@ -80,6 +81,13 @@ class FSDPState:
         self.states = list(found.values())
         for state in self.states[1:]:
             state.is_root, state.root = False, self
+        names = {id(m): name for name, m in self.module.named_modules()}
+        for state in self.states:
+            for module, name in state.shared_elsewhere:
+                fqn = ".".join(filter(None, (names.get(id(module), type(module).__name__), name)))
+                raise ValueError(f"Parameter '{fqn}' is shared with a parameter already managed by another FSDP "
+                                 "group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
+                                 "them in the same FSDP group.")
 
     def _final_callback(self) -> None:
         """End of backward: reduce what is left (with gradient sync on, also what earlier

@@ -1,0 +1,158 @@
+"""c10d calls on the MPI-backed group that the sweep against gloo (test_c10d_sweep.py)
+cannot show: parameters made equal across ranks by hand (``broadcast``/``all_reduce`` of
+an ``nn.Parameter``, which c10d writes outside autograd), a ``monitored_barrier`` that a
+rank misses (torch's ``RuntimeError`` naming it on rank 0, after the timeout), and ranks
+whose sizes differ under the debug guard (a ``ValueError`` on every rank); torch's
+utilities that need a C++ process group, given a mesh's group under the switch, raise a
+``TypeError`` naming themselves."""
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from mpi4py import MPI
+
+from helpers import assert_all_ranks, raises_everywhere
+from mpidtensor.comm import guard
+from mpidtensor.compat import cpp_groups, importer, views
+from mpidtensor.compat import distributed as switch_dist
+from mpidtensor.tools.process_group import init_process_group
+
+WORLD = MPI.COMM_WORLD
+N, RANK = WORLD.size, WORLD.rank
+
+
+@pytest.fixture
+def mpi_group():
+    """The mpidtensor backend as torch's default group for one test, taken down after."""
+    if dist.is_initialized():
+        pytest.fail(f"a torch.distributed group ({dist.get_backend()}) is already up: an earlier module left it")
+    init_process_group()
+    yield
+    WORLD.Barrier()
+    dist.destroy_process_group()
+
+
+def test_parameters_made_equal_by_hand(mpi_group):
+    """Rank 0's initial weights broadcast into each rank's model, then gradients averaged
+    by hand into ``.grad`` and a parameter summed in place: as torch's c10d does it
+    (outside autograd), the parameters still parameters that require grad."""
+    model = nn.Linear(3, 2)
+    torch.manual_seed(RANK)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_()
+    want = nn.Linear(3, 2)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in want.parameters():
+            p.uniform_()
+    for p in model.parameters():
+        dist.broadcast(p, src=0)
+    problems = [name for (name, p), q in zip(model.named_parameters(), want.parameters())
+                if not torch.equal(p, q) or not p.requires_grad or type(p) is not nn.Parameter]
+    model(torch.ones(4, 3)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    problems += [f"grad {k}" for k, (p, g) in enumerate(zip(model.parameters(), grads)) if not torch.equal(p.grad, g)]
+    weight = model.weight
+    dist.all_reduce(weight)
+    if not torch.equal(weight.detach(), N * want.weight.detach()) or weight.grad_fn is not None:
+        problems.append(f"all_reduce of a parameter: {weight}")
+    work = dist.all_reduce(model.bias, async_op=True)
+    work.wait()
+    if not torch.equal(model.bias.detach(), N * want.bias.detach()):
+        problems.append(f"async all_reduce of a parameter: {model.bias}")
+    assert_all_ranks(not problems, f"{problems}")
+
+
+@pytest.mark.parametrize("wait_all_ranks", [False, True])
+def test_monitored_barrier_names_the_rank_that_missed_it(mpi_group, wait_all_ranks):
+    """The last rank skips the barrier: rank 0 raises torch's RuntimeError naming it after
+    the timeout; the ranks that arrived raise torch's "successfully reached" error."""
+    if N == 1:
+        pytest.skip("needs a rank to miss the barrier")
+    error = None
+    if RANK != N - 1:
+        try:
+            switch_dist.monitored_barrier(timeout=timedelta(seconds=1), wait_all_ranks=wait_all_ranks)
+        except RuntimeError as err:
+            error = str(err)
+    if RANK == 0:
+        missing = f"Ranks {N - 1}" if wait_all_ranks else f"Rank {N - 1}"
+        ok = error == f"[Rank 0]: {missing} failed to pass monitoredBarrier in 1000 ms"
+    elif RANK == N - 1:
+        ok = True
+    else:
+        ok = error is not None and error.startswith(f"Rank {RANK} successfully reached monitoredBarrier")
+    assert_all_ranks(ok, f"got {error!r}")
+    switch_dist.monitored_barrier(timeout=timedelta(seconds=60))  # all arrive: passes, the group still usable
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert_all_ranks(t.item() == N, f"{t}")
+
+
+def test_sizes_that_differ_across_ranks_raise_everywhere_under_debug(mpi_group, monkeypatch):
+    """One rank's tensor is longer: under the debug guard every rank raises before any data
+    moves (torch's gloo gives rank 0 a wrong sum and the others a timeout)."""
+    if N == 1:
+        pytest.skip("needs ranks to differ")
+    monkeypatch.setattr(guard, "ENABLED", True)
+    raises_everywhere(ValueError, lambda: dist.all_reduce(torch.ones(3 + (RANK == N - 1))))
+    raises_everywhere(ValueError, lambda: dist.broadcast(torch.ones(3 + (RANK == N - 1)), src=0))
+
+
+@pytest.fixture
+def switched():
+    """The switch's views of torch.distributed and torch.distributed._composable for one test."""
+    views.override("torch.distributed", switch_dist.OVERRIDES)
+    views.override("torch.distributed._composable", cpp_groups.COMPOSABLE_OVERRIDES)
+    importer.install()
+    yield
+    importer.uninstall()
+
+
+def test_utilities_needing_a_cpp_group_name_themselves(switched, mesh1d):
+    """Given a mesh or its group (MPI communicators), torch's C++-backed utilities raise a
+    TypeError naming the utility and what to use, not pybind's list of signatures."""
+    import torch.distributed as user_dist
+    from torch.distributed._composable import replicate
+
+    group = mesh1d.get_group()
+    calls = {
+        "torch.distributed._verify_params_across_processes": lambda: user_dist._verify_params_across_processes(
+            group, [torch.ones(2)]),
+        "torch.distributed._broadcast_coalesced": lambda: user_dist._broadcast_coalesced(group, [torch.ones(2)], 64, 0),
+        "torch.distributed.Reducer": lambda: user_dist.Reducer([torch.ones(2)], [[0]], [64], group),
+        "torch.distributed._composable.replicate": lambda: replicate(nn.Linear(2, 2), device_mesh=mesh1d),
+    }
+    for name, call in calls.items():
+        raises_everywhere(TypeError, call, f"{name}")
+        raises_everywhere(TypeError, call, "use")
+
+
+def test_rooted_calls_on_a_mesh_group(switched, mesh1d):
+    """``reduce``, ``gather`` and ``scatter`` given a mesh's group (an MPI communicator)
+    under the switch: the root's values as torch's, ``dst``/``src`` global ranks, writes
+    into a parameter outside autograd; a monitored barrier on it passes."""
+    import torch.distributed as user_dist
+
+    group, root = mesh1d.get_group(), N - 1
+    problems = []
+    t = nn.Parameter(torch.full((2,), RANK + 1.0))
+    user_dist.reduce(t, dst=root, group=group)
+    if RANK == root and t.tolist() != [N * (N + 1) / 2] * 2:
+        problems.append(f"reduce {t}")
+    pieces = [torch.zeros(2) for _ in range(N)] if RANK == root else None
+    user_dist.gather(torch.full((2,), float(RANK)), pieces, dst=root, group=group)
+    if RANK == root and torch.stack(pieces).tolist() != [[float(k)] * 2 for k in range(N)]:
+        problems.append(f"gather {pieces}")
+    mine = torch.zeros(3, 2)[:, 0]
+    user_dist.scatter(mine, [torch.full((3,), 10.0 + k) for k in range(N)] if RANK == root else None, src=root,
+                      group=group)
+    if mine.tolist() != [10.0 + RANK] * 3:
+        problems.append(f"scatter {mine}")
+    user_dist.monitored_barrier(group=group, timeout=timedelta(seconds=60))
+    assert_all_ranks(not problems, f"{problems}")
