@@ -18,6 +18,8 @@ from datetime import timedelta
 
 from mpi4py import MPI
 
+from ..runtime import watchdog
+
 __all__ = ["DEFAULT_TIMEOUT", "run"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default process-group timeout
@@ -35,11 +37,11 @@ def run(comm: MPI.Intracomm, timeout: timedelta | float | None = None, wait_all_
     # a derived one, a mesh's Cartcomm, none; 32767 is the least MPI allows)
     arrive, release = top, top - 1
     if comm.rank != 0:
-        MPI.Request.Waitall([comm.isend(None, dest=0, tag=arrive)])
+        watchdog.wait_all([comm.isend(None, dest=0, tag=arrive)], "monitored_barrier's report to rank 0", comm)
         request = comm.irecv(source=0, tag=release)
         if not _wait([request], deadline):
             request.Cancel()
-            request.Wait()
+            watchdog.wait(request, "monitored_barrier's cancelled receive", comm)
             raise RuntimeError(f"Rank {comm.rank} successfully reached monitoredBarrier, but received errors while "
                                "waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank.")
         return
@@ -49,12 +51,13 @@ def run(comm: MPI.Intracomm, timeout: timedelta | float | None = None, wait_all_
     if missing:
         for k in missing:
             requests[k].Cancel()
-            requests[k].Wait()
+            watchdog.wait(requests[k], "monitored_barrier's cancelled receive", comm)
         if wait_all_ranks:
             raise RuntimeError(f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in "
                                f"{millis} ms")
         raise RuntimeError(f"[Rank 0]: Rank {missing[0]} failed to pass monitoredBarrier in {millis} ms")
-    MPI.Request.Waitall([comm.isend(None, dest=k, tag=release) for k in range(1, comm.size)])
+    watchdog.wait_all([comm.isend(None, dest=k, tag=release) for k in range(1, comm.size)],
+                      "monitored_barrier's release", comm)
 
 
 def _wait(requests: list[MPI.Request], deadline: float) -> bool:
