@@ -5,6 +5,9 @@
     python -m torch_suite check  [--dir DIR]   run them on mpidtensor (the switch), compare with
                                                expected.json and docs/torch-conformance.md;
                                                exit 1 on a difference the document does not list
+    python -m torch_suite draft --records PATH  rows for docs/torch-conformance.md: every
+                                               difference in a check's --results file that
+                                               the document does not list, cause guessed
 
 Options: ``--files test_a.py,...`` (a subset), ``--max-ranks N`` (classes above N ranks are not
 run), ``--timeout S`` (per test), ``--results PATH`` (every record, JSON).
@@ -26,13 +29,18 @@ DEFAULT_DIR = compare.ROOT.parent / "shared" / "torch-tests"
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_suite")
-    parser.add_argument("command", choices=("expect", "check"))
+    parser.add_argument("command", choices=("expect", "check", "draft"))
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--files", default="")
     parser.add_argument("--max-ranks", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--results", type=Path)
+    parser.add_argument("--records", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "draft":
+        records = json.loads(args.records.read_text())
+        print("\n".join(compare.draft_rows(records, compare.load_expected(), compare.load_listed())))
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM: the running job is taken down
     if not args.dir.is_dir():
         print(f"no torch test files at {args.dir}", file=sys.stderr)

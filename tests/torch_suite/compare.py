@@ -85,6 +85,41 @@ def compare(records: dict[str, dict[str, dict]], expected: dict[str, dict[str, s
     return reports
 
 
+def guess_cause(status: str, message: str) -> str:
+    """A first guess at a difference's cause class from its record, for ``draft`` (each row
+    is reviewed before it goes into the document)."""
+    first = message.splitlines()[0] if message else ""
+    if status == "hang":
+        return "hang"
+    if status == "crash":
+        return "runner"
+    if "_local_tensor" not in first and re.search(r"has no attribute '_\w+'|torch\.distributed\.tensor\._|"
+                                                  r"DTensorSpec|_MaskPartial|_StridedShard|_op_dispatcher", first):
+        return "torch internal"
+    if first.startswith("AssertionError"):
+        if re.search(r"comm|count|c10d|funcol|collective", message, re.I):
+            return "collective counts"
+        if re.search(r"not close|Mismatched elements|Greatest absolute difference", message):
+            return "value"
+        return "behaviour"
+    return "public call raises"
+
+
+def draft_rows(records: dict[str, dict[str, dict]], expected: dict[str, dict[str, str]],
+               listed: dict[tuple[str, str], tuple[str, str]]) -> list[str]:
+    """Document rows for every unlisted difference: file, test, guessed cause, the error's first line."""
+    rows = []
+    for name, tests in sorted(records.items()):
+        for test, rec in sorted(tests.items()):
+            if expected.get(name, {}).get(test) != "pass" or rec["status"] in ("pass", "by_design"):
+                continue
+            if (name, test) in listed:
+                continue
+            first = (rec["message"].splitlines() or [""])[0].replace("|", "/")[:200]
+            rows.append(f"| {name} | `{test}` | {guess_cause(rec['status'], rec['message'])} | {first} |")
+    return rows
+
+
 def table(reports: list[FileReport]) -> str:
     """The per-file table, markdown."""
     rows = ["| file | passed on torch | passed here | listed | unlisted | not multi-rank |",
