@@ -1,6 +1,8 @@
 """``distribute_tensor``: turn a global tensor into a DTensor."""
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Sequence
 
 import torch
@@ -137,7 +139,27 @@ def distribute_module(
             partition_fn(name, submodule, device_mesh)
         replicate_rest(submodule)
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+        if _hook_arity(input_fn, "input_fn") == 2:
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(inputs, device_mesh))
+        else:
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
     if output_fn is not None:
-        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+        if _hook_arity(output_fn, "output_fn") == 2:
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(outputs, device_mesh))
+        else:
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
     return module
+
+
+def _hook_arity(fn, name: str) -> int:
+    """How many arguments ``input_fn``/``output_fn`` takes: 3 (``module, args, device_mesh``),
+    or torch's deprecated 2 (``args, device_mesh``, with torch's ``FutureWarning``); else a
+    ``ValueError`` as torch raises."""
+    count = len(inspect.signature(fn).parameters)
+    if count == 2:
+        kind = "inputs" if name == "input_fn" else "outputs"
+        warnings.warn(f"Deprecating {name} that takes two arguments ({kind}, device_mesh), please use {name} that "
+                      f"takes in (module, {kind}, device_mesh) instead!", FutureWarning, stacklevel=3)
+    elif count != 3:
+        raise ValueError(f"{name} should take in 3 arguments, but got {count} arguments!")
+    return count
