@@ -24,8 +24,15 @@ def load_expected(path: Path = EXPECTED) -> dict[str, dict[str, str]]:
 
 
 def save_expected(records: dict[str, dict[str, dict]], torch_version: str, path: Path = EXPECTED) -> None:
-    files = {name: {test: rec["status"] for test, rec in sorted(tests.items())} for name, tests in sorted(records.items())}
+    files = {name: {test: rec["status"] for test, rec in sorted(tests.items())}
+             for name, tests in sorted(records.items())}
     path.write_text(json.dumps({"torch": torch_version, "files": files}, indent=1, sort_keys=True) + "\n")
+
+
+def listed_hangs(listed: dict[tuple[str, str], tuple[str, str]], name: str) -> frozenset[str]:
+    """The tests of file ``name`` the document lists as hangs: the everyday run skips them
+    (each would cost the per-test timeout); ``--run-hangs`` runs them."""
+    return frozenset(test for (file, test), (cause, _) in listed.items() if file == name and cause == "hang")
 
 
 def load_listed(doc: Path = DOC) -> dict[tuple[str, str], tuple[str, str]]:

@@ -161,9 +161,10 @@ def _flaky(record: dict) -> bool:
     return record["status"] in ("fail", "hang", "crash") and any(s in record["message"] for s in GLOO_FLAKES)
 
 
-def run_file(path: Path, settings: Settings, work_dir: Path) -> dict[str, dict]:
+def run_file(path: Path, settings: Settings, work_dir: Path, skip: frozenset[str] = frozenset()) -> dict[str, dict]:
     """Every test of ``path``: ``{Class.test: {"status", "message", "ranks", "seconds"?}}``; classes
-    that are not multi-rank tests recorded as ``by_design``."""
+    that are not multi-rank tests recorded as ``by_design``; the tests in ``skip`` (documented
+    hangs: each costs the timeout) recorded as ``not_run``."""
     records: dict[str, dict] = {}
     path = path.resolve()  # the jobs run in the work folder
     for entry in list_file(path):
@@ -179,6 +180,11 @@ def run_file(path: Path, settings: Settings, work_dir: Path) -> dict[str, dict]:
                                 "ranks": ranks} for i in ids})
             continue
         start = time.monotonic()
+        records.update({i: {"status": "not_run", "message": "a documented hang: not run", "ranks": ranks}
+                        for i in ids if i in skip})
+        ids = [i for i in ids if i not in skip]
+        if not ids:
+            continue
         got = run_tests(path, ids, ranks, settings, work_dir)
         if settings.backend == "torch":  # gloo's rendezvous fails now and then, and the next test waits
             again = [i for i in ids if got[i]["status"] in ("fail", "hang", "crash")]

@@ -22,6 +22,7 @@ import inspect
 import json
 import os
 import sys
+import time
 import traceback
 import unittest
 from pathlib import Path
@@ -189,11 +190,12 @@ def _where(err: BaseException) -> str:
 def agree(outcomes: list[dict]) -> dict:
     """One outcome from every rank's: fail if any failed (the lowest such rank's message),
     else skip if any skipped, else pass."""
+    seconds = max(outcome.get("seconds", 0.0) for outcome in outcomes)
     for status in ("fail", "skip"):
         for rank, outcome in enumerate(outcomes):
             if outcome["status"] == status:
-                return {"status": status, "rank": rank, "message": outcome["message"]}
-    return {"status": "pass", "message": ""}
+                return {"status": status, "rank": rank, "message": outcome["message"], "seconds": seconds}
+    return {"status": "pass", "message": "", "seconds": seconds}
 
 
 def run(args: argparse.Namespace) -> None:
@@ -217,7 +219,9 @@ def run(args: argparse.Namespace) -> None:
         stacks.write(f"== {test_id}\n")
         stacks.flush()
         faulthandler.dump_traceback_later(args.timeout, file=stacks)
+        start = time.perf_counter()
         outcome = run_one(cls, test, kind, rank, size, file_name, backend)
+        outcome["seconds"] = round(time.perf_counter() - start, 2)
         faulthandler.cancel_dump_traceback_later()
         mine.write(json.dumps({"test": test_id, **outcome}) + "\n")
         agreed = agree(world.allgather(outcome))
