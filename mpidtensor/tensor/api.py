@@ -36,11 +36,17 @@ def distribute_tensor(
     placements put the value on coordinate 0 of that mesh dim (the others hold the
     reduction's identity). The result is a leaf that requires grad if ``tensor`` does.
     """
-    if isinstance(tensor, DTensor):
-        raise TypeError("distribute_tensor expects a plain torch.Tensor, got a DTensor")
     device_mesh._require_live()
     placements = [Replicate()] * device_mesh.ndim if placements is None else placements
+    if not isinstance(placements, Placement) and len(placements) != device_mesh.ndim:
+        raise ValueError(f"`placements` must have the same length as `device_mesh.ndim`! Found placements length: "
+                         f"{len(placements)}, and device_mesh.ndim: {device_mesh.ndim}: give one placement per mesh "
+                         f"dimension")
     placements = normalize_placements(placements, device_mesh.ndim, tensor.ndim)
+    if isinstance(tensor, DTensor):
+        return _already_distributed(tensor, device_mesh, placements)
+    if not tensor.is_leaf:
+        raise RuntimeError("`distribute_tensor` should be used to distribute leaf tensors! but found non-leaf tensor!")
     check_src_data_rank(src_data_rank, device_mesh)
     validate.check_same_tensor_meta(tensor, device_mesh, "distribute_tensor")
     data = tensor.detach()
@@ -63,6 +69,18 @@ def distribute_tensor(
             local = ToPartial(p.reduce_op, coord[m] == 0).run(local, device_mesh)
     spec = DTensorSpec(device_mesh, placements, tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
     return DTensor(local.requires_grad_(False), spec, requires_grad=tensor.requires_grad)
+
+
+def _already_distributed(tensor: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+    """torch's answer for a DTensor given to ``distribute_tensor``: itself when it is already
+    laid out so, else a ``ValueError`` (decided from specs every rank shares)."""
+    if tensor.device_mesh != mesh:
+        raise ValueError(f"Cannot distribute a DTensor with device mesh {tensor.device_mesh} to a different device "
+                         f"mesh {mesh}.")
+    if tensor.placements != placements:
+        raise ValueError(f"Cannot distribute a DTensor with placements {tensor.placements} to a different "
+                         f"placements {placements}. do you want to call `redistribute` instead?")
+    return tensor
 
 
 def check_src_data_rank(src_data_rank: int | None, mesh: DeviceMesh) -> None:
