@@ -58,7 +58,7 @@ def test_every_listed_difference_names_a_known_cause():
 @pytest.mark.parametrize("backend", ["mdt", "torch"])
 def test_runner_isolates_failures_and_hangs(backend, tmp_path):
     """A failure on one rank and a hang on one rank each cost that test only, on both sides."""
-    records = driver.run_file(SAMPLE, driver.Settings(backend, timeout=40, log=False), tmp_path)
+    records = driver.run_file(SAMPLE, driver.Settings(backend, timeout=25, log=False), tmp_path)
     status = {test.split(".")[1]: record["status"] for test, record in records.items()}
     assert status == {"test_a_passes": "pass", "test_b_fails_on_one_rank": "fail", "test_c_hangs_on_one_rank": "hang",
                       "test_d_runs_after_the_hang": "pass", "test_e_helpers_see_the_same_dtensor": "pass",
