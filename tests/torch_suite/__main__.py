@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "draft":
         records = json.loads(args.records.read_text())
-        print("\n".join(compare.draft_rows(records, compare.load_expected(), compare.load_listed())))
+        print("\n".join(compare.draft_rows(records, compare.load_expected(), compare.load_listed(), args.dir)))
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM: the running job is taken down
     if not args.dir.is_dir():

@@ -92,9 +92,9 @@ def compare(records: dict[str, dict[str, dict]], expected: dict[str, dict[str, s
     return reports
 
 
-def guess_cause(status: str, message: str) -> str:
-    """A first guess at a difference's cause class from its record, for ``draft`` (each row
-    is reviewed before it goes into the document)."""
+def guess_cause(status: str, message: str, line: str = "") -> str:
+    """A first guess at a difference's cause class from its record and the test's line that
+    failed (``line``), for ``draft``; each row is reviewed before it goes into the document."""
     first = message.splitlines()[0] if message else ""
     if status == "hang":
         return "hang"
@@ -104,7 +104,7 @@ def guess_cause(status: str, message: str) -> str:
                                                   r"DTensorSpec|_MaskPartial|_StridedShard|_op_dispatcher", first):
         return "torch internal"
     if first.startswith("AssertionError"):
-        if re.search(r"comm|count|c10d|funcol|collective", message, re.I):
+        if re.search(r"comm_mode|CommDebugMode|get_comm_counts|get_total_counts|comm_counts|funcol|c10d", line):
             return "collective counts"
         if re.search(r"not close|Mismatched elements|Greatest absolute difference", message):
             return "value"
@@ -112,8 +112,18 @@ def guess_cause(status: str, message: str) -> str:
     return "public call raises"
 
 
+def _failed_line(path: Path, message: str) -> str:
+    """The source line of ``path`` that the message's traceback names, with the next one."""
+    found = re.search(re.escape(path.name) + r":(\d+)", message)
+    if not found or not path.exists():
+        return ""
+    lines = path.read_text().splitlines()
+    at = int(found.group(1)) - 1
+    return " ".join(lines[max(at - 1, 0):at + 2])
+
+
 def draft_rows(records: dict[str, dict[str, dict]], expected: dict[str, dict[str, str]],
-               listed: dict[tuple[str, str], tuple[str, str]]) -> list[str]:
+               listed: dict[tuple[str, str], tuple[str, str]], test_dir: Path) -> list[str]:
     """Document rows for every unlisted difference: file, test, guessed cause, the error's first line."""
     rows = []
     for name, tests in sorted(records.items()):
@@ -123,7 +133,8 @@ def draft_rows(records: dict[str, dict[str, dict]], expected: dict[str, dict[str
             if (name, test) in listed:
                 continue
             first = (rec["message"].splitlines() or [""])[0].replace("|", "/")[:200]
-            rows.append(f"| {name} | `{test}` | {guess_cause(rec['status'], rec['message'])} | {first} |")
+            cause = guess_cause(rec["status"], rec["message"], _failed_line(test_dir / name, rec["message"]))
+            rows.append(f"| {name} | `{test}` | {cause} | {first} |")
     return rows
 
 

@@ -59,10 +59,13 @@ def class_kind(cls: type) -> tuple[str, str]:
         return "spawn", ""
     if bases.intersection({"MultiProcContinuousTest", "MultiThreadedTestCase"}):
         return "group", ""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        source = ""
+    source = ""
+    for klass in cls.__mro__:  # the class and its bases in the test file (test_utils' LocalTensorTestBase)
+        if klass.__module__ == cls.__module__:
+            try:
+                source += inspect.getsource(klass)
+            except (OSError, TypeError):
+                pass
     if '"fake"' in source or "'fake'" in source or "FakeStore" in source:
         return "by_design", "uses a fake process group in one process"
     return "plain", ""
