@@ -18,6 +18,8 @@ def test_placement_count(mesh1d):
 def test_non_leaf(mesh1d):
     made = global_tensor((4, 4)).requires_grad_() + 2
     raises_everywhere(RuntimeError, lambda: distribute_tensor(made, mesh1d, [Shard(0)]), match="leaf tensors")
+    # checked before the placements, as torch does
+    raises_everywhere(RuntimeError, lambda: distribute_tensor(made, mesh1d, [Shard(0), Shard(1)]), match="leaf tensors")
 
 
 def test_dtensor_given_back(mesh1d):

@@ -36,6 +36,8 @@ def distribute_tensor(
     placements put the value on coordinate 0 of that mesh dim (the others hold the
     reduction's identity). The result is a leaf that requires grad if ``tensor`` does.
     """
+    if not tensor.is_leaf:  # torch's order of checks: this one first
+        raise RuntimeError("`distribute_tensor` should be used to distribute leaf tensors! but found non-leaf tensor!")
     device_mesh._require_live()
     placements = [Replicate()] * device_mesh.ndim if placements is None else placements
     if not isinstance(placements, Placement) and len(placements) != device_mesh.ndim:
@@ -45,8 +47,6 @@ def distribute_tensor(
     placements = normalize_placements(placements, device_mesh.ndim, tensor.ndim)
     if isinstance(tensor, DTensor):
         return _already_distributed(tensor, device_mesh, placements)
-    if not tensor.is_leaf:
-        raise RuntimeError("`distribute_tensor` should be used to distribute leaf tensors! but found non-leaf tensor!")
     check_src_data_rank(src_data_rank, device_mesh)
     validate.check_same_tensor_meta(tensor, device_mesh, "distribute_tensor")
     data = tensor.detach()
