@@ -63,7 +63,8 @@ def test_runner_isolates_failures_and_hangs(backend, tmp_path):
     assert status == {"test_a_passes": "pass", "test_b_fails_on_one_rank": "fail", "test_c_hangs_on_one_rank": "hang",
                       "test_d_runs_after_the_hang": "pass", "test_e_helpers_see_the_same_dtensor": "pass",
                       "test_simulated": "by_design"}, records
-    assert "rank 1" in records["SampleTest.test_b_fails_on_one_rank"]["message"]
+    if backend == "mdt":  # the others block in destroy_pg's barrier; gloo's barrier fails on torch instead
+        assert "rank 1" in records["SampleTest.test_b_fails_on_one_rank"]["message"]
     assert "rank 1: in the test" in records["SampleTest.test_c_hangs_on_one_rank"]["message"]
 
 
