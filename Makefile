@@ -3,6 +3,10 @@
 #   make test            create the venv if needed, run the quick tier of pytest at
 #                        1, 2, 3 and 4 ranks (every module, sampled sweeps)
 #   make test-all        the same with every test, the exhaustive sweeps included
+#   make test-torch      torch's own DTensor test files (../shared/torch-tests) on mpidtensor under
+#                        the switch, compared with torch's recorded outcomes and the differences
+#                        docs/torch-conformance.md lists (also a test of make test-all, at 1 rank)
+#   make torch-expect    run those files on torch over gloo and rewrite tests/torch_suite/expected.json
 #   make demo            examples/train_fsdp_tp.py (FSDP x TP training), then the
 #                        redistribution tour examples/demo.py, at 4 ranks
 #   make bench           benchmarks/bench_record.py at 4 ranks (table, JSON, plot), the 4 KiB
@@ -63,7 +67,7 @@ PYTEST_ARGS  ?=
 export OMP_NUM_THREADS ?= 1
 export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 
-.PHONY: venv test test-all demo bench clean
+.PHONY: venv test test-all test-torch torch-expect demo bench clean
 
 venv: $(STAMP)
 
@@ -96,6 +100,19 @@ test: $(STAMP)
 
 test-all:
 	$(MAKE) test TEST_TIER=all TEST_TIMEOUT=$(ALL_TIMEOUT)
+
+# torch's DTensor tests as the contract (tests/torch_suite, docs/torch-conformance.md); each class
+# runs at its own world size in jobs the runner starts, a test that hangs costs TORCH_TEST_TIMEOUT.
+TORCH_TESTS        ?= ../shared/torch-tests
+TORCH_TEST_TIMEOUT ?= 180# seconds one test of torch's may take before it is a hang
+TORCH_SUITE         = PYTHONPATH=tests $(PY) -m torch_suite --dir $(TORCH_TESTS) --timeout $(TORCH_TEST_TIMEOUT)
+
+test-torch: $(STAMP)
+	@test -d $(TORCH_TESTS) || { echo "make test-torch: no torch test files at $(TORCH_TESTS)"; exit 2; }
+	$(TORCH_SUITE) check
+
+torch-expect: $(STAMP)
+	$(TORCH_SUITE) expect
 
 demo: $(STAMP)
 	$(RUN) -n 4 $(PY) examples/train_fsdp_tp.py

@@ -5,8 +5,9 @@ them: torchtitan's ``dist_sum`` passes the mesh itself (``group=mesh``), its
 loss-parallel cross entropy ``mesh.get_group("tp")``. Under the switch these are
 mpidtensor's meshes and MPI communicators, which torch's ``_resolve_group`` refuses;
 here every group form resolves to an MPI communicator and the collective runs at once
-on it (mpidtensor's collectives), returning a plain tensor, so ``wait_tensor`` has
-nothing to wait for. Group forms: an mpidtensor ``DeviceMesh`` (1-D, or ``(mesh, dim)``),
+on it (mpidtensor's collectives) and its result comes back as torch's does, an
+``AsyncCollectiveTensor`` (``.wait()``, ``wait_tensor``; the first op on it unwraps it), with
+nothing left to wait for. Group forms: an mpidtensor ``DeviceMesh`` (1-D, or ``(mesh, dim)``),
 an MPI communicator (what ``mesh.get_group()`` returns), a torch ``ProcessGroup`` of the
 MPI backend, or a group name. Names not here are torch's module's (the alias view makes
 each a ``NotImplementedError`` stand-in)."""
@@ -28,14 +29,14 @@ _OPS = {"sum": "sum", "avg": "avg", "min": "min", "max": "max", "product": "prod
 
 def all_reduce(self: torch.Tensor, reduceOp: Any, group: Any, tag: str = "") -> torch.Tensor:  # noqa: N803
     """``self`` reduced over ``group`` (a new tensor); ``reduceOp``: a name or a ``ReduceOp``."""
-    return collectives.all_reduce(self.contiguous(), _comm(group), _op(reduceOp))
+    return _done(collectives.all_reduce(self.contiguous(), _comm(group), _op(reduceOp)))
 
 
 def all_gather_tensor(self: torch.Tensor, gather_dim: int, group: Any, tag: str = "") -> torch.Tensor:
     """Every rank's ``self`` concatenated along ``gather_dim``, in rank order."""
     comm = _comm(group)
     dim = gather_dim % self.ndim
-    return collectives.all_gather(self.contiguous(), comm, dim=dim, sizes=[self.shape[dim]] * comm.size)
+    return _done(collectives.all_gather(self.contiguous(), comm, dim=dim, sizes=[self.shape[dim]] * comm.size))
 
 
 def reduce_scatter_tensor(self: torch.Tensor, reduceOp: Any, scatter_dim: int, group: Any,  # noqa: N803
@@ -46,8 +47,16 @@ def reduce_scatter_tensor(self: torch.Tensor, reduceOp: Any, scatter_dim: int, g
     if self.shape[dim] % comm.size:
         raise ValueError(f"reduce_scatter_tensor: dim {dim} of size {self.shape[dim]} does not split into "
                          f"{comm.size} equal pieces")
-    return collectives.reduce_scatter(self.contiguous(), comm, _op(reduceOp), dim=dim,
-                                      sizes=[self.shape[dim] // comm.size] * comm.size)
+    return _done(collectives.reduce_scatter(self.contiguous(), comm, _op(reduceOp), dim=dim,
+                                            sizes=[self.shape[dim] // comm.size] * comm.size))
+
+
+def _done(result: torch.Tensor) -> torch.Tensor:
+    """A completed collective's result as torch's functional collectives return theirs (under
+    ``torch.compile`` a plain tensor: torch's own return no wrapper when traced)."""
+    if torch.compiler.is_compiling():
+        return result
+    return AsyncCollectiveTensor(result)
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 from . import (  # noqa: F401
     advanced_indexing,
     gather_scatter,
+    histogram,
     losses,
     matrix,
     nn,

@@ -1,10 +1,11 @@
 """Tensor ops that keep their input's layout: detach, alias, clones and casts,
-``*_like`` factories, fills, ``copy_``. They keep a ``_StridedShard`` as they keep a ``Shard``."""
+``*_like`` factories, fills, ``copy_``. They keep a ``_StridedShard`` as they keep a ``Shard``.
+And constant padding, which keeps the shards of the dims it does not pad."""
 from __future__ import annotations
 
 import torch
 
-from ..tensor.placements import Partial, Replicate, Shard
+from ..tensor.placements import Partial, Replicate, Shard, shard_dim
 from .registry import OpCall, Sharding, broadcast_placements, register, same_as_input, takes_strided
 
 aten = torch.ops.aten
@@ -54,3 +55,25 @@ def lazy_view(call: OpCall) -> Sharding:
     losing it), so the local block is conjugated or negated for real. Linear: Partial stays."""
     materialize = torch.conj_physical if call.func is aten._conj.default else torch.neg
     return Sharding([None], [call.tensor_specs[0].placements], lambda a, k: materialize(a[0]))
+
+
+@register(aten.constant_pad_nd)
+@takes_strided
+def constant_pad_nd(call: OpCall) -> Sharding:
+    """``F.pad(x, pad, value=v)`` (mode "constant"), as torch's rule: a shard of a dim it pads
+    (or crops) is gathered, other shards stay; a Partial stays where the padding reduces to
+    itself (``v == 0`` for sum, any ``v`` for avg, max and min: every rank pads with ``v``),
+    else it is reduced first."""
+    spec = call.tensor_specs[0]
+    args = call.bound()
+    pad, value = list(args["pad"]), args["value"] or 0
+    padded = {spec.ndim - 1 - i // 2 for i in range(0, len(pad), 2) if pad[i] or pad[i + 1]}
+    keep = []
+    for p in spec.placements:
+        if shard_dim(p) in padded:
+            keep.append(Replicate())
+        elif isinstance(p, Partial) and not (p.reduce_op in ("avg", "max", "min") or value == 0):
+            keep.append(Replicate())
+        else:
+            keep.append(p)
+    return Sharding([tuple(keep)], [tuple(keep)])

@@ -1,6 +1,8 @@
 """``distribute_tensor``: turn a global tensor into a DTensor."""
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Sequence
 
 import torch
@@ -36,12 +38,18 @@ def distribute_tensor(
     placements put the value on coordinate 0 of that mesh dim (the others hold the
     reduction's identity). The result is a leaf that requires grad if ``tensor`` does.
     """
-    if isinstance(tensor, DTensor):
-        raise TypeError("distribute_tensor expects a plain torch.Tensor, got a DTensor")
     refuse_torch_dtensor(tensor, "distribute_tensor")
+    if not tensor.is_leaf:  # torch's order of checks: this one first
+        raise RuntimeError("`distribute_tensor` should be used to distribute leaf tensors! but found non-leaf tensor!")
     device_mesh = require_mesh(device_mesh, "distribute_tensor")
     placements = [Replicate()] * device_mesh.ndim if placements is None else placements
+    if not isinstance(placements, Placement) and len(placements) != device_mesh.ndim:
+        raise ValueError(f"`placements` must have the same length as `device_mesh.ndim`! Found placements length: "
+                         f"{len(placements)}, and device_mesh.ndim: {device_mesh.ndim}: give one placement per mesh "
+                         f"dimension")
     placements = normalize_placements(placements, device_mesh.ndim, tensor.ndim)
+    if isinstance(tensor, DTensor):
+        return _already_distributed(tensor, device_mesh, placements)
     check_src_data_rank(src_data_rank, device_mesh)
     validate.check_same_tensor_meta(tensor, device_mesh, "distribute_tensor")
     data = tensor.detach()
@@ -64,6 +72,18 @@ def distribute_tensor(
             local = ToPartial(p.reduce_op, coord[m] == 0).run(local, device_mesh)
     spec = DTensorSpec(device_mesh, placements, tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
     return DTensor(local.requires_grad_(False), spec, requires_grad=tensor.requires_grad)
+
+
+def _already_distributed(tensor: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+    """torch's answer for a DTensor given to ``distribute_tensor``: itself when it is already
+    laid out so, else a ``ValueError`` (decided from specs every rank shares)."""
+    if tensor.device_mesh != mesh:
+        raise ValueError(f"Cannot distribute a DTensor with device mesh {tensor.device_mesh} to a different device "
+                         f"mesh {mesh}.")
+    if tensor.placements != placements:
+        raise ValueError(f"Cannot distribute a DTensor with placements {tensor.placements} to a different "
+                         f"placements {placements}. do you want to call `redistribute` instead?")
+    return tensor
 
 
 def check_src_data_rank(src_data_rank: int | None, mesh: DeviceMesh) -> None:
@@ -141,7 +161,27 @@ def distribute_module(
             partition_fn(name, submodule, device_mesh)
         replicate_rest(submodule)
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+        if _hook_arity(input_fn, "input_fn") == 2:
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(inputs, device_mesh))
+        else:
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
     if output_fn is not None:
-        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+        if _hook_arity(output_fn, "output_fn") == 2:
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(outputs, device_mesh))
+        else:
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
     return module
+
+
+def _hook_arity(fn, name: str) -> int:
+    """How many arguments ``input_fn``/``output_fn`` takes: 3 (``module, args, device_mesh``),
+    or torch's deprecated 2 (``args, device_mesh``, with torch's ``FutureWarning``); else a
+    ``ValueError`` as torch raises."""
+    count = len(inspect.signature(fn).parameters)
+    if count == 2:
+        kind = "inputs" if name == "input_fn" else "outputs"
+        warnings.warn(f"Deprecating {name} that takes two arguments ({kind}, device_mesh), please use {name} that "
+                      f"takes in (module, {kind}, device_mesh) instead!", FutureWarning, stacklevel=3)
+    elif count != 3:
+        raise ValueError(f"{name} should take in 3 arguments, but got {count} arguments!")
+    return count

@@ -182,10 +182,20 @@ class DTensor(torch.Tensor):
         placements: Sequence[Placement] | None = None,
         *,
         async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
     ) -> "DTensor":
         """This DTensor with ``placements`` on the same mesh, moving the least data needed.
 
-        Redistributing *into* ``Partial`` is refused: it is internal (gradients)."""
+        Redistributing *into* ``Partial`` is refused: it is internal (gradients).
+        ``forward_dtype``: the data moves (and the result is) in that dtype; ``backward_dtype``:
+        the gradient moves in that dtype and comes back in this DTensor's (torch's options for
+        moving less). ``async_op=True``: the result's local tensor is an
+        ``AsyncCollectiveTensor`` as torch's is (mpidtensor's collective has completed, so
+        waiting on it costs nothing)."""
+        if forward_dtype is not None or backward_dtype is not None or async_op:
+            return _redistribute_with_options(self, self._target_spec(device_mesh, placements), async_op,
+                                              forward_dtype, backward_dtype)
         spec = self._spec
         cacheable = isinstance(placements, (list, tuple)) and (device_mesh is None or device_mesh is spec.mesh)
         if cacheable:
@@ -273,6 +283,22 @@ def redistribute_dtensor(x: DTensor, spec: DTensorSpec, *, same_ok: bool = False
     return _wrap(redistribute_local(x._local_tensor, x._spec, spec), spec)
 
 
+def _redistribute_with_options(x: DTensor, target: DTensorSpec, async_op: bool, forward_dtype: torch.dtype | None,
+                               backward_dtype: torch.dtype | None) -> DTensor:
+    """:meth:`DTensor.redistribute` with torch's dtype options and ``async_op``."""
+    if forward_dtype is not None and forward_dtype != x.dtype:
+        x = x.to(forward_dtype)  # differentiable: the gradient comes back in the input's dtype
+        target = DTensorSpec(target.mesh, target.placements, target.shape, target.stride, forward_dtype)
+    if backward_dtype is not None and x.requires_grad and torch.is_grad_enabled():
+        out = _Redistribute.apply(x, target, backward_dtype)
+    else:
+        out = redistribute_dtensor(x, target, same_ok=True)
+    if async_op and out._local_tensor is not x._local_tensor:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        out._local_tensor = AsyncCollectiveTensor(out._local_tensor)
+    return out
+
+
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
@@ -326,8 +352,9 @@ class _ToLocal(torch.autograd.Function):
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: DTensor, spec: DTensorSpec) -> DTensor:
+    def forward(ctx, x: DTensor, spec: DTensorSpec, backward_dtype: torch.dtype | None = None) -> DTensor:
         ctx.src = x._spec
+        ctx.backward_dtype = backward_dtype
         local = redistribute_local(x._local_tensor, x._spec, spec)
         return DTensor(local, spec, requires_grad=x.requires_grad)
 
@@ -335,9 +362,17 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx, grad: DTensor):
         src = ctx.src
         target = _settled(src.placements)
-        out_spec = grad._spec.with_placements(target)
-        local = redistribute_local(grad._local_tensor, grad._spec, out_spec)
-        return DTensor(local, out_spec, requires_grad=False), None
+        local, spec = grad._local_tensor, grad._spec
+        moved = ctx.backward_dtype
+        if moved is not None and moved != spec.dtype:  # the gradient moves in backward_dtype
+            local = local.to(moved)
+            spec = DTensorSpec(spec.mesh, spec.placements, spec.shape, spec.stride, moved)
+        out_spec = spec.with_placements(target)
+        local = redistribute_local(local, spec, out_spec)
+        if local.dtype != src.dtype:
+            local = local.to(src.dtype)
+            out_spec = DTensorSpec(out_spec.mesh, out_spec.placements, out_spec.shape, out_spec.stride, src.dtype)
+        return DTensor(local, out_spec, requires_grad=False), None, None
 
 
 from ..runtime import dynamo_hook as traceable  # noqa: E402  (collectives torch.compile can trace)

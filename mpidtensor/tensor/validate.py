@@ -46,18 +46,26 @@ def global_shape_from_locals(
 def check_local_tensors(
     local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int] | None
 ) -> None:
-    """``from_local(run_check=True)``: ``shape``, dtypes, local shapes (against ``shape`` if
-    given) and replicas agree across the mesh (one all-gather; the verdict is the same
-    on every rank)."""
+    """``from_local(run_check=True)``: ``shape``, dtypes, ``requires_grad``, strides (of equal
+    local shapes), local shapes (against ``shape`` if given) and replicas agree across the
+    mesh, as torch checks them (one all-gather; the verdict is the same on every rank)."""
     data = local.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
     given = None if shape is None else tuple(shape)
-    facts = mesh.comm.allgather((tuple(local.shape), str(local.dtype), zlib.crc32(data), given))
+    facts = mesh.comm.allgather((tuple(local.shape), str(local.dtype), zlib.crc32(data), given,
+                                 local.requires_grad, local.stride()))
     if len({f[3] for f in facts}) > 1:
         raise_listed(["ranks passed different shape= arguments: " + str([f[3] for f in facts])])
     shapes = [f[0] for f in facts]
     problems = _ndim_problems(shapes)
     if len({f[1] for f in facts}) > 1:
         problems.append("local tensors have different dtypes: " + str([f[1] for f in facts]))
+    if len({f[4] for f in facts}) > 1:
+        problems.append("local tensors differ in requires_grad: " + str([f[4] for f in facts]))
+    strides: dict[tuple, set] = {}
+    for f in facts:
+        strides.setdefault(f[0], set()).add(f[5])
+    if any(len(found) > 1 for found in strides.values()):
+        problems.append("local tensors of the same shape have different strides: " + str([f[5] for f in facts]))
     raise_listed(problems)
     placements = normalize_placements(placements, mesh.ndim, len(given if given is not None else shapes[0]))
     problems = _shape_problems(shapes, mesh, placements, given)
