@@ -149,6 +149,9 @@ def _options(specs, out_shape, m: int, linearity: str | None, divides: bool):
         p = partials[0]
         if linearity == "additive" and len(partials) == len(specs) >= 2:  # x + scalar is not linear
             options.append((p, current))
+        elif linearity == "additive" and len(specs) >= 2 and all(c == p or c == Replicate() for c in current):
+            # Partial + Replicate: the replica becomes a Partial term locally (no collective, as torch)
+            options.append((p, tuple(p for _ in current)))
         elif linearity == "scaling" and len(partials) == 1 and (current[0] == p or not divides):
             options.append((p, tuple(c if c == p else Replicate() for c in current)))
     return options

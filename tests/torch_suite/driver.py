@@ -176,7 +176,7 @@ def run_file(path: Path, settings: Settings, work_dir: Path, skip: frozenset[str
             records.update({i: {"status": "by_design", "message": entry["why"], "ranks": ranks} for i in ids})
             continue
         if ranks > settings.max_ranks:
-            records.update({i: {"status": "skip", "message": f"world size {ranks} > {settings.max_ranks} (not run)",
+            records.update({i: {"status": "not_run", "message": f"world size {ranks} > {settings.max_ranks} (not run)",
                                 "ranks": ranks} for i in ids})
             continue
         start = time.monotonic()
