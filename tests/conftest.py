@@ -133,6 +133,22 @@ def mesh2d():
 
 
 @pytest.fixture
+def mpi_group():
+    """mpidtensor's MPI backend as torch's default group for one test, taken down after
+    (unless the test took it down itself)."""
+    import torch.distributed as dist
+    from mpidtensor.tools.process_group import init_process_group
+
+    if dist.is_initialized():
+        pytest.fail(f"a torch.distributed group ({dist.get_backend()}) is already up: an earlier test left it")
+    init_process_group()
+    yield
+    WORLD.Barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def ckpt_dir():
     """A fresh directory shared by all ranks."""
     path = tempfile.mkdtemp(prefix="mpidtensor-ckpt-") if WORLD.rank == 0 else None

@@ -17,21 +17,9 @@ from helpers import assert_all_ranks, raises_everywhere
 from mpidtensor.comm import guard
 from mpidtensor.compat import cpp_groups, importer, views
 from mpidtensor.compat import distributed as switch_dist
-from mpidtensor.tools.process_group import init_process_group
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank
-
-
-@pytest.fixture
-def mpi_group():
-    """The mpidtensor backend as torch's default group for one test, taken down after."""
-    if dist.is_initialized():
-        pytest.fail(f"a torch.distributed group ({dist.get_backend()}) is already up: an earlier module left it")
-    init_process_group()
-    yield
-    WORLD.Barrier()
-    dist.destroy_process_group()
 
 
 def test_parameters_made_equal_by_hand(mpi_group):

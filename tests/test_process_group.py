@@ -5,7 +5,6 @@ different lengths (without the synced loop the ones that stop early leave the ot
 blocked in FSDP's all-gathers)."""
 import copy
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -13,22 +12,10 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, raises_everywhere
 from mpidtensor import init_device_mesh
-from mpidtensor.tools.process_group import init_process_group
 from zoo_models import ZOO, fully_shard_zoo
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank
-
-
-@pytest.fixture
-def mpi_group():
-    """The mpidtensor backend as torch's default group for one test, taken down after."""
-    if dist.is_initialized():
-        pytest.fail(f"a torch.distributed group ({dist.get_backend()}) is already up: an earlier module left it")
-    init_process_group()
-    yield
-    WORLD.Barrier()
-    dist.destroy_process_group()
 
 
 def test_collectives_match_what_each_rank_computes(mpi_group):

@@ -35,7 +35,6 @@ from mpi4py import MPI
 import mpidtensor
 from helpers import assert_all_ranks, raises_everywhere
 from mpidtensor.compat import distributed as switch_dist, importer, mesh_groups, views
-from mpidtensor.tools import process_group
 from mpidtensor.runtime.settings import settings
 from subjob import run_command, run_peer
 
@@ -53,18 +52,6 @@ def switched():
     importer.install()
     yield
     importer.uninstall()
-
-
-@pytest.fixture
-def mpi_group():
-    """The MPI backend as torch's default group for one test, taken down after."""
-    if torch_dist.is_initialized():
-        pytest.fail(f"a torch.distributed group ({torch_dist.get_backend()}) is already up")
-    process_group.init_process_group()
-    yield
-    WORLD.Barrier()
-    if torch_dist.is_initialized():
-        torch_dist.destroy_process_group()
 
 
 def test_user_imports_get_mpidtensor(switched):

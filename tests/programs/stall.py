@@ -73,6 +73,11 @@ def fsdp_steps(mesh_shape: tuple[int, ...], stall: nn.Module):
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return sgd_steps(model)
+
+
+def sgd_steps(model: nn.Module):
+    """One SGD step of ``model`` on a fixed batch, as a function to call per step."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step():
@@ -87,13 +92,7 @@ def tp_steps():
     from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     mesh = init_device_mesh("cpu", (WORLD.size,))
     model = parallelize_module(layers(Stall()), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step():
-        model(torch.ones(4, 16)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    return step
+    return sgd_steps(model)
 
 
 def pipeline_steps(name: str):
