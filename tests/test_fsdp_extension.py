@@ -159,7 +159,10 @@ def test_int8_all_gather_matches_dequantized(mesh1d, weight, dims):
         plain(x[rows])
     assert_close(q_out, ref_out, atol=1e-5, rtol=1e-5)
     q_bytes, p_bytes = q_comm.get_comm_bytes()["all_gather"], p_comm.get_comm_bytes()["all_gather"]
-    assert_all_ranks(q_bytes < 0.4 * p_bytes, f"int8 all-gather sent {q_bytes} bytes, fp32 {p_bytes}")
+    if WORLD.size == 1:  # a one-rank mesh gathers nothing (as torch's FSDP)
+        assert_all_ranks(q_bytes == p_bytes == 0, f"one rank: all-gathers sent {q_bytes} and {p_bytes} bytes")
+    else:
+        assert_all_ranks(q_bytes < 0.4 * p_bytes, f"int8 all-gather sent {q_bytes} bytes, fp32 {p_bytes}")
 
     losses = _train(quant, x[rows], target[rows])
     assert_close(losses, torch.tensor(ref_losses), atol=1e-5, rtol=1e-5)

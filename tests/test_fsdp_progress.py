@@ -44,7 +44,7 @@ def test_training_matches_single_process(request, mode, placement_fn):
 
 
 def test_gather_writes_the_parameters_in_place(mesh1d):
-    """One all-gather per group, copied into the group's flat buffer: the unsharded
+    """One all-gather per group (a copy on one rank), into the group's flat buffer: the unsharded
     parameters are views of it with the right values; reshard frees it, and the next
     gather refills the same views."""
     net = shard_net(make_net(), mesh=mesh1d)
@@ -55,7 +55,8 @@ def test_gather_writes_the_parameters_in_place(mesh1d):
             net.unshard()
         flat = group.unsharded_flat
         inside = all(p.unsharded.data_ptr() - flat.data_ptr() == p.unsharded_offset for p in group.gathered)
-        assert_all_ranks(log.calls == ["all_gather"] and inside, f"{log.calls}, views of the buffer: {inside}")
+        gathers = ["all_gather"] if mesh1d.size() > 1 else []  # one rank: a copy, no collective (as torch)
+        assert_all_ranks(log.calls == gathers and inside, f"{log.calls}, views of the buffer: {inside}")
         assert_close(net.head.weight.detach(), ref.head.weight.detach())
         assert_close(net.inp.bias.detach(), ref.inp.bias.detach())
         net.reshard()
@@ -135,8 +136,9 @@ def test_even_and_uneven_groups_match_single_process(mesh1d, mode):
     for layer in (net[0], net[2]):
         fully_shard(layer, mesh=mesh1d)
     fully_shard(net, mesh=mesh1d)
+    scatters = 2 if mesh1d.size() > 1 else 0  # one rank: nothing to reduce, no collective (as torch)
     _train_alongside(ref, net, seed=6, each_step=lambda log: assert_all_ranks(
-        log.calls.count("reduce_scatter") == 2 and progress.in_flight() == 0, f"{log.calls}"))
+        log.calls.count("reduce_scatter") == scatters and progress.in_flight() == 0, f"{log.calls}"))
     world = WORLD.size
     first, last = net[0]._fsdp_state.group.split_sizes, net[2]._fsdp_state.group.split_sizes
     assert_all_ranks(first == [48 // world * 8 * 4, 48 // world * 4] and (last is not None) == (world <= 2),

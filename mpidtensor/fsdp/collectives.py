@@ -60,8 +60,11 @@ def start_all_gather(custom: Any, send: torch.Tensor, comm: MPI.Intracomm, out: 
     """Start gathering every rank's ``send`` into ``out``; ``wait()`` returns ``out``. On a
     one-rank group there is nothing to gather: ``send`` is copied, no collective runs,
     custom or not (as torch's FSDP, which skips collectives on a one-rank mesh)."""
-    if comm.size == 1:
-        return _Done(None, out.view(-1).copy_(send.view(-1)))
+    if comm.size == 1:  # copied as MPI writes: the unsharded parameters' version counter (which
+        # autograd checks for the tensors a forward saved) stays as it is
+        with torch.autograd._unsafe_preserve_version_counter(out):
+            out.view(-1).copy_(send.view(-1))
+        return _Done(None, out)
     if custom is None:
         return iall_gather(send, comm, out=out)
     return _Done(custom(output_tensor=out, input_tensor=send, group=comm, async_op=True), out)
