@@ -37,7 +37,7 @@ def _op(namespace: str, name: str) -> Any:
     return getattr(getattr(torch.ops, namespace), name)
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=1)  # not cleared: torch's op objects, fixed for the process
 def _kinds() -> tuple[dict[str, Any], dict[Any, str]]:
     """``(kind -> torch's op, any torch op spelling -> kind)``; torch registers the
     ``c10d_functional`` ops when its functional collectives module is imported."""
