@@ -67,7 +67,8 @@ def layers(*extra: nn.Module) -> nn.Sequential:
 def fsdp_steps(mesh_shape: tuple[int, ...], stall: nn.Module):
     from mpidtensor import init_device_mesh
     from mpidtensor.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", mesh_shape)
+    names = ("dp_replicate", "dp_shard")[-len(mesh_shape):]  # HSDP's mesh needs dim names (as torch's)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     model = layers(stall)
     for layer in model:
         if isinstance(layer, nn.Linear):
