@@ -76,3 +76,19 @@ def test_pipeline_bench_runs_every_schedule(tmp_path):
     assert_all_ranks(all(r["step_ms"] > 0 and 0 <= r["bubble"] < 1 for r in rows.values()), f"{rows}")
     written = Path(out, "pipeline.md").exists() if WORLD.rank == 0 else True
     assert_all_ranks(written, "no pipeline.md")
+
+
+@pytest.mark.timeout(600)
+def test_context_parallel_bench_runs(tmp_path):
+    """``benchmarks/bench_context_parallel.py`` at tiny sizes: every mode it times (the ring,
+    the ring with its exchanges skipped, all-gather rotation) runs and checks against one
+    process. It broke unnoticed once when the ring's exchange took a new argument."""
+    if WORLD.size < 2:
+        pytest.skip("context parallelism needs two ranks")
+    import bench_context_parallel
+
+    out = WORLD.bcast(str(tmp_path), root=0)
+    code = bench_context_parallel.main(["--base", "48", "--factors", "1", "--cps", "1", str(WORLD.size),
+                                        "--reps", "1", "--dim", "32", "--hidden", "64", "--vocab", "64",
+                                        "--out", str(Path(out, "cp"))])
+    assert_all_ranks(code == 0, f"bench_context_parallel exited {code}")
