@@ -409,10 +409,11 @@ class ParamGroup:
                 g, p.grad_acc = p.grad_acc, None
             else:
                 unsharded.grad = None
-                if isinstance(g, DTensor):
-                    g = p.local_grad(g)
-                if type(g) is not torch.Tensor:
-                    g = _plain_grad(g, p)
+                if type(g) is not torch.Tensor:  # (no call for a plain gradient or one in the parameter's layout)
+                    if type(g) is DTensor or isinstance(g, DTensor):
+                        g = g._local_tensor if g._spec.placements == p.unsharded_spec.placements else p.local_grad(g)
+                    if type(g) is not torch.Tensor:
+                        g = _plain_grad(g, p)
                 if p.grad_acc is not None:
                     g, p.grad_acc = g + p.grad_acc, None
             grads.append(g)
