@@ -43,7 +43,7 @@ import mpidtensor as md
 from bench_redistribute import init_gloo  # gloo over the MPI ranks (rank 0 picks the port)
 import bench_fsdp_overhead
 import fsdp_timeline
-from record_steps import STACK, agreed, step_rows
+from record_steps import STACK, agreed, python_calls, step_rows
 
 COMM = MPI.COMM_WORLD
 N, RANK = COMM.size, COMM.rank
@@ -366,6 +366,10 @@ def table(results, dispatch, steps, header) -> str:
         lines += ["", title, "", f"| {key} | mpidtensor | torch gloo | mpi4py | md/mpi4py | torch/md |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
         lines += [f"| {r[key]} | " + ratios(r["mpidtensor"], r["torch"], r["mpi4py"]) for r in rows]
+    lines += ["", "Python calls per training step, rank 0 (sys.setprofile, one step: load does not move it)", "",
+              "| step | mpidtensor | torch gloo | mpi4py |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {r['step']} | " + " | ".join(str(r["python_calls"].get(lib, "-")) for lib in ("mpidtensor", "torch", "mpi4py"))
+              + " |" for r in steps]
     return "\n".join(lines)
 
 
@@ -472,7 +476,9 @@ def main(argv: list[str] | None = None) -> dict:
     steps = []
     for row in step_rows(gloo):
         checked = [k for k, f in row.fns.items() if f]
-        steps.append({"step": row.name, **interleaved(row.fns, budget and args.step_budget), "checked": checked})
+        calls = {lib: python_calls(fn) for lib, fn in row.fns.items() if fn}  # every rank runs each step once
+        steps.append({"step": row.name, **interleaved(row.fns, budget and args.step_budget), "checked": checked,
+                      "python_calls": calls})
         progress(row.name, steps[-1], started)
     extras = None if args.check_only else fsdp_extras(gloo, 5 if args.quick else 15)
     record = {"ranks": N, "redistribute": results, "dispatch": dispatch, "steps": steps,

@@ -57,6 +57,23 @@ class StepRow:
     fns: dict[str, Callable[[], object] | None]
 
 
+def python_calls(fn: Callable[[], object]) -> int:
+    """Python-level calls (functions and builtins, as cProfile counts them) of one ``fn()`` on
+    this rank: a figure of a step's CPU work that machine load does not move."""
+    count = 0
+
+    def counter(frame, event, arg) -> None:
+        nonlocal count
+        if event == "call" or event == "c_call":
+            count += 1
+    sys.setprofile(counter)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count - 1  # setprofile(None) itself
+
+
 def agreed(ok: bool, what: str) -> None:
     """Stop every rank if any rank's step differs from the single-process reference."""
     if not COMM.allreduce(bool(ok), op=MPI.LAND):

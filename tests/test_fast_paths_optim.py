@@ -138,6 +138,38 @@ def test_fsdp_flat_runs_equal_the_general_path(mesh1d, name):
     _check(run, {"optim.local_step", "optim.flat_runs", "optim.foreach"})
 
 
+@pytest.mark.parametrize("change", ["step_in_place", "state_replaced", "param_replaced"])
+def test_fsdp_flat_runs_after_the_user_changes_the_state(mesh1d, change):
+    """Between flat steps the user changes what the cached layouts were checked against:
+    one parameter's step count set in place (the run's counts differ: it steps one
+    parameter at a time), one state tensor replaced by a new DTensor (the state snapshot
+    differs: the layouts are checked again, the states rehomed) or one local shard replaced
+    (the parameter check fails). Each step equals the per-parameter DTensor step bit for bit."""
+    cls, kwargs = OPTIMIZERS["adamw"]
+
+    def run():
+        model = _even_model(mesh1d)
+        params = list(model.parameters())
+        opt = cls(params, **kwargs)
+        for step in range(5):
+            model(global_tensor((5, 12), seed=40 + step)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step != 2:
+                continue
+            entry = opt.state[params[1]]
+            if change == "step_in_place":
+                entry["step"].fill_(7.0)
+            elif change == "state_replaced":
+                entry["exp_avg"] = entry["exp_avg"] * 0.5
+            else:
+                with torch.no_grad():
+                    params[1]._local_tensor = params[1]._local_tensor.clone()
+        return [p.detach() for p in params] + [v for p in params for v in opt.state[p].values()]
+
+    _check(run, {"optim.local_step", "optim.flat_runs", "optim.foreach"})
+
+
 def test_elementwise_and_inplace_chains(mesh1d):
     """Pointwise chains, in-place ops (also through a view) and a plain-tensor operand."""
     def run():

@@ -21,6 +21,8 @@ parameters) and equal scalar states, nothing about placements.
 """
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter, sub
 from typing import Sequence
 
 import torch
@@ -38,6 +40,8 @@ PATH = registry.register(
                "nothing), the elementwise update, and the tensors' memory layout (Run.make, Run.grad)")
 
 _storage_address = torch._C._storage_address  # an address, without making a storage object
+_grad_of, _local_of = attrgetter("grad"), attrgetter("_local_tensor")
+_data_ptr, _is_contiguous = torch.Tensor.data_ptr, torch.Tensor.is_contiguous
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -126,8 +130,8 @@ class Run:
                 return None
             entry[key] = values[0]
         for key, tensors in self.scalars.items():
-            first = tensors[0].item()
-            if any(t.item() != first for t in tensors[1:]):
+            stacked = torch.stack(tensors)  # one comparison for the run, not an item() per parameter
+            if not bool(stacked.eq(stacked[0]).all()):
                 return None
             entry[key] = tensors[0]
         return entry
@@ -137,16 +141,13 @@ class Run:
         the parameters are: contiguous, each at its parameter's byte offset from the first
         (same dtype and shape: a gradient has its parameter's spec), the first and the last
         in one storage, so the flat view stays inside it."""
-        grads = []
-        for p in self.params:
-            g = p.grad
-            if g is None:
-                return None
-            grads.append(g._local_tensor)
+        try:  # (C-level loops: a run has dozens of parameters; a missing gradient, None, has no local tensor)
+            grads = list(map(_local_of, map(_grad_of, self.params)))
+        except AttributeError:
+            return None
         first, last = grads[0], grads[-1]
-        base = first.data_ptr()
-        if _storage_address(first) != _storage_address(last) or any(
-                not g.is_contiguous() or g.data_ptr() - base != at for g, at in zip(grads, self.offsets)):
+        if (_storage_address(first) != _storage_address(last) or not all(map(_is_contiguous, grads))
+                or tuple(map(sub, map(_data_ptr, grads), repeat(first.data_ptr()))) != self.offsets):
             return None
         return _flat(first, self.numel)
 

@@ -19,7 +19,10 @@ so bit for bit the DTensor path's result. The choice of kernels (``foreach``) is
 parameters. Parameters whose local tensors, gradients and states lie back to back step
 as one tensor (:mod:`mpidtensor.fast.flat_runs`; ``COALESCE``). How each group steps is
 cached (``_Layout``) while its parameters, local tensors and state objects stay the
-same, so a step checks identities and gradient specs, not every layout.
+same, so a step checks identities and gradient specs, not every layout; and while the
+whole ``optimizer.state`` holds the same entries, keys and values as when the layouts were
+last checked (one identity snapshot of it, ``_snapshot``: no per-parameter look-up, which
+hashes a tensor in Python), only the parameters and their local tensors are checked.
 
 What decides it: per parameter spec, the dispatcher's plans for an in-place elementwise
 op and a ``_foreach_`` op whose operands all have that spec (the pointwise and foreach
@@ -44,7 +47,8 @@ mesh.
 from __future__ import annotations
 
 from collections import defaultdict
-from operator import is_
+from itertools import chain
+from operator import attrgetter, is_, methodcaller
 
 import torch
 from torch.optim.optimizer import (
@@ -82,6 +86,9 @@ _VERDICTS = caches.cache("fast.optim_step.specs", maxsize=16384)  # spec -> the 
 _SWAP = "_mpidtensor_local_step"  # optimizer attribute: the _Swap in place
 _HOOKED = "_mpidtensor_local_step_hooks"  # optimizer attribute: its state_dict hooks are registered
 _LAYOUTS = "_mpidtensor_local_step_layouts"  # optimizer attribute: id(group) -> _Layout or None
+_CHECKED = "_mpidtensor_local_step_checked"  # optimizer attribute: _snapshot of the state the layouts hold for
+_local_of = attrgetter("_local_tensor")
+_keys, _values = methodcaller("keys"), methodcaller("values")
 
 
 class _Layout:
@@ -90,11 +97,13 @@ class _Layout:
     step): ``locals`` (None for a plain parameter), ``runs`` (start -> (end, Run)) and the
     stretches whose states are to be put back to back after the step (``rehome``)."""
 
-    __slots__ = ("params", "locals", "values", "runs", "rehome")
+    __slots__ = ("params", "locals", "dtensors", "dlocals", "values", "runs", "rehome")
 
     def __init__(self, params: list, state) -> None:
         self.params = tuple(params)
         self.locals = tuple(p._local_tensor if type(p) is DTensor else None for p in params)
+        self.dtensors = tuple(p for p in params if type(p) is DTensor)
+        self.dlocals = tuple(local for local in self.locals if local is not None)
         entries = [state.get(p) if type(p) is DTensor else None for p in params]
         self.values = _state_values(params, self.locals, state)
         self.runs, self.rehome = {}, []
@@ -113,6 +122,20 @@ class _Layout:
             return False
         values = _state_values(params, self.locals, state)
         return len(values) == len(self.values) and all(map(is_, values, self.values))
+
+    def holds_params(self, params: list) -> bool:
+        """Whether the group still has these parameters and local tensors (the state
+        checked by the caller, ``_snapshot``)."""
+        return (len(params) == len(self.params) and all(map(is_, params, self.params))
+                and all(map(is_, map(_local_of, self.dtensors), self.dlocals)))
+
+
+def _snapshot(state) -> list:
+    """Every key, entry, entry key and entry value of ``optimizer.state``, in order, for an
+    identity comparison (C-level iteration: no tensor is hashed)."""
+    entries = list(state.values())
+    return [*state, *entries, *chain.from_iterable(map(_keys, entries)),
+            *chain.from_iterable(map(_values, entries))]
 
 
 def _state_values(params: list, locals_: tuple, state) -> list:
@@ -213,12 +236,16 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return  # another step hook would run while the swap is in place and see local tensors
     state = optimizer.state
     layouts = optimizer.__dict__.setdefault(_LAYOUTS, {})
+    snapshot = _snapshot(state)
+    checked = optimizer.__dict__.get(_CHECKED)
+    same_state = (checked is not None and checked[0] is state and len(checked[1]) == len(snapshot)
+                  and all(map(is_, snapshot, checked[1])))
     swap = _Swap(state)
     shadow = None
     for group in optimizer.param_groups:
         params = group["params"]
         layout = layouts.get(id(group))
-        if layout is None or not layout.holds(params, state):
+        if layout is None or not (layout.holds_params(params) if same_state else layout.holds(params, state)):
             layout = layouts[id(group)] = _Layout(params, state) if _static_ok(group, state) else None
         if layout is None or not _grads_ok(params):
             continue
@@ -227,6 +254,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         swap.groups.append((group, params))
         group["params"] = _swap_group(layout, params, state, shadow, swap)
         PATH.hits += 1
+    optimizer.__dict__[_CHECKED] = (state, snapshot)  # every layout above holds for this state
     if shadow is None:
         return
     if not getattr(optimizer, _HOOKED, False):

@@ -39,6 +39,7 @@ resize reported), so ``memory_allocated()`` shows sharded + currently gathered b
 from __future__ import annotations
 
 from enum import Enum, auto
+from operator import attrgetter
 from typing import Callable
 
 import torch
@@ -67,6 +68,8 @@ class ShardedState(Enum):
     UNSHARDING = auto()  # the sharded ones; an all-gather in flight (a prefetch, unshard(async_op=True))
     UNSHARDED = auto()  # the unsharded parameters, gathered
 
+
+_data_ptr, _local_of, _sharded_of = torch.Tensor.data_ptr, attrgetter("_local_tensor"), attrgetter("sharded")
 
 # The members as module constants: reading an Enum member off its class costs ~10x a
 # global lookup in Python 3.11, and these are compared on every hook of every step.
@@ -142,6 +145,7 @@ class ParamGroup:
         self._pending: tuple[Handle | None, list[FSDPParam], Handle | None, list[FSDPParam]] | None = None
         self._scatters: dict[tuple[int, torch.dtype], Prepared] = {}  # see collectives.start_reduce_scatter
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced (summed)
+        self._slots: tuple[int, list[int]] = (-1, [])  # shard_flat's address, the plain shards' addresses in it
 
     # --- sharded storage -----------------------------------------------------------------------
     def sync(self) -> None:
@@ -164,10 +168,13 @@ class ParamGroup:
             for p in self.params:
                 p.forget_gathered()
         base = self.shard_flat.data_ptr()
-        moved = [p for p in plain if p.sharded._local_tensor.data_ptr() != base + p.shard_offset]
-        if moved:  # (the common case: nothing moved, no view built)
-            with torch.no_grad():
-                for p in moved:
+        if self._slots[0] != base:
+            self._slots = (base, [base + p.shard_offset for p in plain])
+        if list(map(_data_ptr, map(_local_of, map(_sharded_of, plain)))) == self._slots[1]:
+            return  # the common case: nothing moved (C-level loops, run before every all-gather)
+        with torch.no_grad():
+            for p in plain:
+                if p.sharded._local_tensor.data_ptr() != base + p.shard_offset:
                     slot = packing.shard_slot(self.shard_flat, p)
                     slot.copy_(p.sharded._local_tensor)
                     p.sharded._local_tensor = slot
@@ -402,10 +409,11 @@ class ParamGroup:
                 g, p.grad_acc = p.grad_acc, None
             else:
                 unsharded.grad = None
-                if isinstance(g, DTensor):
-                    g = p.local_grad(g)
-                if type(g) is not torch.Tensor:
-                    g = _plain_grad(g, p)
+                if type(g) is not torch.Tensor:  # (no call for a plain gradient or one in the parameter's layout)
+                    if type(g) is DTensor or isinstance(g, DTensor):
+                        g = g._local_tensor if g._spec.placements == p.unsharded_spec.placements else p.local_grad(g)
+                    if type(g) is not torch.Tensor:
+                        g = _plain_grad(g, p)
                 if p.grad_acc is not None:
                     g, p.grad_acc = g + p.grad_acc, None
             grads.append(g)
@@ -434,7 +442,7 @@ class ParamGroup:
         scatter = reduce = None
         with torch.no_grad():
             if sharded:
-                total = sum(p.shard_numel for p, _ in sharded)
+                total = sum([p.shard_numel for p, _ in sharded])
                 device = sharded[0][1].device
                 send = collectives.allocate(self.custom_reduce_scatter, (world * total,), self.reduce_dtype, device,
                                             reusable=True)
@@ -522,12 +530,12 @@ class ParamGroup:
     @property
     def holds_grads(self) -> bool:
         """Gradients kept unreduced by backwards with gradient sync off."""
-        return any(p.grad_acc is not None for p in self.params)
+        return any([p.grad_acc is not None for p in self.params])  # (a list: one call, not one per item)
 
     @property
     def has_pending_grads(self) -> bool:
         """Some unsharded gradients arrived that ``post_backward`` has not taken yet."""
-        return any(p.unsharded is not None and p.unsharded.grad is not None for p in self.params)
+        return any([p.unsharded is not None and p.unsharded.grad is not None for p in self.params])
 
 
 def _plain_grad(grad: torch.Tensor, p: FSDPParam) -> torch.Tensor:

@@ -28,6 +28,7 @@ All sizes and offsets come from global shapes, so every rank agrees on them.
 from __future__ import annotations
 
 import functools
+from itertools import accumulate
 from math import prod
 from typing import NamedTuple
 
@@ -147,8 +148,8 @@ class FromRanks:
     def __init__(self, unsharded_flat: torch.Tensor, gathered: list[FSDPParam], pieces: list[list[Piece]],
                  nbytes: int) -> None:
         self.unsharded_flat = unsharded_flat
-        self.dsts: list[torch.Tensor] = []
-        self.places: list[tuple[torch.dtype, tuple, tuple, int]] = []
+        dsts: dict[torch.dtype, list[torch.Tensor]] = {}
+        places: dict[torch.dtype, list[tuple[tuple, tuple, int]]] = {}  # per dtype: (size, stride, offset)
         for i, p in enumerate(gathered):
             if p.extension:
                 continue
@@ -157,18 +158,18 @@ class FromRanks:
             at, col = whole.storage_offset() + p.unsharded_offset // n, pieces[i][0].offset // n
             for size, stride, offset, rank_stride, rank_offset in chunk_layout((p.pre, p.rows, p.post), p.pad_rows,
                                                                                nbytes // n):
-                self.dsts.append(whole.as_strided(size, stride, at + offset))
-                self.places.append((dtype, size, rank_stride, col + rank_offset))
+                dsts.setdefault(dtype, []).append(whole.as_strided(size, stride, at + offset))
+                places.setdefault(dtype, []).append((size, rank_stride, col + rank_offset))
+        self.dsts = [t for ts in dsts.values() for t in ts]  # in the order of ``places``' dtypes
+        self.places = list(places.items())
 
     def copy(self, rows_of_ranks: torch.Tensor) -> None:
-        """Copy from the all-gather's (world, bytes) rows."""
-        typed: dict[torch.dtype, torch.Tensor] = {}
+        """Copy from the all-gather's (world, bytes) rows (one view per chunk: a step makes dozens)."""
         srcs = []
-        for dtype, size, stride, offset in self.places:
-            ranks = typed.get(dtype)
-            if ranks is None:
-                ranks = typed[dtype] = rows_of_ranks.view(dtype)
-            srcs.append(ranks.as_strided(size, stride, ranks.storage_offset() + offset))
+        for dtype, places in self.places:
+            ranks = rows_of_ranks.view(dtype)
+            at = ranks.storage_offset()
+            srcs += [ranks.as_strided(size, stride, at + offset) for size, stride, offset in places]
         if self.dsts:
             torch._foreach_copy_(self.dsts, srcs)
 
@@ -203,8 +204,17 @@ def pack_ranks(per_rank: torch.Tensor, grads: list[tuple[FSDPParam, torch.Tensor
     piece), and one ``torch.cat`` along dim 1 packs them all; otherwise one ``_foreach_copy_``
     of every gradient's chunks (``chunk_layout``) and one ``_foreach_zero_`` of the padding."""
     world = per_rank.size(0)
-    if all(p.pre == 1 and p.rows == p.pad_rows * world and g.dtype == per_rank.dtype for p, g in grads):
-        torch.cat([g.reshape(world, p.shard_numel) for p, g in grads], dim=1, out=per_rank)
+    if all([p.rows == p.pad_rows * world for p, _ in grads]):  # (lists, not generators: one call, not one per item)
+        if all([p.pre == 1 and g.dtype == per_rank.dtype for p, g in grads]):
+            torch.cat([g.reshape(world, p.shard_numel) for p, g in grads], dim=1, out=per_rank)
+            return
+        # sharded on a later dim (FSDP x TP's dim-1 shards) or cast: gradient i seen as (pre, world, pad, post)
+        # is its ranks' pieces; one _foreach_copy_ into the rows, two views per gradient
+        row, at = per_rank.stride(0), per_rank.storage_offset()
+        cols = list(accumulate([p.shard_numel for p, _ in grads], initial=at))
+        dsts = [per_rank.as_strided((p.pre, world, p.pad_rows, p.post), (p.pad_rows * p.post, row, p.post, 1), col)
+                for (p, _), col in zip(grads, cols)]
+        torch._foreach_copy_(dsts, [g.reshape(p.pre, world, p.pad_rows, p.post) for p, g in grads])
         return
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
