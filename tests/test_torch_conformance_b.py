@@ -226,3 +226,40 @@ def test_private_local_shape_and_offset_as_torch():
             got = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), ours)
             want = _utils._compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), theirs)
             assert tuple(got[0]) == tuple(want[0]) and tuple(got[1]) == tuple(want[1]), (shape, coord, got, want)
+
+
+@pytest.mark.parametrize("placements", [[Shard(0)], [Shard(1)], [Replicate()]])
+def test_private_shard_tensor(mesh1d, placements):
+    """torch's ``_api._shard_tensor``: each rank keeps its shard of the same full tensor, no
+    collective; the same local tensor as ``distribute_tensor``."""
+    from mpidtensor.tensor.api import _shard_tensor
+
+    full = global_tensor((WORLD.size + 2, 5))
+    with CommDebugMode() as comm:
+        dt = _shard_tensor(full, placements, mesh1d)
+    want = distribute_tensor(full, mesh1d, placements)
+    assert_all_ranks(comm.get_total_counts() == 0 and dt.placements == tuple(placements), f"{comm.get_comm_counts()}")
+    assert_close(dt.to_local(), want.to_local())
+
+
+@pytest.mark.parametrize("gather_dim,shard_dim", [(0, 1), (1, 0), (0, 0)])
+def test_shard_dim_alltoall(mesh1d, gather_dim, shard_dim):
+    from mpidtensor.compat.torch_utils import shard_dim_alltoall
+
+    n = WORLD.size
+    full = global_tensor((2 * n, 3 * n), dtype=torch.complex64)
+    mine = full.chunk(n, gather_dim)[WORLD.rank]
+    out = shard_dim_alltoall(mine, gather_dim, shard_dim, mesh1d, 0)
+    meta = shard_dim_alltoall(torch.empty_like(mine, device="meta"), gather_dim, shard_dim, mesh1d, 0)
+    assert_all_ranks(out.shape == meta.shape and out.stride() == meta.stride(), f"{out.shape} {meta.shape}")
+    assert_close(out, full.chunk(n, shard_dim)[WORLD.rank])
+
+
+def test_shard_dim_alltoall_2d(mesh2d):
+    """Over mesh dim 1 of a 2x2 mesh (group rank != world rank), as torch's test."""
+    from mpidtensor.compat.torch_utils import shard_dim_alltoall
+
+    full = global_tensor((8, 6))
+    tp = mesh2d.get_local_rank(1)
+    out = shard_dim_alltoall(full.chunk(2, 0)[tp], 0, 1, mesh2d, 1)
+    assert_close(out, full.chunk(2, 1)[tp])

@@ -13,7 +13,7 @@ from ..tensor.placements import Placement, Replicate, Shard
 from ..tensor.redistribute import redistribute_local
 from ..tensor.spec import DTensorSpec
 
-__all__ = ["_compute_local_shape_and_global_offset", "compute_global_tensor_shape",
+__all__ = ["_compute_local_shape_and_global_offset", "compute_global_tensor_shape", "shard_dim_alltoall",
            "compute_local_shape_and_global_offset", "to_replicate_tensor"]
 
 
@@ -73,3 +73,21 @@ def to_replicate_tensor(placement: Placement, local: torch.Tensor, mesh: DeviceM
     placements[mesh_dim] = placement
     src = DTensorSpec(mesh, placements, shape, contiguous_strides(shape), local.dtype)
     return redistribute_local(local, src, src.with_placements([Replicate()] * mesh.ndim))
+
+
+def shard_dim_alltoall(input: torch.Tensor, gather_dim: int, shard_dim: int, mesh: DeviceMesh,
+                       mesh_dim: int) -> torch.Tensor:
+    """torch's ``_collective_utils.shard_dim_alltoall``: ``input``, this rank's shard of
+    ``gather_dim`` over ``mesh_dim`` (equal shards), becomes its shard of ``shard_dim`` (one
+    all-to-all over that mesh dim). A meta ``input`` gives the meta result, moving nothing."""
+    shape = list(input.shape)
+    shape[gather_dim] *= mesh.size(mesh_dim)
+    src_placements = [Replicate()] * mesh.ndim
+    src_placements[mesh_dim] = Shard(gather_dim)
+    src = DTensorSpec(mesh, src_placements, shape, contiguous_strides(shape), input.dtype)
+    dst_placements = list(src_placements)
+    dst_placements[mesh_dim] = Shard(shard_dim)
+    dst = src.with_placements(dst_placements)
+    if input.is_meta:
+        return torch.empty(dst.local_shape_and_offset()[0], dtype=input.dtype, device="meta")
+    return redistribute_local(input.contiguous(), src, dst).contiguous()
