@@ -66,7 +66,8 @@ def test_partial_times_partial_gradients(mesh1d):
         assert_close(leaf.grad.full_tensor(), ref.grad)
 
 
-@pytest.mark.parametrize("op,reduce_op", [(torch.maximum, "max"), (torch.minimum, "min")])
+@pytest.mark.parametrize("op,reduce_op", [(torch.maximum, "max"), (torch.minimum, "min"), (torch.max, "max"),
+                                          (torch.min, "min")])
 @pytest.mark.parametrize("other", ["partial", "replicate"])
 def test_extremum_keeps_partial(mesh1d, op, reduce_op, other):
     a, b = global_tensor((6, 4)), global_tensor((6, 4), seed=11)
@@ -82,13 +83,15 @@ def test_extremum_keeps_partial(mesh1d, op, reduce_op, other):
     assert_close(out.full_tensor(), op(a, b))
 
 
-def test_extremum_of_other_partial_is_reduced(mesh1d):
-    """maximum of a Partial("sum"): not linear, the sum is reduced first (value as one process)."""
+@pytest.mark.parametrize("op,reduce_op", [(torch.maximum, "sum"), (torch.minimum, "max"), (torch.maximum, "min")])
+def test_extremum_of_other_partial_is_reduced(mesh1d, op, reduce_op):
+    """maximum of a Partial("sum") or "min", minimum of a "max": the terms are reduced first
+    (value as one process)."""
     a, b = global_tensor((6, 4)), global_tensor((6, 4), seed=11)
-    pa = DTensor.from_local(_terms(a, "sum"), mesh1d, [Partial()])
-    out = torch.maximum(pa, distribute_tensor(b, mesh1d, [Replicate()]))
-    assert_all_ranks(not out.placements[0].is_partial(), f"{out.placements}")
-    assert_close(out.full_tensor(), torch.maximum(a, b))
+    pa = DTensor.from_local(_terms(a, reduce_op), mesh1d, [Partial(reduce_op)])
+    out = op(pa, distribute_tensor(b, mesh1d, [Replicate()]))
+    assert_all_ranks(WORLD.size == 1 or not out.placements[0].is_partial(), f"{out.placements}")
+    assert_close(out.full_tensor(), op(a, b))
 
 
 @pytest.mark.parametrize("dim0", [1, "n+1"])

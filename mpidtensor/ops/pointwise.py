@@ -48,6 +48,8 @@ def _linearity(func) -> str | None:
         return "scaling"
     if name in _EXTREMUM:
         return _EXTREMUM[name]
+    if name in ("max", "min") and func._overloadname == "other":  # torch.max(a, b)
+        return name
     return None
 
 
