@@ -55,4 +55,11 @@ ALIASES: dict[str, str] = {
 NAMES: dict[str, str] = {
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset":
         "mpidtensor.compat.torch_utils.compute_local_shape_and_global_offset",
+    "torch.distributed.tensor._utils._compute_local_shape_and_global_offset":
+        "mpidtensor.compat.torch_utils._compute_local_shape_and_global_offset",
+    "torch.distributed.tensor._utils.compute_global_tensor_shape":
+        "mpidtensor.compat.torch_utils.compute_global_tensor_shape",
+    "torch.distributed.tensor._api._shard_tensor": "mpidtensor.tensor.api._shard_tensor",
+    "torch.distributed.tensor._collective_utils.shard_dim_alltoall":
+        "mpidtensor.compat.torch_utils.shard_dim_alltoall",
 }

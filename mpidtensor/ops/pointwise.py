@@ -14,7 +14,7 @@ import torch
 
 from ..tensor.placements import Partial, Placement, Replicate, Shard, _StridedShard
 from ..tensor.spec import DTensorSpec
-from .registry import OpCall, Sharding, register, replicated, takes_strided, transition_cost
+from .registry import COST, OpCall, Sharding, register, replicated, takes_strided, transition_cost
 
 aten = torch.ops.aten
 
@@ -22,6 +22,9 @@ aten = torch.ops.aten
 _ADDITIVE = {"add", "sub", "add_", "sub_"}
 # Linear in one tensor operand when the others are not Partial (the first operand for division).
 _SCALING = {"mul", "mul_", "div", "div_", "neg", "neg_", "clone", "positive", "alias", "real", "imag"}
+# Elementwise max/min: max(max_r a_r, max_r b_r) = max_r max(a_r, b_r), so Partial("max") inputs
+# (and replicas) give a Partial("max") output with no collective (min alike).
+_EXTREMUM = {"maximum": "max", "minimum": "min"}
 
 
 def is_pointwise(func) -> bool:
@@ -43,6 +46,10 @@ def _linearity(func) -> str | None:
         return "additive"
     if name in _SCALING:
         return "scaling"
+    if name in _EXTREMUM:
+        return _EXTREMUM[name]
+    if name in ("max", "min") and func._overloadname == "other":  # torch.max(a, b)
+        return name
     return None
 
 
@@ -152,16 +159,24 @@ def _options(specs, out_shape, m: int, linearity: str | None, divides: bool):
         elif linearity == "additive" and len(specs) >= 2 and all(c == p or c == Replicate() for c in current):
             # Partial + Replicate: the replica becomes a Partial term locally (no collective, as torch)
             options.append((p, tuple(p for _ in current)))
-        elif linearity == "scaling" and len(partials) == 1 and (current[0] == p or not divides):
-            options.append((p, tuple(c if c == p else Replicate() for c in current)))
+        elif linearity == "scaling" and (current[0] == p or not divides):
+            # one operand stays Partial, the others are reduced (Partial * Partial: one all-reduce, as torch)
+            keep = [i for i, c in enumerate(current) if c == p and (i == 0 or not divides)]
+            options += [(p, tuple(c if i == k else Replicate() for i, c in enumerate(current))) for k in keep]
+    elif partials and len(set(partials)) == 1 and partials[0].reduce_op == linearity:
+        if all(c == partials[0] or c == Replicate() for c in current):
+            options.append((partials[0], current))
     return options
 
 
 def _cost(specs, m: int, targets) -> float:
-    return sum(
-        transition_cost(s.placements[m], t) * max(s.shape.numel(), 1) * s.dtype.itemsize
-        for s, t in zip(specs, targets)
-    )
+    """Bytes moved, plus one per collective: of two choices moving the same bytes, the one
+    with fewer collectives wins (Partial * Partial: one all-reduce, not two reduce-scatters)."""
+    total = 0.0
+    for s, t in zip(specs, targets):
+        step = transition_cost(s.placements[m], t)
+        total += step * max(s.shape.numel(), 1) * s.dtype.itemsize + (step >= COST["all_to_all"])
+    return total
 
 
 _register_foreach()

@@ -223,6 +223,14 @@ def _view_fits(in_shape, out_shape, group, placements, mesh_shape) -> bool:
     return True
 
 
+def _unit_dims(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
+    """The size-1 input dims paired, in order, with the size-1 output dims. A shard of a
+    size-1 dim is the whole tensor on the first rank and nothing elsewhere, and so is a shard
+    of any size-1 output dim: the shard stays, with no collective (as torch's)."""
+    ones_in = [d for d, n in enumerate(in_shape) if n == 1]
+    return dict(zip(ones_in, [d for d, n in enumerate(out_shape) if n == 1]))
+
+
 def _coords_of(mesh_shape: Sequence[int], mesh_dims: Sequence[int]):
     """Mesh coordinates varying only ``mesh_dims`` (the others at 0)."""
     for values in itertools.product(*(range(mesh_shape[m]) for m in mesh_dims)):
@@ -246,7 +254,9 @@ def view_rule(call: OpCall) -> Sharding:
     else:
         groups = _groups(in_shape, out_shape)
         by_lead = {g[0][0]: g for g in groups}
-        bad = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim not in by_lead]
+        units = _unit_dims(in_shape, out_shape)
+        bad = [m for m, p in enumerate(spec.placements)
+               if isinstance(p, Shard) and p.dim not in by_lead and p.dim not in units]
         placements = [Replicate() if m in bad else p for m, p in enumerate(spec.placements)]
         for lead, group in by_lead.items():
             sharders = _sharders(placements, lead)
@@ -260,7 +270,7 @@ def view_rule(call: OpCall) -> Sharding:
             return all(_view_fits(in_shape, out_shape, g, trial, mesh.shape) for g in groups)
 
         placements = _relocate(in_shape, mesh.shape, placements, sorted(bad), list(by_lead), valid)
-        out = _renumber(placements, {lead: g[1][0] for lead, g in by_lead.items()})
+        out = _renumber(placements, {**units, **{lead: g[1][0] for lead, g in by_lead.items()}})
     size = _local_shape(out_shape, out, mesh)
     func = call.func
     return Sharding([tuple(placements)], [out], local=lambda a, k: func(a[0], size))

@@ -126,6 +126,13 @@ def _send_from(data: torch.Tensor, mesh: DeviceMesh, placements, src: int) -> to
     return local
 
 
+def _shard_tensor(full_tensor: torch.Tensor, placements: Sequence[Placement],
+                  device_mesh: DeviceMesh | None = None) -> DTensor:
+    """torch's private ``_api._shard_tensor``: every rank holds the same ``full_tensor`` and
+    keeps its own shard, with no communication (``distribute_tensor(src_data_rank=None)``)."""
+    return distribute_tensor(full_tensor, device_mesh, placements, src_data_rank=None)
+
+
 def distribute_module(
     module: torch.nn.Module,
     device_mesh: DeviceMesh,

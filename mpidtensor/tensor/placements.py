@@ -5,6 +5,8 @@ another lives in :mod:`mpidtensor.tensor.redistribute`.
 """
 from __future__ import annotations
 
+import torch
+
 from ..mesh.foreign import foreign_message
 from . import chunks
 
@@ -83,6 +85,12 @@ class Shard(Placement):
         piece = chunks.split_tensor(tensor, self.dim, num_chunks, with_padding, False)[0][index]
         return piece.clone() if clone else piece.contiguous() if contiguous else piece
 
+    def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim: int, current_logical_shape) -> "torch.Tensor":
+        """torch's: the whole tensor (of ``current_logical_shape``) from this rank's shard,
+        gathered over ``mesh_dim`` (a collective of that dim's ranks)."""
+        from ..compat.torch_utils import to_replicate_tensor  # above this module: the redistribute path
+        return to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape)
+
     def __eq__(self, other: object) -> bool:
         return type(other) is Shard and other.dim == self.dim
 
@@ -117,6 +125,23 @@ class _StridedShard(Placement):
             raise ValueError(f"_StridedShard split_factor must be a positive int, got {split_factor!r}")
         self.dim = dim
         self.split_factor = split_factor
+
+    def _split_tensor(self, tensor, num_chunks: int, *, with_padding: bool = True,
+                      contiguous: bool = True) -> tuple[list, list[int]]:
+        """torch's: ``num_chunks`` shards of ``tensor`` as this placement lays them out (shard
+        ``r`` is the ``r``-th chunk of each of the ``split_factor`` pieces, concatenated) and,
+        when ``with_padding``, each shard's shortfall from the largest (not padded, as torch's)."""
+        pieces = chunks.split_tensor(tensor, self.dim, self.split_factor, False, False)[0]
+        split = [chunks.split_tensor(p, self.dim, num_chunks, False, False)[0] for p in pieces]
+        shards = [torch.cat([s[i] for s in split], self.dim) for i in range(num_chunks)]
+        shards = [s.contiguous() for s in shards] if contiguous else shards
+        longest = max(s.size(self.dim) for s in shards)
+        return shards, [longest - s.size(self.dim) for s in shards] if with_padding else []
+
+    def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim: int, current_logical_shape) -> "torch.Tensor":
+        """torch's: as :meth:`Shard._to_replicate_tensor`, undoing the strided layout."""
+        from ..compat.torch_utils import to_replicate_tensor  # above this module: the redistribute path
+        return to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape)
 
     def __eq__(self, other: object) -> bool:
         return type(other) is _StridedShard and other.dim == self.dim and other.split_factor == self.split_factor

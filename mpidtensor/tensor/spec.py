@@ -66,6 +66,30 @@ class DTensorSpec:
     def ndim(self) -> int:
         return len(self.shape)
 
+    # torch's DTensorSpec attributes that frameworks and torch's tests read
+    @property
+    def tensor_meta(self):
+        """torch's ``TensorMeta(shape, stride, dtype)`` of the global tensor (torch's class, so
+        ``isinstance`` checks against torch's ``_dtensor_spec.TensorMeta`` hold)."""
+        from torch.distributed.tensor._dtensor_spec import TensorMeta  # torch's DTensor package: on first use only
+        return TensorMeta(self.shape, self.stride, self.dtype)
+
+    @property
+    def dim_map(self) -> list[int]:
+        """torch's: per tensor dim, the mesh dim that shards it, -1 where none does (a dim
+        sharded by two mesh dims raises ``ValueError``, as torch's)."""
+        out = [-1] * self.ndim
+        for i, p in enumerate(self.placements):
+            d = getattr(p, "dim", None)
+            if d is None:
+                continue
+            if out[d] > -1:
+                raise ValueError(f"Tensor dim {d} is already sharded on mesh dim {out[d]}, DTensor operator "
+                                 "implementation does not support things like hybrid sharding strategies yet "
+                                 "(i.e. [Shard(0), Shard(0)])")
+            out[d] = i
+        return out
+
     def local_shape_and_offset(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """This rank's local shape and its offset in the global tensor."""
         return local_shape_and_offset(self.shape, self.placements, self.mesh.shape, self.mesh._coord)
