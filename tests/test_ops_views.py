@@ -9,7 +9,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from helpers import assert_all_ranks, global_tensor, raises_everywhere
+from helpers import assert_all_ranks, assert_close, global_tensor, raises_everywhere
 from helpers import CollectiveLog as Collectives
 from op_check import check_op
 from mpidtensor import Partial, Replicate, Shard, distribute_tensor
@@ -284,3 +284,16 @@ def test_tensor_split_by_a_tensor_of_indices(mesh1d, as_dtensor):
     x = distribute_tensor(global_tensor((7, 6)), mesh1d, [Shard(0)])
     raises_everywhere(RuntimeError, lambda: torch.tensor_split(x, wrap(torch.tensor([1.0, 2.0]))), "dtype of long")
     raises_everywhere(RuntimeError, lambda: torch.tensor_split(x, wrap(torch.tensor([[1, 2]]))), "one-dimensional")
+
+
+def test_unbind_keeps_other_shards_and_refuses_the_sharded_dim(mesh1d):
+    """As torch: unbinding an unsharded dim keeps the shards (no collective); unbinding the
+    sharded dim raises torch's RuntimeError on every rank."""
+    full = global_tensor((WORLD, 3))
+    x = distribute_tensor(full, mesh1d, [Shard(1)])
+    with Collectives() as seen:
+        rows = x.unbind(0)
+    assert_all_ranks(not seen.calls and all(r.placements == (Shard(0),) for r in rows), f"{seen.calls}")
+    for got, want in zip(rows, full.unbind(0)):
+        assert_close(got.full_tensor(), want)
+    raises_everywhere(RuntimeError, lambda: x.unbind(1), "Sharding propagation failed")
