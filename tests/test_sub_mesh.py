@@ -4,10 +4,12 @@ results (an empty tensor, a 0-d zero, ``True`` for ``equal``), and its global me
 equals the members'. Compared with one process on the members."""
 from __future__ import annotations
 
+import pytest
 import torch
 from mpi4py import MPI
 
 from helpers import CollectiveLog, assert_all_ranks
+from subjob import run_job
 from mpidtensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
 
 WORLD = MPI.COMM_WORLD
@@ -87,3 +89,25 @@ def test_gradient_through_sub_mesh():
     # a member's local tensor is x: its gradient is 3 everywhere; outside, x took no part (torch's)
     ok = torch.equal(x.grad, torch.full((2, 3), 3.0)) if INSIDE else x.grad is None
     assert_all_ranks(ok, f"x.grad {x.grad}")
+
+
+MESH_BUILT_BY_RANK_0_ONLY = """
+    import time
+    from mpi4py import MPI
+    from mpidtensor import DeviceMesh
+
+    if MPI.COMM_WORLD.rank == 0:
+        DeviceMesh("cpu", [0])  # rank 1 never builds it: torch requires every rank to
+        print("rank 0 went on", flush=True)
+    else:
+        time.sleep(120)
+"""
+
+
+@pytest.mark.quick_at(2)  # a separate 2-rank job: the same at every size
+def test_mesh_built_by_some_ranks_is_named_by_the_watchdog(tmp_path):
+    """A sub-mesh built by only some ranks cannot be detected without them: the builders wait,
+    and the watchdog's report names the mesh construction and ends the job."""
+    result = run_job(MESH_BUILT_BY_RANK_0_ONLY, tmp_path, env={"MPIDTENSOR_TIMEOUT": "3"}, timeout=100)
+    problems = result.abort_problems(("DeviceMesh construction",), went_on="rank 0 went on")
+    assert_all_ranks(not problems, f"{problems} after {result.seconds:.1f} s:\n{result.output[-2000:]}")
