@@ -20,11 +20,12 @@ P2 = [[Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(1)], [Shar
 MESHES = ["mesh1d", "mesh2d"]
 
 
-def _check_all(request, mesh_name: str, x: torch.Tensor, fn, **kw) -> None:
-    """``check_op(fn, [x])`` for every placement set of the mesh that fits ``x``."""
+def _check_all(request, mesh_name: str, x: torch.Tensor, fn, unsharded: int | None = None, **kw) -> None:
+    """``check_op(fn, [x])`` for every placement set of the mesh that fits ``x`` (and leaves
+    dim ``unsharded`` whole, if given)."""
     mesh = request.getfixturevalue(mesh_name)
     for placements in P1 if mesh_name == "mesh1d" else P2:
-        if all(not isinstance(p, Shard) or p.dim < x.ndim for p in placements):
+        if all(not isinstance(p, Shard) or (p.dim < x.ndim and p.dim != unsharded) for p in placements):
             check_op(fn, [x], [placements], mesh, **kw)
 
 
@@ -188,12 +189,14 @@ def test_slice_and_select_backward_ops(request, mesh_name):
 
 
 def _splits(x):
-    return *x.split(4), *x.split([4, 0, 5], dim=1), *x.chunk(2, dim=-1), *x.unbind(-1)
+    return *x.split(4), *x.split([4, 0, 5], dim=1), *x.chunk(2, dim=-1)
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
 def test_split_chunk_unbind(request, mesh_name):
     _check_all(request, mesh_name, global_tensor((7, 9, 2)), _splits)
+    # unbind of a sharded dim is refused, as torch's (test_unbind_keeps_other_shards_...)
+    _check_all(request, mesh_name, global_tensor((7, 9, 2)), lambda x: x.unbind(-1), unsharded=2)
 
 
 def test_split_along_unsharded_dim_moves_nothing(mesh1d):

@@ -74,7 +74,8 @@ def write_into(func, dst, spec, local, inplace_view: bool = False, a=(), k=None,
             else:
                 dst._local_tensor = local
                 dst._spec = dst._spec.with_placements(spec.placements)
-        elif dst._spec.placements != spec.placements:  # moved with no data step (a one-rank mesh dim)
+        elif dst._spec.placements != spec.placements and not keep_placements:  # moved with no data step
+            # (a one-rank mesh dim)
             dst._spec = dst._spec.with_placements(spec.placements)
     elif isinstance(dst, torch.Tensor) and (local is not dst or spec.placements != rep):
         # A plain tensor written through a moved copy (a DTensor operand chose the layout),
