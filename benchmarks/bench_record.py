@@ -268,7 +268,8 @@ def check_case(case, md_mesh, torch_lib, mpi, cache) -> dict:
     local_src = part if part is not None else reference(full, case.mesh_shape, coord, case.src)
     expect = reference(full, case.mesh_shape, coord, case.dst)
     shape = torch.Size(case.shape)
-    src, dst = md.DTensor.from_local(local_src, mesh, placements(md, case.src), shape=shape), placements(md, case.dst)
+    src, dst = md.DTensor.from_local(local_src, mesh, placements(md, case.src), shape=shape,
+                                     stride=torch.empty(shape, device="meta").stride()), placements(md, case.dst)
     fns = {"mpidtensor": lambda: src.redistribute(mesh, dst).to_local(), "torch": None}
     if torch_lib is not None:
         tdt, tmesh_of = torch_lib

@@ -3,7 +3,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from helpers import assert_all_ranks, assert_close, global_tensor
+from helpers import assert_all_ranks, assert_close, global_tensor, raises_everywhere
 from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from mpidtensor.debug import CommDebugMode, visualize_sharding
 
@@ -150,3 +150,39 @@ def test_distribute_a_dtensor_as_torch(mesh1d):
     """torch's answer (tests/test_distribute_tensor_errors.py has the rest): itself when laid out alike."""
     d = distribute_tensor(torch.ones(4), mesh1d, [Replicate()])
     assert_all_ranks(distribute_tensor(d, mesh1d, [Replicate()]) is d)
+
+
+def test_from_local_shape_and_stride_together(mesh1d):
+    """As torch: ``shape=`` without ``stride=`` (or the reverse) is a RuntimeError on every rank."""
+    local = torch.ones(2, 3)
+    shape, stride = (2 * mesh1d.size(), 3), (3, 1)
+    raises_everywhere(RuntimeError, lambda: DTensor.from_local(local, mesh1d, [Shard(0)], shape=shape),
+                      "Please pass both shape and stride at the same time.")
+    raises_everywhere(RuntimeError, lambda: DTensor.from_local(local, mesh1d, [Shard(0)], stride=stride),
+                      "Please pass both shape and stride at the same time.")
+    d = DTensor.from_local(local, mesh1d, [Shard(0)], shape=shape, stride=stride)
+    assert_all_ranks(d.shape == shape and d.stride() == stride, f"{tuple(d.shape)} {d.stride()}")
+
+
+@pytest.mark.parametrize("out_placement", [Replicate(), Shard(1)])
+def test_out_keeps_its_placements(mesh1d, out_placement):
+    """As torch: ``torch.add(x, 3, out=out)`` returns ``out`` itself, in its own placements."""
+    full = global_tensor((4 * mesh1d.size(), 6))
+    x = distribute_tensor(full, mesh1d, [Shard(0)])
+    out = distribute_tensor(torch.zeros_like(full), mesh1d, [out_placement])
+    res = torch.add(x, 3, out=out)
+    assert_all_ranks(res is out and out.placements == (out_placement,), f"{out.placements}")
+    assert_close(out.full_tensor(), full + 3)
+
+
+def test_empty_like_keeps_partial(mesh1d):
+    """As torch: ``empty_like`` keeps Partial (its values are unset), so a module's Partial
+    buffer built on meta stays Partial through ``to_empty``; ``zeros_like`` replicates."""
+    with torch.device("meta"):
+        module = torch.nn.Module()
+        module.register_buffer("total", DTensor.from_local(torch.tensor(0.0), mesh1d, [Partial()]))
+    module.to_empty(device="cpu")
+    x = DTensor.from_local(torch.ones(3), mesh1d, [Partial()])
+    placements = (module.total.placements, torch.empty_like(x).placements, torch.zeros_like(x).placements)
+    assert_all_ranks(placements == ((Partial(),), (Partial(),), (Replicate(),)) and not module.total.is_meta,
+                     f"{placements}")

@@ -31,7 +31,7 @@ def test_negative_shard_dim_is_resolved_against_the_agreed_rank(mesh1d):
 def test_negative_shard_dim_follows_the_global_shape(mesh1d):
     """With ``shape=``, Shard(-1) is resolved against the global shape (its last dim)."""
     shape = (3, 2 * WORLD.size)
-    d = DTensor.from_local(torch.ones(3, 2), mesh1d, [Shard(-1)], shape=shape)
+    d = DTensor.from_local(torch.ones(3, 2), mesh1d, [Shard(-1)], shape=shape, stride=(shape[1], 1))
     assert_all_ranks(d.placements == (Shard(1),) and tuple(d.shape) == shape, f"{d.placements} {tuple(d.shape)}")
 
 
@@ -39,9 +39,9 @@ def test_run_check_agrees_on_shape_argument(mesh1d):
     _needs_two_ranks()
     shape = (WORLD.size, 4) if WORLD.rank == 0 else (WORLD.size, 5)
     raises_everywhere(ValueError, lambda: DTensor.from_local(torch.ones(1, 4), mesh1d, [Shard(0)], run_check=True,
-                                                             shape=shape), "different shape= arguments")
+                                                             shape=shape, stride=(shape[1], 1)), "different shape= arguments")
     raises_everywhere(ValueError, lambda: DTensor.from_local(torch.ones(1, 4), mesh1d, [Replicate()], run_check=True,
-                                                             shape=(1, 4, 1)), "shape= (1, 4, 1) has 3")
+                                                             shape=(1, 4, 1), stride=(4, 1, 1)), "shape= (1, 4, 1) has 3")
 
 
 WRONG_SHARD_ON_RANK_1 = """
@@ -54,7 +54,7 @@ WRONG_SHARD_ON_RANK_1 = """
     local = torch.ones(3 if MPI.COMM_WORLD.rank == 1 else 2, 3)  # rank 1 holds a row too many
     if MPI.COMM_WORLD.rank == 1:
         print(f"RAISED={time.time()}", flush=True)
-    d = DTensor.from_local(local, mesh, [Shard(0)], shape=(4, 3))
+    d = DTensor.from_local(local, mesh, [Shard(0)], shape=(4, 3), stride=(3, 1))
     d.full_tensor()  # rank 0 would wait here forever
     print("rank finished", flush=True)
 """

@@ -44,7 +44,8 @@ def test_redistribute_on_a_new_mesh_and_on_the_freed_one():
     raises_everywhere(RuntimeError, lambda: x.full_tensor(), FREED)
     raises_everywhere(RuntimeError, lambda: distribute_tensor(full, old, [Shard(0)]), FREED)
     raises_everywhere(RuntimeError, lambda: DTensor.from_local(torch.ones(2), old, [Replicate()]), FREED)
-    raises_everywhere(RuntimeError, lambda: DTensor.from_local(torch.ones(2), old, [Shard(0)], shape=(2 * WORLD.size,)),
+    raises_everywhere(RuntimeError, lambda: DTensor.from_local(torch.ones(2), old, [Shard(0)], shape=(2 * WORLD.size,),
+                                                                          stride=(1,)),
                       FREED)
     raises_everywhere(RuntimeError, lambda: collectives.all_reduce(torch.ones(3), old.comm), FREED)
     raises_everywhere(RuntimeError, lambda: old.get_group(), FREED)

@@ -427,7 +427,8 @@ def test_partial_operand_stays_partial(mesh1d, name):
     """Each rank holds an equal part of the partial operand; the rest is replicated."""
     fn, part, others = _linear_cases()[name]
     expected = fn(part, *others)
-    dist_part = DTensor.from_local(part / mesh1d.size(), mesh1d, [Partial()], shape=part.shape)
+    dist_part = DTensor.from_local(part / mesh1d.size(), mesh1d, [Partial()], shape=part.shape,
+                                   stride=part.stride())
     dist_others = [distribute_tensor(o, mesh1d, [R]) for o in others]
     with Collectives() as seen:
         got = fn(dist_part, *dist_others)

@@ -43,7 +43,8 @@ def as_partial(x: DTensor, op: str = "sum", mesh_dim: int = 0) -> DTensor:
         filler = (local - 1 if op == "max" else local + 1).detach()
     placements = list(x.placements)
     placements[mesh_dim] = Partial(op)
-    return _WholeGrad.apply(DTensor.from_local(torch.where(mine, local, filler), mesh, placements, shape=x.shape))
+    return _WholeGrad.apply(DTensor.from_local(torch.where(mine, local, filler), mesh, placements, shape=x.shape,
+                                                       stride=x.stride()))
 
 
 class _WholeGrad(torch.autograd.Function):

@@ -114,7 +114,8 @@ def test_round_trip_2d(mesh2d, placements):
     full = global_tensor((5, 7))
     if any(isinstance(p, Partial) for p in placements):
         local = distribute_tensor(full, mesh2d, [Replicate() if p.is_partial() else p for p in placements])
-        x = DTensor.from_local(local.to_local() * (WORLD.rank + 1), mesh2d, placements, shape=full.shape)
+        x = DTensor.from_local(local.to_local() * (WORLD.rank + 1), mesh2d, placements, shape=full.shape,
+                               stride=full.stride())
     else:
         x = distribute_tensor(full, mesh2d, placements)
     loaded = round_trip([x, x], weights_only=True)

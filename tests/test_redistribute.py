@@ -57,8 +57,13 @@ def test_partial_stays_and_into_partial_refused(mesh1d):
         same = d.redistribute(mesh1d, [Partial()])
     assert_all_ranks(comm.get_total_counts() == 0 and same.placements == (Partial(),))
     r = distribute_tensor(torch.ones(3), mesh1d, [Replicate()])
-    with pytest.raises(ValueError, match="Partial is for internal use"):
+    with pytest.raises(RuntimeError, match="Can not redistribute from R to P"):  # torch's error
         r.redistribute(mesh1d, [Partial()])
+    p = DTensor.from_local(torch.ones(3), mesh1d, [Partial("prod")])
+    with pytest.raises(RuntimeError, match="redistributing to Partial is for internal use only"):
+        p.redistribute(mesh1d, [Partial("sum")])  # another reduce op: refused as torch does
+    with pytest.raises(RuntimeError, match="placements is needed for redistribute"):
+        r.redistribute(mesh1d, None)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +110,7 @@ def test_2d_partial(mesh2d, src, dst):
         parts *= 2 if isinstance(p, Partial) else 1
     base = distribute_tensor(full, mesh2d, [Replicate() if isinstance(p, Partial) else p for p in src])
     local = base.to_local() / parts  # each partial holds an equal share
-    d = DTensor.from_local(local, mesh2d, src, shape=full.shape)
+    d = DTensor.from_local(local, mesh2d, src, shape=full.shape, stride=full.stride())
     assert_close(d.redistribute(mesh2d, dst).full_tensor(), full)
 
 

@@ -47,7 +47,8 @@ def source(full: torch.Tensor, mesh, text: str) -> DTensor:
     weight = (index + 1) / (k * (k + 1) / 2)
     if placements[0] == Partial("avg"):
         weight *= k
-    return DTensor.from_local(expected(full * weight, mesh, text), mesh, placements, shape=full.shape)
+    return DTensor.from_local(expected(full * weight, mesh, text), mesh, placements, shape=full.shape,
+                              stride=full.stride())
 
 
 def expected(full: torch.Tensor, mesh, text: str) -> torch.Tensor:
@@ -210,7 +211,7 @@ def test_dtypes(mesh1d, dtype, src, dst):
     full = global_tensor((2 * N + 1, N + 2), dtype)
     if src == "P":  # exact in every dtype: one rank holds the value, the others zero
         local = full if RANK == 0 else torch.zeros_like(full)
-        x = DTensor.from_local(local, mesh1d, [Partial()], shape=full.shape)
+        x = DTensor.from_local(local, mesh1d, [Partial()], shape=full.shape, stride=full.stride())
     else:
         x = source(full, mesh1d, src)
     check_repeated(x, mesh1d, dst)

@@ -168,7 +168,7 @@ def test_from_local_wrong_shapes_raise_everywhere(mesh1d):
         pytest.skip("one rank holds every shape")
     local = torch.ones(3 if WORLD.rank == 0 else 1, 2)
     raises_everywhere(ValueError, lambda: DTensor.from_local(local, mesh1d, [SS(0, split_factor=2)],
-                                                             shape=(7, 2), run_check=True))
+                                                             shape=(7, 2), stride=(2, 1), run_check=True))
 
 
 # --- transformers' packed styles ----------------------------------------------------------------

@@ -203,13 +203,15 @@ def test_from_local_global_strides_follow_the_local_layout(mesh1d):
     strides, so ``reshape`` copies where the block cannot be viewed, as torch would."""
     x = global_tensor((2, 4, 3 * WORLD.size))  # (batch, seq, features): features sharded
     local_t = x.chunk(WORLD.size, -1)[WORLD.rank].transpose(1, 2).contiguous().transpose(1, 2)
-    for shape in (None, x.shape):  # the local shapes gathered, or given (the cached path)
-        d = DTensor.from_local(local_t, mesh1d, [Shard(2)], shape=shape)
-        assert_all_ranks(d.stride() == (4 * 3 * WORLD.size, 1, 4), f"global strides {d.stride()}")
+    transposed = (4 * 3 * WORLD.size, 1, 4)
+    for shape, stride in ((None, None), (x.shape, transposed)):  # gathered, or given (the cached path)
+        d = DTensor.from_local(local_t, mesh1d, [Shard(2)], shape=shape, stride=stride)
+        assert_all_ranks(d.stride() == transposed, f"global strides {d.stride()}")
         flat = d.reshape(8, -1)
         assert_close(flat.full_tensor(), x.reshape(8, -1))
         assert_all_ranks(flat.to_local().is_contiguous(), f"{flat.to_local().stride()}")
-    again = DTensor.from_local(x.chunk(WORLD.size, -1)[WORLD.rank].contiguous(), mesh1d, [Shard(2)], shape=x.shape)
+    again = DTensor.from_local(x.chunk(WORLD.size, -1)[WORLD.rank].contiguous(), mesh1d, [Shard(2)], shape=x.shape,
+                              stride=x.stride())
     assert_all_ranks(again.stride() == (4 * 3 * WORLD.size, 3 * WORLD.size, 1), "the from_local cache mixed layouts")
 
 

@@ -18,6 +18,7 @@ from ..runtime.settings import settings
 from ..tensor.spec import DTensorSpec
 from .args import common_mesh, converter, make_unwrap, mutated_inputs, replace_tensors, spec_of, tensors
 from .kinds import LocalPlan, PerMeshPlan, Plan, per_mesh_groups
+from .outside import make_outside_plan
 from .writeback import list_writeback, make_inplace_wrap, mark_broken_views, rebase_viewed
 
 __all__ = ["make_plan", "rule_of"]
@@ -36,6 +37,10 @@ def make_plan(func, args, kwargs) -> Callable:
     found = tensors(args) + tensors(kwargs)
     mesh = common_mesh(func, found)
     specs = [spec_of(t, mesh, func) for t in found]
+    if mesh._coord is None:  # this rank is outside a sub-mesh: torch's default results, nothing moves
+        return make_outside_plan(func, args, kwargs, specs, mesh,
+                                 None if _returns_numbers(func) else _meta_outputs(func, args, kwargs, specs),
+                                 rule_of(func))
     if _returns_numbers(func):  # item, _local_scalar_dense...: a number needs the whole tensor
         return _replicated_plan(func, args, kwargs, found, specs, mesh, lambda out, a, k: out)
     out_meta = _meta_outputs(func, args, kwargs, specs)

@@ -34,21 +34,23 @@ def make_inplace_wrap(func, written, specs_of: Callable) -> Callable:
         results = []
         for (kind, where), spec, local in zip(written, specs_of(out), outs):
             dst = a[where] if kind == "pos" else k[where]
-            write_into(func, dst, spec, local, inplace_view, a, k)
+            write_into(func, dst, spec, local, inplace_view, a, k, keep_placements=kind == "kw")
             results.append(dst)
         return type(out)(results) if isinstance(out, (tuple, list)) else results[0]
 
     return wrap
 
 
-def write_into(func, dst, spec, local, inplace_view: bool = False, a=(), k=None) -> None:
+def write_into(func, dst, spec, local, inplace_view: bool = False, a=(), k=None,
+               keep_placements: bool = False) -> None:
     """Make ``dst`` (an argument the op wrote into) hold ``local`` (what the op wrote, of
     spec ``spec``). A DTensor written through a redistributed copy takes the new local
     tensor and placements, unless it is a view of another DTensor: then the values are
     moved back into its own block, which its base shares. A plain tensor written through
     a moved copy, or given a Partial or sharded value, gets the whole result copied in.
     An in-place view op (``squeeze_``…, rerun on ``a``, ``k``) also changes the wrapper's
-    own shape and strides."""
+    own shape and strides. ``keep_placements`` (an ``out=`` DTensor, as torch's): the value
+    is moved into ``dst``'s own placements and block instead."""
     if getattr(dst, "_not_a_view_of", None) is not None:
         raise RuntimeError(
             f"{func} writes into the result of {dst._not_a_view_of}, which mpidtensor computed on a "
@@ -65,13 +67,15 @@ def write_into(func, dst, spec, local, inplace_view: bool = False, a=(), k=None)
             dst._spec = spec
             dst._local_tensor = local
         elif dst._local_tensor is not local and not _is_inner_tensor(dst._local_tensor, local):
-            if dst._is_view():  # its block aliases a base: write the values back into it
+            if dst._is_view() or (keep_placements and dst._spec.shape == spec.shape):
+                # its block aliases a base, or out= keeps its placements: the values go into its block
                 src = dst._spec.with_placements(spec.placements)
                 dst._local_tensor.copy_(redistribute_local(local, src, dst._spec))
             else:
                 dst._local_tensor = local
                 dst._spec = dst._spec.with_placements(spec.placements)
-        elif dst._spec.placements != spec.placements:  # moved with no data step (a one-rank mesh dim)
+        elif dst._spec.placements != spec.placements and not keep_placements:  # moved with no data step
+            # (a one-rank mesh dim)
             dst._spec = dst._spec.with_placements(spec.placements)
     elif isinstance(dst, torch.Tensor) and (local is not dst or spec.placements != rep):
         # A plain tensor written through a moved copy (a DTensor operand chose the layout),

@@ -19,13 +19,14 @@ from typing import Iterable, Sequence
 import torch
 from mpi4py import MPI
 
-from ..runtime import caches, effects
+from ..runtime import caches, effects, watchdog
 from . import grids
 from .cuda import bind_local_gpu
 from .launch import check_launch_once
 from . import naming, pickling
 
 DEVICE_TYPES = ("cpu", "cuda")
+_BUILD = "DeviceMesh construction (every rank of the communicator must build the mesh, members or not)"
 _CURRENT: list["DeviceMesh"] = []  # the meshes entered with `with mesh:`, innermost last
 
 
@@ -85,7 +86,10 @@ class DeviceMesh:
                 f"mesh must list distinct ranks of a communicator of size {comm.size}, got {ranks.tolist()}"
             )
         member = comm.rank in flat
-        ordered = comm.Split(0 if member else MPI.UNDEFINED, flat.index(comm.rank) if member else 0)
+        # every rank of ``comm`` must build the mesh (torch's rule too): one that does not
+        # leaves the others here, where the watchdog names the mesh construction
+        ordered = watchdog.call(_BUILD, comm, comm.Split, 0 if member else MPI.UNDEFINED,
+                                flat.index(comm.rank) if member else 0, details=ranks.tolist())
         cart = None
         if member:
             cart = ordered.Create_cart(list(ranks.shape), periods=[False] * ranks.ndim, reorder=False)
@@ -396,8 +400,9 @@ def init_device_mesh(
     names = _check_names(mesh_dim_names, len(mesh_shape))
     if total < comm.size:  # as torch: ranks 0..total-1 in a mesh every rank builds, the others outside it
         return DeviceMesh(device_type, torch.arange(total).reshape(mesh_shape), mesh_dim_names=names, comm=comm)
-    cart = comm.Create_cart(list(mesh_shape), periods=[False] * len(mesh_shape), reorder=False)
     ranks = torch.arange(comm.size).reshape(mesh_shape)
+    cart = watchdog.call(_BUILD, comm, comm.Create_cart, list(mesh_shape), [False] * len(mesh_shape), False,
+                         details=ranks.tolist())
     mesh = DeviceMesh._from_cart(device_type, ranks, names, comm, cart)
     pickling.remember_root(mesh)
     if device_type == "cuda":

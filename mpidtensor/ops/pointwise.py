@@ -60,7 +60,7 @@ def _is_inplace(func) -> bool:
 @takes_strided
 def pointwise_rule(call: OpCall) -> Sharding:
     out = call.out_metas()[0]
-    inputs, output = _choose(call.func, call.tensor_specs, out.shape, call.ndim)
+    inputs, output = _choose(call.func, call.tensor_specs, out.shape, call.ndim, refuse_moves=True)
     return Sharding(inputs, [output] * len(call.out_metas()))
 
 
@@ -105,11 +105,13 @@ _FOREACH_NOT_POINTWISE = {"_foreach_norm", "_foreach_max", "_foreach_mm", "_fore
 _FUSED = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}
 
 
-def _choose(func, specs, out_shape, mesh_ndim: int):
+def _choose(func, specs, out_shape, mesh_ndim: int, refuse_moves: bool = False):
     """Per mesh dim, the cheapest (output placement, input placements) pair.
 
-    An in-place op keeps its self argument's placement unless that is a Partial
-    the op cannot keep (then self is reduced first and takes the new placement)."""
+    An in-place op keeps its self argument's placement; where none of the options does
+    (``clamp_`` of a Partial), ``refuse_moves`` raises torch's ``RuntimeError`` (decided
+    from the specs: on every rank), else self is reduced first and takes the new
+    placement (the ``_foreach_*_`` and fused optimizer steps: a Partial parameter)."""
     linearity = _linearity(func)
     divides = func._schema.name.split("::")[-1] in ("div", "div_")
     inplace = _is_inplace(func)
@@ -117,8 +119,14 @@ def _choose(func, specs, out_shape, mesh_ndim: int):
     out: list[Placement] = []
     for m in range(mesh_ndim):
         options = _options(specs, out_shape, m, linearity, divides)
-        if inplace:
-            options = [o for o in options if o[0] == specs[0].placements[m]] or options
+        if inplace:  # torch's rule: self keeps its placement, or the op is refused (on every rank)
+            kept = [o for o in options if o[0] == specs[0].placements[m]]
+            options = kept or options
+            if not kept and refuse_moves:
+                raise RuntimeError(
+                    f"{func}: in-place operations that require placement changes are not supported. The input "
+                    f"has placement {specs[0].placements}, but no valid strategy preserves this placement. "
+                    f"Please use the out-of-place version of this operation instead.")
         best = min(options, key=lambda o: _cost(specs, m, o[1]))
         out.append(best[0])
         for i, p in enumerate(best[1]):

@@ -21,8 +21,12 @@ def keep_layout(call: OpCall) -> Sharding:
 @register(aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.fill_, aten.zero_)
 @takes_strided
 def fill_like(call: OpCall) -> Sharding:
-    """A constant tensor laid out like its input; Partial becomes Replicate (a constant is not a partial sum)."""
-    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in call.tensor_specs[0].placements)
+    """A constant tensor laid out like its input; Partial becomes Replicate (a constant is not
+    a partial sum), except for ``empty_like``, whose values are unset: it keeps Partial, as
+    torch's (a module's Partial buffer stays Partial through ``to_empty``)."""
+    placements = call.tensor_specs[0].placements
+    if call.func is not aten.empty_like.default:
+        placements = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
     inputs = [None] * len(call.tensor_specs)
     if call.func._schema.name.endswith("_"):
         inputs[0] = placements

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..tensor.layout import contiguous_strides
+from ..tensor.layout import contiguous_strides, global_strides
 from ..tensor.dtensor import DTensor
 from ..comm import collectives
 from ..tensor.placements import Partial, Placement, Replicate, Shard
@@ -221,7 +221,7 @@ def _cross_entropy(
                                              float(label_smoothing), group, reduction == "mean", out_spec)
     if plain_target:
         target_dt = DTensor.from_local(target, mesh, [Replicate()] * mesh.ndim, run_check=False,
-                                       shape=target.shape)
+                                       shape=target.shape, stride=global_strides(target.shape, target))
     else:
         target_dt = target
     local_target = target_dt.redistribute(mesh, rows).to_local() if target_dt.placements != tuple(rows) \
@@ -229,7 +229,8 @@ def _cross_entropy(
     x = input.to_local().movedim(class_dim, -1)
     local = _vocab_parallel_cross_entropy(x, local_target, offset, n_classes, weight, ignore_index,
                                           float(label_smoothing), group)
-    per_row = DTensor.from_local(local, mesh, rows, run_check=False, shape=row_shape)
+    per_row = DTensor.from_local(local, mesh, rows, run_check=False, shape=row_shape,
+                                 stride=global_strides(row_shape, local))
     if reduction == "none":
         return per_row
     total = per_row.sum()
@@ -268,5 +269,5 @@ def _mean_divisor(target: torch.Tensor, weight: torch.Tensor | None, ignore_inde
     if rows_on is not None and any(isinstance(p, Shard) for p in rows_on[1]):
         mesh, rows = rows_on
         partial = [Partial() if isinstance(p, Shard) else Replicate() for p in rows]
-        total = DTensor.from_local(total, mesh, partial, run_check=False, shape=()).full_tensor()
+        total = DTensor.from_local(total, mesh, partial, run_check=False, shape=(), stride=()).full_tensor()
     return total.item()

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..tensor.api import distribute_module, distribute_tensor
 from ..tensor.dtensor import DTensor
+from ..tensor.layout import global_strides
 from ..fast.embedding import LocalEmbeddingForward
 from ..fast.gather import gather_shards
 from ..fast.linear import LocalLinearForward
@@ -104,7 +105,8 @@ def as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, what: str,
         return x
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor or DTensor, got {type(x).__name__}")
-    return DTensor.from_local(x, mesh, (layout,), run_check=False, shape=shape)
+    stride = None if shape is None else global_strides(shape, x)
+    return DTensor.from_local(x, mesh, (layout,), run_check=False, shape=shape, stride=stride)
 
 
 def to_layout(x: DTensor, layout: Placement) -> DTensor:

@@ -51,6 +51,9 @@ def distribute_tensor(
     if isinstance(tensor, DTensor):
         return _already_distributed(tensor, device_mesh, placements)
     check_src_data_rank(src_data_rank, device_mesh)
+    spec = DTensorSpec(device_mesh, placements, tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
+    if device_mesh._coord is None:  # outside a sub-mesh: an empty local tensor, no collective (as torch)
+        return DTensor(tensor.new_empty(0), spec, requires_grad=tensor.requires_grad)
     validate.check_same_tensor_meta(tensor, device_mesh, "distribute_tensor")
     data = tensor.detach()
     if device_mesh.device_type == "cuda" and not data.is_cuda:
@@ -70,7 +73,6 @@ def distribute_tensor(
     for m, p in enumerate(placements):
         if isinstance(p, Partial):
             local = ToPartial(p.reduce_op, coord[m] == 0).run(local, device_mesh)
-    spec = DTensorSpec(device_mesh, placements, tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
     return DTensor(local.requires_grad_(False), spec, requires_grad=tensor.requires_grad)
 
 

@@ -19,11 +19,11 @@ from typing import Sequence
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from .layout import contiguous_strides, strides_like
+from .layout import global_strides
 from . import pickling, validate
 from ..mesh import DeviceMesh
 from ..mesh.foreign import refuse_torch_dtensor, require_mesh
-from .placements import Partial, Placement, Replicate, normalize_placements
+from .placements import Partial, Placement, Replicate, normalize_placements, shard_dim
 from .redistribute import redistribute_local
 from ..runtime import caches
 from ..runtime.effects import effect
@@ -129,10 +129,15 @@ class DTensor(torch.Tensor):
     ) -> "DTensor":
         """Wrap each rank's ``local_tensor`` as the shard it holds of one global tensor.
 
-        Without ``shape``, a sharded global shape is found by gathering the local
-        shapes (one small collective) and checked against the ``torch.chunk`` layout.
+        ``shape`` and ``stride`` are given together or not at all (torch's
+        ``RuntimeError`` otherwise). Without them, a sharded global shape is found by
+        gathering the local shapes (one small collective) and checked against the
+        ``torch.chunk`` layout, and the global strides follow the local tensor's layout.
         ``run_check=True`` also checks that dtypes and unsharded sizes agree across
-        ranks and that replicas hold equal values. Differentiable.
+        ranks and that replicas hold equal values. Differentiable. On a rank outside a
+        sub-mesh (``get_coordinate() is None``) nothing is checked or exchanged: the local
+        tensor is empty and the global shape is the local one times the sharding mesh
+        dims' sizes, as torch's.
 
         Every error is raised on every rank, except one no rank can see without
         communicating: with ``shape=`` and no ``run_check``, a rank whose local tensor
@@ -149,9 +154,14 @@ class DTensor(torch.Tensor):
                 if torch.is_grad_enabled() and local_tensor.requires_grad:
                     return _FromLocal.apply(local_tensor, known[0])
                 return DTensor(local_tensor, known[0])
+        if (shape is None) != (stride is None):  # torch's error, word for word
+            raise RuntimeError(f"Found shape:{shape}, stride:{stride}.",
+                               "Please pass both shape and stride at the same time.")
         device_mesh = require_mesh(device_mesh, "DTensor.from_local")
         refuse_torch_dtensor(local_tensor, "DTensor.from_local")
         placements = [Replicate()] * device_mesh.ndim if placements is None else placements
+        if device_mesh._coord is None:
+            return _from_local_outside(local_tensor, device_mesh, placements, shape, stride)
         if run_check:
             validate.check_local_tensors(local_tensor, device_mesh, placements, shape)
         if shape is None:
@@ -160,7 +170,7 @@ class DTensor(torch.Tensor):
         # Shard(-1) means the same dim on every rank: the global rank decides, never a local one.
         placements = normalize_placements(placements, device_mesh.ndim, len(shape))
         if stride is None:  # the global tensor laid out as the local one (as torch infers it)
-            stride = _global_strides(shape, local_tensor)
+            stride = global_strides(shape, local_tensor)
         spec = DTensorSpec(device_mesh, placements, shape, tuple(stride), local_tensor.dtype)
         validate.check_local_shape(local_tensor, spec)
         if key is not None:
@@ -187,7 +197,8 @@ class DTensor(torch.Tensor):
     ) -> "DTensor":
         """This DTensor with ``placements`` on the same mesh, moving the least data needed.
 
-        Redistributing *into* ``Partial`` is refused: it is internal (gradients).
+        Redistributing *into* ``Partial`` from another placement is refused with torch's
+        ``RuntimeError``: it is internal (gradients).
         ``forward_dtype``: the data moves (and the result is) in that dtype; ``backward_dtype``:
         the gradient moves in that dtype and comes back in this DTensor's (torch's options for
         moving less). ``async_op=True``: the result's local tensor is an
@@ -216,11 +227,12 @@ class DTensor(torch.Tensor):
                 f"redistribute to another mesh is not supported: {self._spec.mesh} -> {mesh}"
             )
         if placements is None:
-            raise ValueError("redistribute needs target placements")
+            raise RuntimeError("placements is needed for redistribute!")  # torch's error
         placements = normalize_placements(placements, mesh.ndim, self.ndim)
         for current, target in zip(self._spec.placements, placements):
-            if isinstance(target, Partial) and target != current:
-                raise ValueError(f"cannot redistribute {current} into {target}: Partial is for internal use")
+            if isinstance(target, Partial) and target != current:  # torch's error, word for word
+                raise RuntimeError(f"Can not redistribute from {current} to {target}, "
+                                   "redistributing to Partial is for internal use only!")
         return self._spec.with_placements(placements)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -249,14 +261,20 @@ def to_dtensor(
     return DTensor.from_local(self, device_mesh, placements, run_check=run_check, shape=shape, stride=stride)
 
 
-def _global_strides(shape: torch.Size, local: torch.Tensor) -> tuple[int, ...]:
-    """Strides of a global tensor of ``shape`` whose block ``local`` is: laid out alike, so
-    ops deciding from the global strides (a ``view``, ``reshape``'s view-or-copy) decide
-    what the local tensor allows. A gradient handed to ``to_local``'s backward is often
-    transposed or expanded (the backward of a transpose, of a sum)."""
-    if local.is_contiguous():
-        return contiguous_strides(shape)
-    return strides_like(shape, local.shape, local.stride())
+def _from_local_outside(local: torch.Tensor, mesh: DeviceMesh, placements, shape, stride) -> DTensor:
+    """``from_local`` on a rank outside ``mesh`` (a sub-mesh), as torch's: no check, no
+    collective, an empty local tensor; the global shape (unless given) is the local one with
+    each sharded dim times its mesh dims' sizes, as torch infers it without communicating."""
+    if shape is None:
+        shape = list(local.shape)
+        for m, p in enumerate(normalize_placements(placements, mesh.ndim, local.ndim)):
+            if shard_dim(p) is not None:
+                shape[p.dim] *= mesh.shape[m]
+    shape = torch.Size(shape)
+    placements = normalize_placements(placements, mesh.ndim, len(shape))
+    stride = global_strides(shape, local) if stride is None else tuple(stride)
+    spec = DTensorSpec(mesh, placements, shape, stride, local.dtype)
+    return _FromLocal.apply(local.new_empty(0, requires_grad=local.requires_grad), spec)
 
 
 def _settled(placements) -> list[Placement]:
@@ -346,7 +364,7 @@ class _ToLocal(torch.autograd.Function):
         # anyway (AccumulateGrad's layout contract) and an in-place update needs it whole.
         if not grad.is_contiguous() and not is_non_overlapping_and_dense_or_false(grad):
             grad = grad.contiguous()
-        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, _global_strides(spec.shape, grad), grad.dtype)
+        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, global_strides(spec.shape, grad), grad.dtype)
         return DTensor(grad, grad_spec, requires_grad=False), None
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
+
 from .placements import Placement, Shard, _StridedShard, shard_dim
 
 Runs = tuple[tuple[int, int], ...]  # (offset, size) pairs, in order, none empty
@@ -164,6 +166,16 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def global_strides(shape: Sequence[int], local: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a global tensor of ``shape`` whose block ``local`` is: laid out alike, so
+    ops deciding from the global strides (a ``view``, ``reshape``'s view-or-copy) decide
+    what the local tensor allows. A gradient handed to ``to_local``'s backward is often
+    transposed or expanded (the backward of a transpose, of a sum)."""
+    if local.is_contiguous():
+        return contiguous_strides(shape)
+    return strides_like(shape, local.shape, local.stride())
 
 
 def strides_like(shape: Sequence[int], like_shape: Sequence[int], like_stride: Sequence[int]) -> tuple[int, ...]:

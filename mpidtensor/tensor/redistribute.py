@@ -230,8 +230,11 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
     prepared = _PREPARED.get((src, dst))
     if prepared is not None:  # it takes the general function for any other input
         return prepared(local)
-    steps = plan(src, dst)
     mesh = src.mesh
+    if mesh._coord is None:  # a rank outside a sub-mesh holds an empty tensor and moves nothing (as torch)
+        mesh._require_live()
+        return local
+    steps = plan(src, dst)
     if len(steps) == 1:  # the common case: one collective on the caller's tensor
         step = steps[0]
         if isinstance(step, _Collective) and type(local) is torch.Tensor:

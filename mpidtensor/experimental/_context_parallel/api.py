@@ -22,6 +22,7 @@ from mpi4py import MPI
 from torch.overrides import TorchFunctionMode
 
 from ...tensor.dtensor import DTensor
+from ...tensor.layout import global_strides
 from ...mesh import DeviceMesh
 from ...tensor.placements import Placement, Replicate, Shard
 from ...runtime.agreement import attempt, raise_agreed, require_same
@@ -164,7 +165,7 @@ class _RingAttentionMode(TorchFunctionMode):
         if layout is None:
             return out
         mesh, placements, shape = layout
-        return DTensor.from_local(out, mesh, placements, shape=shape)
+        return DTensor.from_local(out, mesh, placements, shape=shape, stride=global_strides(shape, out))
 
 
 def _mesh_comm(mesh: DeviceMesh) -> MPI.Cartcomm:
