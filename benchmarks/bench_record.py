@@ -5,7 +5,9 @@
 One MPI job. Every redistribution on a 1-D mesh (and, at 4 ranks, a 2x2 mesh) at
 4 KiB, 256 KiB, 4 MiB and 32 MiB of float32 per rank, with even shards and with
 uneven ones (one more row than divides evenly); then dispatch per op on a cache hit;
-then the training steps of ``record_steps.py`` (TP MLP, FSDP, FSDP x TP); then FSDP's
+then the training steps of ``record_steps.py`` (TP MLP, FSDP, FSDP x TP) and the general
+path's rows of ``record_general.py`` (the TP MLP in DTensor ops, the 256 KiB all-to-all
+against the bare ``Alltoall``); then FSDP's
 per-module hook cost against torch's FSDP2 and the share of its collectives hidden
 behind compute per MPI progress mode (``bench_fsdp_overhead``, ``fsdp_timeline``).
 Each cell is first checked against a plain torch reference built on every rank
@@ -43,6 +45,7 @@ import mpidtensor as md
 from bench_redistribute import init_gloo  # gloo over the MPI ranks (rank 0 picks the port)
 import bench_fsdp_overhead
 import fsdp_timeline
+from record_general import general_rows
 from record_steps import STACK, agreed, python_calls, step_rows
 
 COMM = MPI.COMM_WORLD
@@ -475,7 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
                 progress(f"{case.name:28s} {size:>5s} {'uneven' if uneven else 'even':6s}", results[-1], started)
     dispatch = {} if args.check_only else dispatch_rows(md_mesh, torch_lib, budget)
     steps = []
-    for row in step_rows(gloo):
+    for row in step_rows(gloo) + general_rows(gloo):
         checked = [k for k, f in row.fns.items() if f]
         calls = {lib: python_calls(fn) for lib, fn in row.fns.items() if fn}  # every rank runs each step once
         steps.append({"step": row.name, **interleaved(row.fns, budget and args.step_budget), "checked": checked,

@@ -37,8 +37,9 @@ def test_record_checks_every_cell_and_step():
         assert_all_ranks(all(cell[lib] is None for lib in bench_record.LIBS), "check-only timed a cell")
     steps = {", ".join(row["step"].split(", ")[:2]).split(" 2x2")[0]: set(row["checked"]) for row in record["steps"]}
     everything = set(bench_record.LIBS)
-    want = ["TP MLP 32x1024, hidden 4096", "FSDP, 4 x Linear(1024", "FSDP, dim 128", "FSDP x TP"]
-    assert_all_ranks(len(steps) == 4 and all(any(k.startswith(w) for k in steps) for w in want)
+    want = ["TP MLP 32x1024, hidden 4096", "FSDP, 4 x Linear(1024", "FSDP, dim 128", "FSDP x TP",
+            "TP MLP (DTensor ops) 32x1024", "[S0] -> [S1] 256 KiB/rank"]
+    assert_all_ranks(len(steps) == len(want) and all(any(k.startswith(w) for k in steps) for w in want)
                      and all(checked == everything for checked in steps.values()), str(steps))
 
 
@@ -52,6 +53,18 @@ def test_expert_parallel_bench_checks_every_variant():
 
     checked = bench_experts.main(["--check-only", "--tokens", "16", "--hidden", "32"])
     assert_all_ranks(checked == ["mpidtensor", "mpi4py", "torch gloo"], f"checked {checked}")
+
+
+@pytest.mark.timeout(300)
+def test_general_path_rows_check_at_every_size():
+    """``benchmarks/record_general.py --check-only --no-torch`` at any world size: the TP MLP in
+    DTensor ops (uneven hidden blocks at 3 ranks) and the 256 KiB ``Shard(0) -> Shard(1)``
+    match one process, and so do the hand-written Megatron step and the bare ``Alltoall``."""
+    import record_general
+
+    rows = record_general.main(["--check-only", "--no-torch"])
+    assert_all_ranks([row["checked"] for row in rows] == [["mpidtensor", "mpi4py"]] * 2, str(rows))
+    assert_all_ranks(all(row[lib] is None for row in rows for lib in ("mpidtensor", "mpi4py")), "check-only timed")
 
 
 @pytest.mark.quick_at(2)
