@@ -69,12 +69,10 @@ def _edge(t: torch.Tensor) -> GradientEdge:
 
 def _walk(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
     """Every node reachable from ``roots`` and each one's parents (nodes with an edge to it)."""
-    parents: dict[Node, list[Node]] = {}
+    stack = list(dict.fromkeys(roots))
+    parents: dict[Node, list[Node]] = {r: [] for r in stack}
     order: list[Node] = []
-    stack = [r for r in roots]
-    for r in roots:
-        parents.setdefault(r, [])
-    seen = set(roots)
+    seen = set(stack)
     while stack:
         node = stack.pop()
         order.append(node)
@@ -112,12 +110,16 @@ def backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tensor] | N
     if not params:
         return list(torch.autograd.grad(roots, inputs, root_grads, allow_unused=True)), WeightPass([], None, [])
     root_edges = [_edge(r) for r in roots]
-    _, parents = _walk([e.node for e in root_edges])
+    order, parents = _walk([e.node for e in root_edges])
     input_side = _ancestors([_edge(x).node for x in inputs], parents)
     weight_bound = _ancestors([_edge(p).node for p in params], parents)
-    # the first weight-side edges below each intermediate
+    # the first weight-side edges below each intermediate, in the walk's order: the same on
+    # every rank (a set's order is not), so ranks whose weight sides communicate (tensor
+    # parallel) run W's calls in the same order
     entries: dict[Node, _Edges] = {}
-    for node in input_side & weight_bound:
+    for node in order:
+        if node not in input_side or node not in weight_bound:
+            continue
         below = [GradientEdge(child, nr) for child, nr in node.next_functions
                  if child is not None and child not in input_side and child in weight_bound]
         if below:
