@@ -18,11 +18,20 @@ mean-square loss on the last stage), without the optimizer.
   tensors' numpy views, one message per hop), the floor an implementation can reach.
 
 The bubble fraction is measured from per-rank timelines: each stage records when its
-forward and backward run (the backward from the arrival of its output's gradient to its
+forward and backward run (mdt and torch: each backward action of the pipeline stage, whole
+``B``, input ``I`` or weight ``W``; hand: from the arrival of the output's gradient to the
 first layer's weight gradient), and a rank's bubble is the share of the step it did not
-compute; the table gives the mean over the ranks, beside the theoretical
-``(p - 1) / (v m + p - 1)`` of GPipe, 1F1B and Interleaved 1F1B. The implementations run
+compute; the table gives the mean over the ranks, beside the theory: the schedule's own
+action lists run with free communication and costs ``F = I = W = 1``, ``B = 2`` (for GPipe,
+1F1B and Interleaved 1F1B this is ``(p - 1) / (v m + p - 1)``). The implementations run
 in turn within each repetition (the same machine load for all); the table gives medians.
+
+A second table times one stage's backward of one micro-batch alone (the V-shaped
+schedules' stage, half a rank's layers; every rank at once, the slowest rank's median):
+whole (``torch.autograd.backward``), split as mdt's zero-bubble schedules run it (``I``
+then ``W``, :mod:`mpidtensor.pipelining.split_backward`), and split by walking the graph
+twice (``I`` as ``autograd.grad(..., retain_graph=True)``, ``W`` as a second backward
+restricted to the parameters: mdt before the split, the reference).
 
 A schedule that refuses ``--microbatches`` (DualPipeV needs one per stage, ``2 x ranks``)
 is skipped and named under the table.
@@ -48,11 +57,12 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
-from llama_pp import Timeline, theoretical_bubble  # noqa: E402
+from llama_pp import Timeline  # noqa: E402
 from text_table import print_table  # noqa: E402
 
 import mpidtensor  # noqa: E402,F401  (MPI set up as the rest of the benchmarks have it)
 import mpidtensor.pipelining as mdt_pp  # noqa: E402
+from mpidtensor.pipelining.split_backward import backward_input  # noqa: E402
 from mpidtensor.testing.gloo import init_gloo_process_group  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -60,12 +70,14 @@ RANK, P = COMM.rank, COMM.size
 SCHEDULES = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
              "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
 V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
-THEORY = {"ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"}
+COST = {"F": 1, "I": 1, "W": 1, "B": 2}  # relative compute of each action, for the theoretical bubble
 HAND = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
 
 
 class Stage(nn.Module):
-    """``layers`` x (Linear + tanh); records its forward and backward spans on ``timeline``."""
+    """``layers`` x (Linear + tanh); records its forward spans on ``timeline``, and its
+    backward spans while ``marks_backward`` (the hand-written loops; mdt's and torch's
+    backward actions are timed at their stage, :func:`time_backward_actions`)."""
 
     def __init__(self, width: int, layers: int, timeline: Timeline, seed: int) -> None:
         super().__init__()
@@ -74,14 +86,17 @@ class Stage(nn.Module):
         for layer in self.layers:
             layer.weight.data = torch.randn(width, width, generator=gen) / width ** 0.5
         self.timeline = timeline
+        self.marks_backward = True
         # the first layer's weight gradient is the stage's last backward work
-        self.layers[0].weight.register_post_accumulate_grad_hook(lambda p: self.timeline.backward_end())
+        self.layers[0].weight.register_post_accumulate_grad_hook(
+            lambda p: self.timeline.backward_end() if self.marks_backward else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.timeline.forward_start()
         for layer in self.layers:
             x = torch.tanh(layer(x))
-        x = self.timeline.mark_backward_start(x)
+        if self.marks_backward:
+            x = self.timeline.mark_backward_start(x)
         self.timeline.forward_end()
         return x
 
@@ -164,19 +179,114 @@ def make_runner(impl: str, name: str, args, timeline: Timeline):
         import torch.distributed.pipelining as lib
     num_stages = len(indices) * P
     pipe = [lib.PipelineStage(s, i, num_stages, torch.device("cpu")) for s, i in zip(stages, indices)]
+    for s, st in zip(stages, pipe):
+        s.marks_backward = False
+        time_backward_actions(st, timeline)
     schedule = getattr(lib, name)(pipe[0] if name in HAND else pipe, n_microbatches=m, loss_fn=mse)
 
     def step() -> None:
         schedule.step(*((batch,) if first else ()), target=target if last else None)
         for s in stages:
             s.zero_grad(set_to_none=True)
+    step.theory = simulated_bubble(schedule.pipeline_order, num_stages) if impl == "mdt" else None
     return step
+
+
+def time_backward_actions(stage, timeline: Timeline) -> None:
+    """Record each backward action of pipeline ``stage`` (mdt's or torch's: both name them
+    ``backward_one_chunk`` and ``backward_weight_one_chunk``) as a backward span."""
+    for method in ("backward_one_chunk", "backward_weight_one_chunk"):
+        fn = getattr(stage, method)
+
+        def timed(*a, _fn=fn, **k):
+            timeline.backward_start()
+            try:
+                return _fn(*a, **k)
+            finally:
+                timeline.backward_end()
+        setattr(stage, method, timed)
+
+
+def simulated_bubble(orders: dict[int, list], num_stages: int) -> float:
+    """The mean idle share of the ranks when ``orders`` (every rank's actions) run with
+    free communication and the compute costs ``COST``: each action starts when its rank
+    is free and what it needs is done."""
+    finish: dict[tuple[int, str, int], float] = {}
+    clock = {r: 0.0 for r in orders}
+    busy = {r: 0.0 for r in orders}
+    pos = {r: 0 for r in orders}
+
+    def needs(s: int, kind: str, mb: int) -> list[tuple[int, str, int]]:
+        if kind == "F":
+            return [(s - 1, "F", mb)] if s > 0 else []
+        if kind == "W":
+            return [(s, "I", mb)]
+        if s == num_stages - 1:
+            return [(s, "F", mb)]
+        later = (s + 1, "B", mb) if (s + 1, "B", mb) in finish else (s + 1, "I", mb)
+        return [(s, "F", mb), later]
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, order in orders.items():
+            while pos[r] < len(order):
+                s, kind, mb = order[pos[r]]
+                deps = needs(s, kind, mb)
+                if not all(d in finish for d in deps):
+                    break
+                start = max([clock[r]] + [finish[d] for d in deps])
+                clock[r] = finish[(s, kind, mb)] = start + COST[kind]
+                busy[r] += COST[kind]
+                pos[r] += 1
+                progressed = True
+    span = max(clock.values())
+    return statistics.mean(1 - busy[r] / span for r in orders)
+
+
+def backward_seconds(args) -> dict[str, float]:
+    """One V-shaped stage's backward of one micro-batch, whole and split two ways (the
+    module docstring); every rank at once, the slowest rank's median of ``5 x steps``."""
+    stage = Stage(args.width, max(1, args.layers // 2), Timeline(), seed=RANK)
+    stage.marks_backward = False
+    params = list(stage.parameters())
+    x = torch.randn(args.rows, args.width, requires_grad=True)
+    grad = torch.randn(args.rows, args.width)
+
+    def whole() -> None:
+        torch.autograd.backward([stage(x)], [grad])
+
+    def split() -> None:
+        _, weights = backward_input([stage(x)], [grad], [x], params)
+        weights()
+
+    def twice() -> None:
+        out = stage(x)
+        torch.autograd.grad([out], [x], [grad], retain_graph=True)
+        torch.autograd.backward([out], [grad], inputs=params)
+
+    def forward() -> None:
+        stage(x)
+
+    ways = {"forward": forward, "whole": whole, "split": split, "twice": twice}
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for rep in range(5 * args.steps + 1):
+        for key, fn in ways.items():  # interleaved: the same load for each
+            COMM.Barrier()
+            start = time.perf_counter()
+            fn()
+            if rep:
+                times[key].append(time.perf_counter() - start)
+    forward_s = statistics.median(times["forward"])
+    return {k: COMM.allreduce(statistics.median(v) - (forward_s if k != "forward" else 0), op=MPI.MAX)
+            for k, v in times.items()}
 
 
 def ideal_seconds(args, timeline: Timeline) -> float:
     """``microbatches`` x one stage's forward + backward of one micro-batch, alone (no
     communication), timed on every rank at once; the slowest rank's median."""
     stage = Stage(args.width, args.layers, timeline, seed=RANK)
+    stage.marks_backward = False
     x = torch.randn(args.rows, args.width)
     times = []
     for _ in range(args.steps + 1):
@@ -245,11 +355,11 @@ def _run(args) -> dict:
             bubbles[case] += b
             spans[case] = sp
     ideal_s = statistics.median(ideal)
+    backward_ms = {k: v * 1e3 for k, v in backward_seconds(args).items()}
     rows = []
     for case in cases:
         name, impl = case
-        v = len(stage_indices(name))
-        theory = theoretical_bubble(P, args.microbatches, v) if name in THEORY else None
+        theory = getattr(runners.get((name, "mdt")), "theory", None)
         step = statistics.median(secs[case])
         hand = statistics.median(secs[(name, "hand")]) if (name, "hand") in secs else None
         rows.append({"schedule": name, "impl": impl, "step_ms": step * 1e3, "vs_ideal": step / ideal_s,
@@ -257,6 +367,7 @@ def _run(args) -> dict:
                      "bubble_theory": theory})
     return {"ranks": P, "width": args.width, "layers": args.layers, "rows": args.rows,
             "microbatches": args.microbatches, "ideal_ms": ideal_s * 1e3, "rows_out": rows, "skipped": skipped,
+            "backward_ms": backward_ms,
             "spans": {f"{n}/{i}": sp for (n, i), sp in spans.items() if n == "Schedule1F1B"}}
 
 
@@ -315,6 +426,12 @@ def main(argv: list[str] | None = None) -> dict:
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
         lines = [title, "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in widths) + "|"]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
+        b = result["backward_ms"]
+        note = (f"one stage's backward of one micro-batch ({max(1, args.layers // 2)} layers, alone, forward "
+                f"excluded): whole {b['whole']:.2f} ms, split I+W {b['split']:.2f} ms ({b['split'] / b['whole']:.2f}x), "
+                f"split by walking twice {b['twice']:.2f} ms ({b['twice'] / b['whole']:.2f}x); forward {b['forward']:.2f} ms")
+        print(note)
+        lines.append(f"\n{note}")
         for case, why in result["skipped"].items():
             print(f"skipped {case}: {why}")
             lines.append(f"\nskipped {case}: {why}")

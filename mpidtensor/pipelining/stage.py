@@ -6,11 +6,10 @@ backward is the stage's outputs and the inputs whose gradients go back upstream.
 
 Backward comes whole (``B``: ``torch.autograd.backward`` from the outputs, gradients
 accumulating in the parameters' ``.grad`` across micro-batches) or split for the
-zero-bubble schedules: ``I`` computes only the input gradients
-(``torch.autograd.grad(outputs, inputs, retain_graph=True)``), so they can be sent at
-once, and ``W`` later runs ``torch.autograd.backward(outputs, inputs=parameters)``. ``W``
-walks again the part of the graph that leads to both (docs/pipelining.md gives the cost);
-a ``dw_builder`` replaces it, as in torch.
+zero-bubble schedules: ``I`` computes only the input gradients, so they can be sent at
+once, and keeps the gradients ``W`` needs to compute, later, only the weight gradients
+(:mod:`.split_backward`: the graph is walked once between the two); a ``dw_builder``
+replaces ``W``, as in torch.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from . import crossing, fsdp_sync
+from . import crossing, fsdp_sync, split_backward
 from .meta import Meta, fmt as _fmt, grad_carrying, metas_of
 
 __all__ = ["PipelineStage", "resolve_group"]
@@ -163,15 +162,8 @@ class PipelineStage:
             if not full_backward:
                 self._deferred[mb] = self.dw_builder()
             return [crossing.grad_to_send(x.grad if x.grad is not None else torch.zeros_like(x), x) for x in inputs]
-        got = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True) \
-            if roots and inputs else [None] * len(inputs)
-        params = fsdp_sync.autograd_parameters(self.submod)
-
-        def weights() -> None:
-            if roots and params:
-                torch.autograd.backward(roots, root_grads, inputs=params)
-
-        self._deferred[mb] = weights
+        got, self._deferred[mb] = split_backward.backward_input(roots, root_grads, inputs,
+                                                                fsdp_sync.autograd_parameters(self.submod))
         return [crossing.grad_to_send(g if g is not None else torch.zeros_like(x), x) for g, x in zip(got, inputs)]
 
     def backward_weight_one_chunk(self, mb: int) -> None:
