@@ -34,7 +34,7 @@ FIGURES = {"plugin": 5, "pc": 5, "trainer": 4}  # LOSS 0-2, CHECKSUM (and RELOAD
 @pytest.mark.parametrize("mode", sorted(FIGURES))
 def test_accelerate_fsdp2(mode):
     if N not in (2, 4):
-        pytest.skip("the model's 4 heads split over 2 or 4 ranks")
+        pytest.skip("runs at 2 and 4 ranks: the Trainer's batch of 4 rows splits evenly there")
     folder = WORLD.bcast(tempfile.mkdtemp(prefix="mpidtensor-hf-acc-") if WORLD.rank == 0 else None)
     model = [str(PROGRAMS / "hf_parallel.py"), folder, "llama", "plain"]
     made = run_command([sys.executable] + model, ranks=None, timeout=300, cwd=PROGRAMS)
