@@ -19,8 +19,8 @@ import pytest
 from mpi4py import MPI
 
 from helpers import assert_all_ranks
+from hf_figures import differences
 from subjob import run_command, run_peer
-from test_hf_parallel import _differences
 
 WORLD = MPI.COMM_WORLD
 N = WORLD.size
@@ -45,6 +45,6 @@ def test_accelerate_fsdp2(mode):
     theirs = run_peer([sys.executable, str(PROGRAMS / "torch_gloo.py"), SCRIPT, folder, mode, f"{folder}/gloo"],
                       ranks=N, timeout=300, cwd=PROGRAMS)
     problems = [] if made.returncode == 0 else [f"making the model: {made.output[-2000:]}"]
-    problems += _differences("switch", ours, alone, FIGURES[mode])
-    problems += _differences("torch on gloo", theirs, alone, FIGURES[mode])
+    problems += differences("switch", ours, alone, FIGURES[mode])
+    problems += differences("torch on gloo", theirs, alone, FIGURES[mode])
     assert_all_ranks(not problems, "\n".join(problems))

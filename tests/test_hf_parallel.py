@@ -7,8 +7,6 @@ tensor-parallel model is then saved with ``save_pretrained`` and reloaded in one
 key missing or unexpected, and its loss equals that of the one-process model saved alike."""
 from __future__ import annotations
 
-import math
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -17,28 +15,13 @@ import pytest
 from mpi4py import MPI
 
 from helpers import assert_all_ranks
-from subjob import Result, run_command, run_peer
+from hf_figures import compare, differences, figures
+from subjob import run_command, run_peer
 
 WORLD = MPI.COMM_WORLD
 N = WORLD.size
 PROGRAMS = Path(__file__).parent / "programs"
 SCRIPT = str(PROGRAMS / "hf_parallel.py")
-
-
-def _figures(output: str) -> dict[str, str]:
-    """``LOSS i``, ``CHECKSUM``, ``MISSING``, ``UNEXPECTED`` and ``RELOADED`` lines, by name."""
-    found = re.finditer(r"^((?:LOSS \d+)|CHECKSUM|MISSING|UNEXPECTED|RELOADED) (\S+)", output, re.M)
-    return {m.group(1): m.group(2) for m in found}
-
-
-def _differences(name: str, ran: Result, alone: Result, count: int) -> list[str]:
-    """What differs between ``ran``'s figures and one process's (``count`` figures expected)."""
-    want, got = _figures(alone.output), _figures(ran.output)
-    if alone.returncode != 0 or ran.returncode != 0 or len(want) != count or got.keys() != want.keys():
-        return [f"{name}: exit {ran.returncode} (one process {alone.returncode}), figures {got} against {want}:\n"
-                f"{ran.output[-2500:]}\n--- one process:\n{alone.output[-1000:]}"]
-    return [f"{name} {k}: {got[k]} != {want[k]}" for k in want
-            if not math.isclose(float(got[k]), float(want[k]), rel_tol=1e-5, abs_tol=1e-5)]
 
 
 def _run(model: str, mode: str) -> list[str]:
@@ -54,14 +37,17 @@ def _run(model: str, mode: str) -> list[str]:
     ours = run_command([sys.executable, "-m", "mpidtensor.run"] + args("switch"), ranks=N, timeout=300, cwd=PROGRAMS)
     theirs = run_peer([sys.executable, str(PROGRAMS / "torch_gloo.py")] + args("gloo"), ranks=N, timeout=300,
                       cwd=PROGRAMS)
-    problems = _differences("switch", ours, alone, 4) + _differences("torch on gloo", theirs, alone, 4)
+    problems = differences("switch", ours, alone, 4) + differences("torch on gloo", theirs, alone, 4)
     if saved and not problems:
-        reloaded = {side: run_command([sys.executable, SCRIPT, folder, model, "reload", where], ranks=None,
-                                      timeout=300, cwd=PROGRAMS) for side, where in saved.items()}
-        if _figures(reloaded["alone"].output).get("MISSING") != "0":
-            problems.append(f"one process's reload: {reloaded['alone'].output[-1500:]}")
-        problems += _differences("switch's save_pretrained, reloaded", reloaded["switch"], reloaded["alone"], 3)
-        problems += _differences("gloo's save_pretrained, reloaded", reloaded["gloo"], reloaded["alone"], 3)
+        reload = run_command([sys.executable, SCRIPT, folder, model, "reload"] + list(saved.values()), ranks=None,
+                             timeout=300, cwd=PROGRAMS)
+        log = reload.output[-2500:]
+        alone_again = figures(reload.output, "0")
+        if reload.returncode != 0 or alone_again.get("MISSING") != "0":
+            problems.append(f"reloading (exit {reload.returncode}): {log}")
+        for index, side in ((1, "switch"), (2, "torch on gloo")):
+            problems += compare(f"{side}'s save_pretrained, reloaded", figures(reload.output, str(index)),
+                                 alone_again, 3, log)
     return problems
 
 

@@ -3,10 +3,10 @@ saved locally, loaded with ``from_pretrained(path, tp_plan="auto")`` (MODE tp) o
 ``distributed_config=DistributedConfig(fsdp_size=N)`` (MODE fsdp: transformers' FSDP2), 3 AdamW
 steps; rank 0 prints each loss and a checksum of the last logits. With SAVE, the trained model
 is then written with ``save_pretrained(SAVE)``. Without a launcher (one process) it loads the
-model plainly: the reference. MODE reload (one process): loads SAVE, prints how many keys were
-missing or unexpected and the loss of the reloaded model.
-Usage: hf_parallel.py DIR MODEL MODE [SAVE] (DIR/MODEL: made and saved there if absent; run it
-alone first)"""
+model plainly: the reference. MODE reload (one process): loads each SAVE given (SAVE...), prints
+how many keys were missing or unexpected and the loss of the reloaded model, each line marked
+``@i`` with the SAVE's index. Usage: hf_parallel.py DIR MODEL MODE [SAVE...] (DIR/MODEL: made and
+saved there if absent; run it alone first)"""
 import os
 import sys
 
@@ -30,12 +30,13 @@ CONFIGS = {
                                         num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True),
 }
 
-if mode == "reload":
-    model, info = AutoModelForCausalLM.from_pretrained(save, dtype=torch.float32, output_loading_info=True)
-    print(f"MISSING {len(info['missing_keys'])} {sorted(info['missing_keys'])[:5]}", flush=True)
-    print(f"UNEXPECTED {len(info['unexpected_keys'])} {sorted(info['unexpected_keys'])[:5]}", flush=True)
-    with torch.no_grad():
-        print(f"RELOADED {model(input_ids=ids, labels=ids).loss.item():.8f}", flush=True)
+if mode == "reload":  # every SAVE given, in one process (importing transformers is the costly part)
+    for index, where in enumerate(sys.argv[4:]):
+        model, info = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, output_loading_info=True)
+        print(f"MISSING@{index} {len(info['missing_keys'])} {sorted(info['missing_keys'])[:5]}", flush=True)
+        print(f"UNEXPECTED@{index} {len(info['unexpected_keys'])} {sorted(info['unexpected_keys'])[:5]}", flush=True)
+        with torch.no_grad():
+            print(f"RELOADED@{index} {model(input_ids=ids, labels=ids).loss.item():.8f}", flush=True)
     sys.exit(0)
 
 if not os.path.exists(os.path.join(path, "config.json")):
