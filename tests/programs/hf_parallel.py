@@ -1,24 +1,47 @@
-"""transformers' own parallelism, unmodified: a tiny random Llama saved locally, loaded with
-``from_pretrained(path, tp_plan="auto")`` (MODE tp) or ``distributed_config=
-DistributedConfig(fsdp_size=N)`` (MODE fsdp: transformers' FSDP2), 3 AdamW steps; rank 0
-prints each loss and a checksum of the last logits. Without a launcher (one process) it
-loads the model plainly: the reference. Usage: hf_parallel.py DIR MODE (DIR: the model is
-made and saved there if absent; run it alone first)"""
+"""transformers' own parallelism, unmodified: a tiny random MODEL (llama, qwen2 or qwen3_moe)
+saved locally, loaded with ``from_pretrained(path, tp_plan="auto")`` (MODE tp) or
+``distributed_config=DistributedConfig(fsdp_size=N)`` (MODE fsdp: transformers' FSDP2), 3 AdamW
+steps; rank 0 prints each loss and a checksum of the last logits. With SAVE, the trained model
+is then written with ``save_pretrained(SAVE)``. Without a launcher (one process) it loads the
+model plainly: the reference. MODE reload (one process): loads each SAVE given (SAVE...), prints
+how many keys were missing or unexpected and the loss of the reloaded model, each line marked
+``@i`` with the SAVE's index. Usage: hf_parallel.py DIR MODEL MODE [SAVE...] (DIR/MODEL: made and
+saved there if absent; run it alone first)"""
 import os
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 from transformers.distributed import DistributedConfig
 
-path, mode = sys.argv[1], sys.argv[2]
+folder, kind, mode = sys.argv[1:4]
+save = sys.argv[4] if len(sys.argv) > 4 else None
 world = int(os.environ.get("WORLD_SIZE", "1"))
 distributed = world > 1
+path = os.path.join(folder, kind)
+ids = (torch.arange(16).reshape(2, 8) * 7) % 64
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=4, max_position_embeddings=32)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SMALL),
+    "qwen2": lambda: Qwen2Config(**SMALL),
+    # 4 experts of width 16, 2 chosen per token; the second layer dense (mlp_only_layers)
+    "qwen3_moe": lambda: Qwen3MoeConfig(**SMALL, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                                        num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True),
+}
+
+if mode == "reload":  # every SAVE given, in one process (importing transformers is the costly part)
+    for index, where in enumerate(sys.argv[4:]):
+        model, info = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, output_loading_info=True)
+        print(f"MISSING@{index} {len(info['missing_keys'])} {sorted(info['missing_keys'])[:5]}", flush=True)
+        print(f"UNEXPECTED@{index} {len(info['unexpected_keys'])} {sorted(info['unexpected_keys'])[:5]}", flush=True)
+        with torch.no_grad():
+            print(f"RELOADED@{index} {model(input_ids=ids, labels=ids).loss.item():.8f}", flush=True)
+    sys.exit(0)
+
 if not os.path.exists(os.path.join(path, "config.json")):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
-    LlamaForCausalLM(config).save_pretrained(path)
+    AutoModelForCausalLM.from_config(CONFIGS[kind]()).save_pretrained(path)
 if distributed and mode == "tp":
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
 elif distributed:
@@ -27,7 +50,6 @@ elif distributed:
 else:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ids = (torch.arange(16).reshape(2, 8) * 7) % 64
 show = not distributed or torch.distributed.get_rank() == 0
 for step in range(3):
     out = model(input_ids=ids, labels=ids)
@@ -39,3 +61,5 @@ for step in range(3):
 logits = out.logits.full_tensor() if hasattr(out.logits, "full_tensor") else out.logits
 if show:
     print(f"CHECKSUM {logits.double().abs().sum().item():.8f}", flush=True)
+if save:
+    model.save_pretrained(save)
