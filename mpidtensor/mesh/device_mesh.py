@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 import torch
 from mpi4py import MPI
 
-from ..runtime import caches, effects
+from ..runtime import caches, effects, watchdog
 from . import grids
 from .cuda import bind_local_gpu
 from .launch import check_launch_once
@@ -85,10 +85,12 @@ class DeviceMesh:
                 f"mesh must list distinct ranks of a communicator of size {comm.size}, got {ranks.tolist()}"
             )
         member = comm.rank in flat
-        ordered = comm.Split(0 if member else MPI.UNDEFINED, flat.index(comm.rank) if member else 0)
+        ordered = watchdog.call("DeviceMesh: the mesh's ranks (Split; every rank of the communicator must call)", comm,
+                                comm.Split, 0 if member else MPI.UNDEFINED, flat.index(comm.rank) if member else 0)
         cart = None
         if member:
-            cart = ordered.Create_cart(list(ranks.shape), periods=[False] * ranks.ndim, reorder=False)
+            cart = watchdog.call("DeviceMesh: its Cartesian communicator (Create_cart)", ordered, ordered.Create_cart,
+                                 list(ranks.shape), [False] * ranks.ndim, False)
             ordered.Free()
         self._setup(device_type, ranks, names, comm, cart)
         pickling.remember_root(self)
@@ -248,7 +250,8 @@ class DeviceMesh:
             ranks = self.mesh.reshape(shape)
             cart = None
             if self._cart is not None:  # rank order is row-major in the coordinates, so a reshape keeps it
-                cart = self._cart.Create_cart(list(shape), periods=[False] * len(shape), reorder=False)
+                cart = watchdog.call("DeviceMesh._unflatten: its communicator (Create_cart)", self._cart,
+                                     self._cart.Create_cart, list(shape), [False] * len(shape), False)
             unflat = DeviceMesh._from_cart(self.device_type, ranks, all_names, self._parent_comm, cart,
                                            grids.unflatten_grid(self._grid, index, sizes))
             unflat._unflattened_from = (self, index, sizes, names)
@@ -396,7 +399,8 @@ def init_device_mesh(
     names = _check_names(mesh_dim_names, len(mesh_shape))
     if total < comm.size:  # as torch: ranks 0..total-1 in a mesh every rank builds, the others outside it
         return DeviceMesh(device_type, torch.arange(total).reshape(mesh_shape), mesh_dim_names=names, comm=comm)
-    cart = comm.Create_cart(list(mesh_shape), periods=[False] * len(mesh_shape), reorder=False)
+    cart = watchdog.call("init_device_mesh: the mesh's communicator (Create_cart)", comm, comm.Create_cart,
+                         list(mesh_shape), [False] * len(mesh_shape), False)
     ranks = torch.arange(comm.size).reshape(mesh_shape)
     mesh = DeviceMesh._from_cart(device_type, ranks, names, comm, cart)
     pickling.remember_root(mesh)
@@ -407,7 +411,7 @@ def init_device_mesh(
 
 def _flat_cart(comm: MPI.Cartcomm) -> MPI.Cartcomm:
     """A 1-D Cartesian communicator with the same ranks in the same order."""
-    flat = comm.Create_cart([comm.size], periods=[False], reorder=False)
+    flat = watchdog.call("a mesh's flat communicator (Create_cart)", comm, comm.Create_cart, [comm.size], [False], False)
     comm.Free()
     return flat
 
