@@ -1,4 +1,4 @@
-"""``mpidtensor.tools.process_group``: torch.distributed's collectives carried by MPI, for
+"""``mpidtensor.backend.process_group``: torch.distributed's collectives carried by MPI, for
 third-party code that calls them, checked against what each rank can compute alone; and
 Hugging Face ``generate(synced_gpus=True)`` on an FSDP model whose ranks stop at
 different lengths (without the synced loop the ones that stop early leave the others
