@@ -228,9 +228,7 @@ class MPIProcessGroup(dist.ProcessGroup):
     @outside_autograd
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any) -> Completed:
-        for output, t in zip(outputs, inputs):
-            self._allgather_base(output, t, opts)
-        return Completed(outputs)
+        return self._coalesced(self._allgather_base, outputs, inputs, opts)
 
     @outside_autograd
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Completed:
@@ -249,8 +247,15 @@ class MPIProcessGroup(dist.ProcessGroup):
     @outside_autograd
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any) -> Completed:
+        return self._coalesced(self._reduce_scatter_base, outputs, inputs, opts)
+
+    @staticmethod
+    def _coalesced(base: Callable[..., Completed], outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                   opts: Any) -> Completed:
+        """A coalesced call (``_coalescing_manager``'s) as one ``base`` call per (output, input)
+        pair: each completes when called, so the result is the coalesced one."""
         for output, t in zip(outputs, inputs):
-            self._reduce_scatter_base(output, t, opts)
+            base(output, t, opts)
         return Completed(outputs)
 
     @outside_autograd
@@ -261,8 +266,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         recv = checks.splits(output_split_sizes, output, n)
         if t.dtype != output.dtype:
             raise RuntimeError(f"all_to_all_single: input {t.dtype} and output {output.dtype} differ")
-        _check_splits(watchdog.call("all_to_all_single: every rank's splits (allgather)", self.comm, self.comm.allgather,
-                                    (send, recv, t.shape[0], output.shape[0])))
+        _check_splits(self.comm, (send, recv, t.shape[0], output.shape[0]))
         output.copy_(exchange_rows(t, self.comm, send_rows=send, recv_rows=recv))
         return Completed([output])
 
@@ -272,8 +276,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         wants one size), the sizes agreed first as ``all_to_all_single``'s splits are."""
         checks.same_dtype("alltoall", [*inputs, *outputs], self.comm.size, len(inputs), len(outputs))
         send, recv = [t.numel() for t in inputs], [t.numel() for t in outputs]
-        _check_splits(watchdog.call("alltoall: every rank's sizes (allgather)", self.comm, self.comm.allgather,
-                                    (send, recv, sum(send), sum(recv))))
+        _check_splits(self.comm, (send, recv, sum(send), sum(recv)))
         flat = torch.cat([t.reshape(-1) for t in inputs])
         got = exchange_rows(flat, self.comm, send_rows=send, recv_rows=recv)
         for out, piece in zip(outputs, got.split(recv)):
@@ -370,11 +373,13 @@ def all_reduce(t: torch.Tensor, comm: MPI.Intracomm, reduce_op: Any) -> torch.Te
     return collectives.all_reduce(premultiplied(t, factor), comm, op)
 
 
-def _check_splits(table: list[tuple[list[int], list[int], int, int]]) -> None:
-    """``ValueError`` on every rank (each checks the same gathered ``table`` of every rank's
-    send and receive splits and row counts) unless each split list has a count per rank,
-    adds up to its tensor's rows, and each rank receives from rank k what rank k sends it;
-    a rank alone in the exchange would hang or truncate."""
+def _check_splits(comm: MPI.Intracomm, mine: tuple[list[int], list[int], int, int]) -> None:
+    """``ValueError`` on every rank (each checks the same table of every rank's send and
+    receive splits and row counts, ``mine`` this rank's, gathered by one ``allgather``)
+    unless each split list has a count per rank, adds up to its tensor's rows, and each
+    rank receives from rank k what rank k sends it; a rank alone in the exchange would hang
+    or truncate."""
+    table = watchdog.call("all_to_all: every rank's splits (allgather)", comm, comm.allgather, mine)
     n = len(table)
     for r, (send, recv, rows_in, rows_out) in enumerate(table):
         if len(send) != n or len(recv) != n or sum(send) != rows_in or sum(recv) != rows_out:
