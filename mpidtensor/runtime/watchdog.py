@@ -198,7 +198,15 @@ def poll_all(requests: Sequence[MPI.Request], kind: str, where: Any, details: An
 
 @effects.effect("watchdog thread", "first mesh",
                 "a daemon thread, mpidtensor-watchdog, that samples the waits of this rank's threads and ends the job "
-                "when one outlives MPIDTENSOR_TIMEOUT (it starts earlier if a wait comes first)")
+                "when one outlives MPIDTENSOR_TIMEOUT (it starts earlier if a wait comes first; not while the "
+                "watchdog is off)")
+def _start_with_the_first_mesh() -> bool | None:
+    if not ENABLED:
+        return False
+    _start()
+    return None
+
+
 def _start() -> None:
     global _watcher
     with _lock:
