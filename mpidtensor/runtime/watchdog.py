@@ -252,19 +252,25 @@ def _abort(slot: _Slot, waited: float) -> None:
     MPI.COMM_WORLD.Abort(1)
 
 
+_RAISE_OWN = "the timeout given to new_group (MPIDTENSOR_TIMEOUT does not apply to this group)"
+_RAISE_SETTING = ("MPIDTENSOR_TIMEOUT (or pass init_process_group(timeout=...)); MPIDTENSOR_TIMEOUT=0 turns the "
+                  "watchdog off")
+
+
 def report(slot: _Slot, waited: float) -> str:
     """The text printed when ``slot``'s wait has lasted ``waited`` seconds, past the timeout."""
     what = slot.what or ("(finished)", "", None)
     frame = sys._current_frames().get(slot.thread.ident)
     stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (stack unavailable)\n"
     timeout, setting = _limit(what[1])
+    own = setting.startswith("the group")
     return (
         f"\n[mpidtensor watchdog] rank {MPI.COMM_WORLD.rank} (thread {slot.thread.name}): stuck for {waited:.1f} s "
         f"({setting}) in {describe(what)}; previous completed wait: "
         f"{describe(slot.last) if slot.last else 'none'}; aborting the job.\n"
         f"If this wait is expected to last more than {timeout or 0:g} s in a healthy job (a rank working alone "
-        f"while the others wait), raise {'that timeout' if setting.startswith('the group') else 'MPIDTENSOR_TIMEOUT'} "
-        f"(or pass init_process_group(timeout=...)); MPIDTENSOR_TIMEOUT=0 turns the watchdog off.\n"
+        f"while the others wait), raise "
+        f"{_RAISE_OWN if own else _RAISE_SETTING}.\n"
         f"Stack of the waiting thread (most recent call last):\n{stack}"
     )
 
