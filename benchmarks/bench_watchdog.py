@@ -7,7 +7,10 @@ alternating on and off ``--reps`` times; a figure is the least over those rounds
 slowest rank's µs per call (the least: on shared cores other jobs only ever add time). The rows: a blocking ``all_reduce`` of 16 floats (the general
 function), the same through a prepared collective (the redistribution plans' fast path),
 a non-blocking ``iall_reduce(...).wait()``, a 4 KiB ``Shard(0) -> Replicate`` redistribute
-of a DTensor, and the bookkeeping alone (``watchdog.wait`` of a completed request).
+of a DTensor, an agreement's pickled ``allgather`` (``agreement.exchange``, run through
+``watchdog.call``), ``DTensor.from_local`` of a ``Shard(0)`` tensor whose global shape comes
+from the ranks (a watched ``allgather`` of the local shapes), and the bookkeeping alone
+(``watchdog.wait`` of a completed request).
 """
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ import time
 import torch
 from mpi4py import MPI
 
-from mpidtensor import Replicate, Shard, distribute_tensor, init_device_mesh
+from mpidtensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from mpidtensor.comm import collectives, nonblocking
-from mpidtensor.runtime import watchdog
+from mpidtensor.runtime import agreement, watchdog
 from mpidtensor.runtime.settings import settings
 
 COMM = MPI.COMM_WORLD
@@ -52,6 +55,8 @@ def main() -> None:
         "prepared all_reduce, 16 floats": lambda: prepared(small),
         "iall_reduce(16 floats).wait()": lambda: nonblocking.iall_reduce(small, COMM).wait(),
         "redistribute S(0)->R, 4 KiB": lambda: sharded.redistribute(mesh, [Replicate()]),
+        "agreement.exchange, small object": lambda: agreement.exchange(COMM, (COMM.rank, "ok")),
+        "from_local S(0), shape from the ranks": lambda: DTensor.from_local(small, mesh, [Shard(0)]),
         "watchdog.wait, request done": lambda: watchdog.wait(done, "bench", COMM),
     }
     results = []

@@ -9,6 +9,7 @@ import torch
 
 from .tensor.dtensor import DTensor
 from .comm import recorders
+from .runtime import watchdog
 
 # mpidtensor's collective kinds and the ops torch's CommDebugMode counts them under: the
 # functional collectives (torch.ops.c10d_functional, which torch's class reports native ones as)
@@ -139,7 +140,9 @@ def visualize_sharding(dtensor: DTensor, header: str = "") -> str:
     """
     spec = dtensor._spec
     shape, offset = spec.local_shape_and_offset()
-    blocks = spec.mesh.comm.allgather((spec.mesh.get_rank(), offset, shape))
+    comm = spec.mesh.comm
+    blocks = watchdog.call("visualize_sharding: every rank's block (allgather)", comm, comm.allgather,
+                           (spec.mesh.get_rank(), offset, shape))
     holders: dict[tuple, list[int]] = {}
     for rank, off, size in blocks:
         holders.setdefault((off, size), []).append(rank)

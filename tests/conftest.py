@@ -137,7 +137,7 @@ def mpi_group():
     """mpidtensor's MPI backend as torch's default group for one test, taken down after
     (unless the test took it down itself)."""
     import torch.distributed as dist
-    from mpidtensor.tools.process_group import init_process_group
+    from mpidtensor.backend.process_group import init_process_group
 
     if dist.is_initialized():
         pytest.fail(f"a torch.distributed group ({dist.get_backend()}) is already up: an earlier test left it")

@@ -15,8 +15,8 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks, raises_everywhere
 from mpidtensor.comm import guard
-from mpidtensor.compat import cpp_groups, importer, views
-from mpidtensor.compat import distributed as switch_dist
+from mpidtensor.backend import cpp_groups, distributed as switch_dist
+from mpidtensor.compat import importer, views
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank

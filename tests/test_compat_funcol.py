@@ -8,7 +8,7 @@ from mpi4py import MPI
 from helpers import assert_all_ranks, assert_close, global_tensor, raises_everywhere
 
 from mpidtensor import init_device_mesh
-from mpidtensor.compat import distributed as switch_dist, funcol
+from mpidtensor.backend import distributed as switch_dist, funcol
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank

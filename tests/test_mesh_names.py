@@ -114,7 +114,7 @@ def test_two_d_mesh_over_two_ranks_then_teardown():
     mesh over [0, 2], then the group torn down."""
     if N < 3:
         pytest.skip("needs ranks outside the meshes")
-    from mpidtensor.tools import process_group
+    from mpidtensor.backend import process_group
 
     process_group.init_process_group()
     try:

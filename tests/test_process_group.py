@@ -1,10 +1,11 @@
-"""``mpidtensor.tools.process_group``: torch.distributed's collectives carried by MPI, for
+"""``mpidtensor.backend.process_group``: torch.distributed's collectives carried by MPI, for
 third-party code that calls them, checked against what each rank can compute alone; and
 Hugging Face ``generate(synced_gpus=True)`` on an FSDP model whose ranks stop at
 different lengths (without the synced loop the ones that stop early leave the others
 blocked in FSDP's all-gathers)."""
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -93,3 +94,31 @@ def test_generate_synced_over_fsdp_with_different_lengths(mpi_group):
         got = model.generate(prompt, synced_gpus=True, **kwargs)
         want = ref.generate(prompt, **kwargs)
     assert_all_ranks(torch.equal(got, want), f"generated {got.tolist()}, one process {want.tolist()}")
+
+
+def test_a_receive_waited_with_a_timeout_raises_torch_runtime_error_and_stays_pending(mpi_group):
+    """``irecv(...).wait(timeout=...)`` whose sender has not sent: torch's ``RuntimeError``
+    (``Work.wait``'s) once the timeout passes, the receive still pending; a later ``wait()``
+    completes it with the sent values."""
+    from datetime import timedelta
+
+    if N < 2:
+        pytest.skip("a sender and a receiver: 2 ranks or more")
+    problems = []
+    t = torch.zeros(3)
+    if RANK == 0:
+        work = dist.irecv(t, src=1)
+        try:
+            work.wait(timeout=timedelta(seconds=0.3))
+            problems.append("wait(timeout=0.3 s) returned with no message sent")
+        except Exception as err:  # noqa: BLE001  (judged below; rank 1 must be released all the same)
+            if not isinstance(err, RuntimeError) or "Timed out waiting 300ms" not in str(err):
+                problems.append(f"{type(err).__name__}: {err}")
+        WORLD.send(None, dest=1, tag=77)  # now rank 1 may send
+        work.wait()
+        if not torch.equal(t, torch.arange(3.0)):
+            problems.append(f"received {t}")
+    elif RANK == 1:
+        WORLD.recv(source=0, tag=77)
+        dist.send(torch.arange(3.0), dst=0)
+    assert_all_ranks(not problems, str(problems))

@@ -10,7 +10,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import Replicate, Shard, distribute_tensor
-from mpidtensor.compat import funcol
+from mpidtensor.backend import funcol
 from mpidtensor.debug import CommDebugMode
 
 WORLD = MPI.COMM_WORLD

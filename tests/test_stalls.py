@@ -32,14 +32,20 @@ PATHS = {
     "ring": (2, ("in ring shift (key/value",)),
     "async_save": (2, ("in async checkpoint write",)),
     "switch": (2, ("in all_reduce",)),
+    "group_timeout": (2, ("new_group(timeout=2 s)",)),
+    "wait_timeout": (2, ("[Rank 0]: Timed out waiting 2000ms for torch.distributed recv",)),
 }
+# paths whose stall raises torch's error on the waiting rank (the job then ends by the abort
+# hook) rather than printing the watchdog's report
+RAISES = {"wait_timeout"}
+SWITCH = {"switch", "group_timeout", "wait_timeout"}  # run under python -m mpidtensor.run
 
 pytestmark = [pytest.mark.skipif(WORLD.size != 1, reason="each case runs a job of its own")]
 
 
 def _run(path: str, mode: str, tmp_path: Path):
     ranks, _ = PATHS[path]
-    argv = [sys.executable, *(["-m", "mpidtensor.run"] if path == "switch" else []), str(PROGRAM), path, mode,
+    argv = [sys.executable, *(["-m", "mpidtensor.run"] if path in SWITCH else []), str(PROGRAM), path, mode,
             str(tmp_path)]
     return run_command(argv, ranks=ranks, env={"MPIDTENSOR_TIMEOUT": str(TIMEOUT)}, timeout=300, cwd=tmp_path)
 
@@ -48,9 +54,10 @@ def _check(path: str, mode: str, tmp_path: Path) -> None:
     result = _run(path, mode, tmp_path)
     problems = result.abort_problems(("STALL=",), went_on="went on")
     if mode == "sleep":
-        reports = [line for line in result.output.splitlines() if "[mpidtensor watchdog]" in line]
+        marker = "Timed out waiting" if path in RAISES else "[mpidtensor watchdog]"
+        reports = [line for line in result.output.splitlines() if marker in line]
         if not reports:
-            problems.append("no watchdog report")
+            problems.append(f"no line with {marker}")
         elif not any(needle in line for line in reports for needle in PATHS[path][1]):
             problems.append(f"no report names {PATHS[path][1]}")
     after = result.seconds_after("STALL")
@@ -66,12 +73,20 @@ def test_a_rank_stopping_inside_an_fsdp_step_ends_the_job(tmp_path):
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("path", [p for p in PATHS if p != "fsdp"])
+@pytest.mark.parametrize("path", [p for p in PATHS if p not in ("fsdp", "group_timeout", "wait_timeout")])
 def test_a_rank_stopping_inside_a_step_ends_the_job(path, tmp_path):
     _check(path, "sleep", tmp_path)
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("path", list(PATHS))
+def test_a_timeout_given_to_torch_ends_the_wait_in_seconds(tmp_path):
+    """``new_group(timeout=2 s)`` and ``Work.wait(timeout=2 s)`` under the switch: the stall
+    ends the job within a few seconds of the stop although the job's own timeout is 5 s or 300 s."""
+    for path in ("group_timeout", "wait_timeout"):
+        _check(path, "sleep", tmp_path)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("path", [p for p in PATHS if p not in ("group_timeout", "wait_timeout")])
 def test_a_rank_dying_inside_a_step_ends_the_job(path, tmp_path):
     _check(path, "kill", tmp_path)

@@ -34,7 +34,8 @@ from mpi4py import MPI
 
 import mpidtensor
 from helpers import assert_all_ranks, raises_everywhere
-from mpidtensor.compat import distributed as switch_dist, importer, mesh_groups, views
+from mpidtensor.backend import distributed as switch_dist, mesh_groups, rendezvous
+from mpidtensor.compat import importer, views
 from mpidtensor.runtime.settings import settings
 from subjob import run_command, run_peer
 
@@ -228,7 +229,7 @@ def test_collectives_on_a_mesh_group(switched, mpi_group, mesh1d):
 
 
 def test_launcher_environment():
-    found = switch_dist.launcher_environment()
+    found = rendezvous.launcher_environment()
     seen = WORLD.allgather((found["MASTER_ADDR"], found["MASTER_PORT"]))
     node = WORLD.Split_type(MPI.COMM_TYPE_SHARED)
     want = {"RANK": str(RANK), "WORLD_SIZE": str(N), "LOCAL_RANK": str(node.rank), "LOCAL_WORLD_SIZE": str(node.size)}

@@ -18,7 +18,8 @@ from mpi4py import MPI
 
 import mpidtensor
 from helpers import assert_all_ranks
-from mpidtensor.compat import distributed as switch_dist, importer, routes, views
+from mpidtensor.backend import distributed as switch_dist
+from mpidtensor.compat import importer, routes, views
 from mpidtensor.compat.aliases import ALIASES
 from subjob import run_command
 

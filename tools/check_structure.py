@@ -13,8 +13,10 @@ only by a suffix (``format`` / ``format_utils``, ``traced`` / ``tracing``); (e) 
 registered with ``runtime.caches``, the rule at :func:`unowned_caches`); (f) module paths
 named in docstrings and comments that name no module of the tree (the rule at
 :func:`dangling_references`); (g) unwatched waits: a call of MPI's ``Wait`` / ``Waitall`` /
-``Waitany`` / ``Waitsome`` outside ``mpidtensor/runtime/watchdog.py``, the one place that waits
-(so that a stuck rank reports).
+``Waitany`` / ``Waitsome`` outside ``mpidtensor/runtime/watchdog.py``, the one place that waits,
+or a blocking MPI call on a communicator (collective, receive, probe, communicator
+constructor) outside ``comm/`` and the watchdog, not made through ``watchdog.call`` (so that
+a stuck rank reports).
 
 The probe of (c) starts before mpi4py is imported, so it sees MPI started by the import
 (``MPI.Is_initialized()``: the one effect ``runtime.effects.AT_IMPORT`` declares) and lists
@@ -479,19 +481,41 @@ def dangling_references(found: dict[str, Path], root: Path) -> list[str]:
 # --- (g) unwatched waits -----------------------------------------------------------------------
 WAITS = ("Wait", "Waitall", "Waitany", "Waitsome")
 WATCHED = "mpidtensor/runtime/watchdog.py"
+# MPI calls that block until other ranks take part: collectives (pickle-based lower-case and
+# buffer-based), receives and probes, and the communicator constructors (themselves collective).
+BLOCKING = frozenset(
+    "Barrier Bcast Allreduce Allgather Allgatherv Gather Gatherv Scatter Scatterv Alltoall Alltoallv Alltoallw "
+    "Reduce Reduce_scatter Reduce_scatter_block Scan Exscan Recv Sendrecv Sendrecv_replace Probe Mprobe Split "
+    "Split_type Create Create_cart Create_group Create_graph Create_dist_graph Create_intercomm Dup Merge "
+    "barrier bcast allreduce allgather gather scatter alltoall reduce scan exscan recv sendrecv probe mprobe".split())
+# ... on a receiver named as a communicator is (an object named ``comm``, ``_cart``, ``WORLD``, ``ctl``...):
+# torch's ``tensor.gather`` or a helper's ``route.reduce`` are not MPI calls.
+COMMUNICATOR = re.compile(r"(comm|cart|world|ctl|group|ordered|members)\w*$", re.IGNORECASE)
+# Where an MPI call may block unwatched: comm/ brackets its own calls (comm.base.enter/leave),
+# the watchdog is the watched call itself.
+OWN_WATCH = ("mpidtensor/comm/", WATCHED)
+UNWATCHED_ALLOWED: dict[str, str] = {}  # "path: call" -> why it must stay unwatched
 
 
 def unwatched_waits(found: dict[str, Path], root: Path) -> list[tuple[str, int, str]]:
     """(module path, line, call) of every MPI wait (``request.Wait()``, ``MPI.Request.Waitall``,
-    ...) outside the watchdog module: such a wait would block a rank with no report."""
+    ...) outside the watchdog module, and of every blocking MPI call on a communicator
+    (collective, receive, probe, ``Split`` / ``Create*`` / ``Dup``) outside ``comm/`` and the
+    watchdog not passed through ``watchdog.call`` (a reference, not a call): each would block
+    a rank with no report."""
     hits = []
     for path in found.values():
         relative = path.relative_to(root).as_posix()
         if relative == WATCHED:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in WAITS:
-                hits.append((relative, node.lineno, ast.unparse(node.func)))
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            call, attr = ast.unparse(node.func), node.func.attr
+            blocking = attr in BLOCKING and COMMUNICATOR.search(ast.unparse(node.func.value)) is not None \
+                and not relative.startswith(OWN_WATCH)
+            if (attr in WAITS or blocking) and f"{relative}: {call}" not in UNWATCHED_ALLOWED:
+                hits.append((relative, node.lineno, call))
     return sorted(hits)
 
 
@@ -531,7 +555,7 @@ def render(result: dict) -> str:
     lines.append(f"(f) module paths in docstrings and comments that name nothing: "
                  f"{len(result['dangling references']) or 'none'}")
     lines += [f"    {where}" for where in result["dangling references"]]
-    lines.append(f"(g) MPI waits outside {WATCHED} (unwatched): {len(result['unwatched waits']) or 'none'}")
+    lines.append(f"(g) unwatched MPI waits and blocking calls: {len(result['unwatched waits']) or 'none'}")
     lines += [f"    {path}:{line}: {call}" for path, line, call in result["unwatched waits"]]
     return "\n".join(lines)
 

@@ -197,7 +197,9 @@ def _snapshot(stager: Any, state_dict: Any, comm: MPI.Intracomm, no_dist: bool) 
         except Exception as err:  # noqa: BLE001  (raised on every rank by agree)
             failure, cause = f"async_save could not stage the state dict: {type(err).__name__}: {err}", err
     stateful.agree(comm, failure, cause)
-    partials = comm.allgather(partial)  # each rank decides alike from every rank's names
+    # each rank decides alike from every rank's names
+    partials = watchdog.call("async_save: every rank's Partial DTensor names (allgather)", comm, comm.allgather,
+                             partial)
     differing = [rank for rank, names in enumerate(partials) if names != partials[0]]
     if differing:
         raise ValueError(f"async_save: the state dict on ranks {differing} differs from rank 0's in its "
@@ -253,7 +255,9 @@ def async_save(
         except Exception as err:  # noqa: BLE001  (the same error on every rank: the writer agrees on it)
             future.set_exception(err)
     else:
-        future = _EXECUTOR.submit(_write_in_background, writer, staged, _PatientComm(group.Dup()))
+        future = _EXECUTOR.submit(_write_in_background, writer, staged, 
+                                  _PatientComm(watchdog.call("async_save: the writer's communicator (Dup)", group,
+                                                             group.Dup)))
         _in_flight.append(future)
     if not gave_future:
         return future

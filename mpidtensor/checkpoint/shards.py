@@ -14,6 +14,7 @@ from ..tensor.dtensor import DTensor
 from ..tensor.placements import Replicate
 from . import opaque
 from ..runtime.agreement import raise_listed
+from ..runtime import watchdog
 from .errors import CheckpointError
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "TensorMeta", "box", "box_writers", "boxes_to_write", "check_covered",
@@ -98,7 +99,7 @@ def leaf_meta(key: str, leaf: Any) -> tuple[str, TensorMeta | None]:
 def gather_metas(metas: list[tuple[str, TensorMeta | None]], comm: MPI.Intracomm) -> list[list[tuple]]:
     """Every rank's ``metas`` of the state dict to write (one ``allgather``), checked:
     every rank passed the same keys, shapes, dtypes (checkpointable ones) and classes."""
-    all_metas = comm.allgather(metas)
+    all_metas = watchdog.call("checkpoint: every rank's leaf metadata (allgather)", comm, comm.allgather, metas)
     check_same_leaves(all_metas)
     return all_metas
 

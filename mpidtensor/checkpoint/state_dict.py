@@ -17,6 +17,7 @@ import torch
 from mpi4py import MPI
 
 from ..tensor.dtensor import DTensor
+from ..runtime import watchdog
 from ..runtime.agreement import on_rank0
 from . import io, tree
 
@@ -169,7 +170,8 @@ def broadcast_state(state: Any) -> Any:
         raw = t.reshape(-1).view(torch.uint8).numpy()
         step = io.MAX_CHUNK_BYTES
         for lo in range(0, raw.size, step):
-            WORLD.Bcast([raw[lo: lo + step], MPI.BYTE], root=0)
+            watchdog.call("state dict broadcast from rank 0 (Bcast)", WORLD, WORLD.Bcast,
+                          [raw[lo: lo + step], MPI.BYTE], 0)
         out.append((path, t))
     return tree.unflatten(out) if out else {}
 

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..runtime.agreement import attempt, exchange, gather_to_rank0, on_rank0, raise_agreed, raise_listed
 from . import io, opaque, shards, tree, union
 from .errors import CheckpointError
+from ..runtime import watchdog
 from .metadata import gc_paused, torch_leaves
 from .storage import StorageReader, StorageWriter
 
@@ -272,7 +273,7 @@ def remove_stale(comm: MPI.Intracomm, directory: str, names: list[str]) -> None:
     by all ranks in parallel (unlinking is slow); returns once every rank is done."""
     if names:
         io.remove_files(directory, names[comm.rank::comm.size])
-        comm.Barrier()
+        watchdog.call("checkpoint: every rank done removing superseded files (Barrier)", comm, comm.Barrier)
 
 
 def start_save(directory: str, state_dict: Any) -> str:

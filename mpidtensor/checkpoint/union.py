@@ -20,6 +20,7 @@ import torch
 from mpi4py import MPI
 
 from . import tree
+from ..runtime import watchdog
 
 __all__ = ["complete"]
 
@@ -30,9 +31,11 @@ def complete(state_dict: Any, comm: MPI.Intracomm) -> Any:
     pairs = list(tree.flatten(state_dict))
     paths = [path for path, _ in pairs]
     digest = zlib.crc32(repr(paths).encode())
-    if len(set(comm.allgather(digest))) == 1:
+    digests = watchdog.call("checkpoint: every rank's state dict keys (allgather)", comm, comm.allgather, digest)
+    if len(set(digests)) == 1:
         return state_dict
-    described = comm.allgather([(path, _describe(value)) for path, value in pairs])
+    described = watchdog.call("checkpoint: every rank's leaves (allgather)", comm, comm.allgather,
+                               [(path, _describe(value)) for path, value in pairs])
     union: dict[tuple, Any] = {}
     for leaves in described:
         for path, description in leaves:

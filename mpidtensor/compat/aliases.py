@@ -24,7 +24,7 @@ ALIASES: dict[str, str] = {
     "torch.distributed.tensor.device_mesh": "mpidtensor.mesh.device_mesh",
     "torch.distributed.device_mesh": "mpidtensor.mesh.device_mesh",
     # functional collectives over mpidtensor's meshes and communicators
-    "torch.distributed._functional_collectives": "mpidtensor.compat.funcol",
+    "torch.distributed._functional_collectives": "mpidtensor.backend.funcol",
     # FSDP2
     "torch.distributed.fsdp": "mpidtensor.fsdp",
     # distributed checkpoints

@@ -4,8 +4,8 @@ torch.distributed program runs on mpidtensor (docs/unchanged-programs.md)."""
 from __future__ import annotations
 
 from ..runtime import effects
-from ..tools import process_group
-from . import cpp_groups, distributed, importer, views
+from ..backend import cpp_groups, distributed, process_group, rendezvous
+from . import importer, views
 
 __all__ = ["EFFECT", "install_torch_distributed"]
 
@@ -18,7 +18,7 @@ EFFECT = "torch.distributed switch"
                 "and importlib.import_module wrapped); torch.distributed's default group is the MPI backend; "
                 "RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set from MPI")
 def _install() -> None:
-    distributed.export_launcher_environment()
+    rendezvous.export_launcher_environment()
     process_group.init_process_group()
     views.override("torch.distributed", distributed.OVERRIDES)
     views.override("torch.distributed._composable", cpp_groups.COMPOSABLE_OVERRIDES)

@@ -29,6 +29,7 @@ from ..mesh.relations import joint_mesh
 from ..tensor.placements import Placement, Replicate, Shard
 from ..tensor.spec import DTensorSpec
 from .policies import MixedPrecisionPolicy
+from ..runtime import watchdog
 from .spmd import SpmdLayout
 
 
@@ -52,7 +53,9 @@ class MeshInfo:
         key = ("fsdp_post_forward", size)
         comm = self.mesh._subcomms.get(key)
         if comm is None:
-            comm = self.mesh._subcomms[key] = self.shard_comm.Split(self.shard_rank // size, self.shard_rank)
+            comm = self.mesh._subcomms[key] = watchdog.call(
+                "fully_shard(reshard_after_forward=int): its sub-communicator (Split)", self.shard_comm,
+                self.shard_comm.Split, self.shard_rank // size, self.shard_rank)
         return comm
 
     def separate_comm(self) -> MPI.Comm:
@@ -63,7 +66,8 @@ class MeshInfo:
         key = ("fsdp_reduce_scatter",)
         comm = self.mesh._subcomms.get(key)
         if comm is None:
-            comm = self.mesh._subcomms[key] = self.shard_comm.Dup()
+            comm = self.mesh._subcomms[key] = watchdog.call("FSDP's separate reduce-scatter communicator (Dup)",
+                                                             self.shard_comm, self.shard_comm.Dup)
         return comm
 
     def spec_for(self, tp_spec: DTensorSpec | None, dim: int | None) -> tuple[DeviceMesh, tuple[Placement, ...]]:

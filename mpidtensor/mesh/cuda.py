@@ -4,10 +4,13 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
+from ..runtime import watchdog
+
 
 def node_local_rank(comm: MPI.Comm) -> int:
     """Rank among the processes of ``comm`` that share this node's memory."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    node = watchdog.call("the node's ranks for GPU binding (Split_type)", comm, comm.Split_type,
+                         MPI.COMM_TYPE_SHARED, comm.rank)
     try:
         return node.rank
     finally:

@@ -92,7 +92,8 @@ class DeviceMesh:
                                 flat.index(comm.rank) if member else 0, details=ranks.tolist())
         cart = None
         if member:
-            cart = ordered.Create_cart(list(ranks.shape), periods=[False] * ranks.ndim, reorder=False)
+            cart = watchdog.call("DeviceMesh: its Cartesian communicator (Create_cart)", ordered, ordered.Create_cart,
+                                 list(ranks.shape), [False] * ranks.ndim, False)
             ordered.Free()
         self._setup(device_type, ranks, names, comm, cart)
         pickling.remember_root(self)
@@ -252,7 +253,8 @@ class DeviceMesh:
             ranks = self.mesh.reshape(shape)
             cart = None
             if self._cart is not None:  # rank order is row-major in the coordinates, so a reshape keeps it
-                cart = self._cart.Create_cart(list(shape), periods=[False] * len(shape), reorder=False)
+                cart = watchdog.call("DeviceMesh._unflatten: its communicator (Create_cart)", self._cart,
+                                     self._cart.Create_cart, list(shape), [False] * len(shape), False)
             unflat = DeviceMesh._from_cart(self.device_type, ranks, all_names, self._parent_comm, cart,
                                            grids.unflatten_grid(self._grid, index, sizes))
             unflat._unflattened_from = (self, index, sizes, names)
@@ -412,7 +414,7 @@ def init_device_mesh(
 
 def _flat_cart(comm: MPI.Cartcomm) -> MPI.Cartcomm:
     """A 1-D Cartesian communicator with the same ranks in the same order."""
-    flat = comm.Create_cart([comm.size], periods=[False], reorder=False)
+    flat = watchdog.call("a mesh's flat communicator (Create_cart)", comm, comm.Create_cart, [comm.size], [False], False)
     comm.Free()
     return flat
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import grids
+from ..runtime import watchdog
 
 if TYPE_CHECKING:
     from .device_mesh import DeviceMesh
@@ -99,7 +100,8 @@ def _regrouped(root: "DeviceMesh", dims: tuple[int, ...], groups: list, names: t
     for i, group in enumerate(groups):
         for d in group:
             shape[i] *= root.shape[d]
-    cart = sub._cart.Create_cart(shape, periods=[False] * len(shape), reorder=False)  # row-major: same order
+    cart = watchdog.call("DeviceMesh._flatten: its communicator (Create_cart)", sub._cart, sub._cart.Create_cart,
+                         shape, [False] * len(shape), False)  # row-major: same order
     grid = sub._grid.reshape(sub._grid.shape[0], *shape)
     return type(root)._from_cart(root.device_type, sub.mesh.reshape(shape), names, root._parent_comm, cart, grid)
 

@@ -34,6 +34,7 @@ from mpi4py import MPI
 
 from .cuda import bind_local_gpu
 from .launch import check_launch_once
+from ..runtime import watchdog
 
 __all__ = ["describe", "layout_text", "live_roots", "reduce_mesh", "remember_root", "restore_mesh"]
 
@@ -189,10 +190,12 @@ def _build_group(cls: type, device: str, ranks: torch.Tensor, names):
     comm = MPI.COMM_WORLD
     flat = ranks.flatten().tolist()
     member = comm.rank in flat
-    ordered = comm.Split(min(flat) if member else MPI.UNDEFINED, flat.index(comm.rank) if member else 0)
+    ordered = watchdog.call("a mesh over a partition of the world (Split)", comm, comm.Split,
+                            min(flat) if member else MPI.UNDEFINED, flat.index(comm.rank) if member else 0)
     cart = None
     if member:
-        cart = ordered.Create_cart(list(ranks.shape), periods=[False] * ranks.ndim, reorder=False)
+        cart = watchdog.call("a mesh over a partition of the world (Create_cart)", ordered, ordered.Create_cart,
+                             list(ranks.shape), [False] * ranks.ndim, False)
         ordered.Free()
     mesh = cls._from_cart(device, ranks, names, comm, cart)
     if device == "cuda":

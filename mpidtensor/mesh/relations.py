@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from . import grids
+from ..runtime import watchdog
 from .device_mesh import DeviceMesh
 from .pickling import live_roots
 
@@ -73,9 +74,10 @@ def _build(dp: DeviceMesh, tp: DeviceMesh, grid) -> DeviceMesh:
     world = comm.Get_group()
     group = world.Incl(ranks.flatten().tolist())
     world.Free()
-    members = comm.Create_group(group, tag=_TAG)
+    members = watchdog.call("the joint mesh's ranks (Create_group)", comm, comm.Create_group, group, _TAG)
     group.Free()
-    cart = members.Create_cart(list(ranks.shape), periods=[False] * ranks.ndim, reorder=False)
+    cart = watchdog.call("the joint mesh's communicator (Create_cart)", members, members.Create_cart,
+                         list(ranks.shape), [False] * ranks.ndim, False)
     members.Free()
     names = None
     if dp.mesh_dim_names is not None and tp.mesh_dim_names is not None:

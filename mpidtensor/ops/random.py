@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from ..tensor.layout import contiguous_strides
+from ..runtime import watchdog
 from ..tensor.placements import Partial, Replicate
 from ..tensor.spec import DTensorSpec
 from .registry import OpCall, Sharding, register, replicate_all
@@ -81,7 +82,8 @@ def sync_default_generator(mesh, device: torch.device) -> None:
     if id(gen) in mesh._synced_generators:
         return
     comm = mesh.comm
-    gen.set_state(comm.bcast(gen.get_state() if comm.rank == 0 else None, root=0))
+    gen.set_state(watchdog.call("the random generator's state from the mesh's first rank (bcast)", comm, comm.bcast,
+                                gen.get_state() if comm.rank == 0 else None, 0))
     mesh._synced_generators.add(id(gen))
 
 

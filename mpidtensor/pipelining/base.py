@@ -17,6 +17,7 @@ import torch
 
 from ..comm.p2p import Channel, PeerFailed
 from ..runtime.agreement import attempt, on_rank0, raise_agreed, raise_found, raise_listed, require_same
+from ..runtime import watchdog
 from . import meta, schedule_file
 from .actions import Action, rank_to_stages, stage_to_rank
 from .microbatch import split_args_kwargs, merge_chunks, split_tensor
@@ -47,7 +48,7 @@ class _PipelineSchedule:
         self.rank, self.pp_group_size = self._comm.rank, self._comm.size
         self._num_stages = first.num_stages
         self._check()
-        self._ctl = self._comm.Dup()
+        self._ctl = watchdog.call("the pipeline schedule's control communicator (Dup)", self._comm, self._comm.Dup)
         self._channel = Channel(self._comm)
         self._ready = False
         self.pipeline_order: dict[int, list[Action]] = {}
@@ -81,7 +82,8 @@ class _PipelineSchedule:
             raise ValueError(f"{type(self).__name__} loads {' or '.join(self._csv_formats)} schedules, "
                              f"got format={format!r} (_PipelineScheduleRuntime also reads compute_comms files)")
         orders = on_rank0(self._comm, schedule_file.read, filename, format, self.pp_group_size)
-        held = self._comm.allgather(sorted(st.stage_index for st in self._stages))
+        held = watchdog.call("the stages each pipeline rank holds (allgather)", self._comm, self._comm.allgather,
+                      sorted(st.stage_index for st in self._stages))
         placement, problems = schedule_file.check(orders, held, self._num_stages, self._n_microbatches)
         raise_listed([f"{filename}: {p}" for p in problems])
         self._use_order(orders, placement)

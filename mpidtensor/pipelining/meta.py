@@ -74,7 +74,8 @@ def infer(stages: list, stage_rank: dict[int, int], ctl: MPI.Intracomm, first_ar
         elif stage_rank[s - 1] == ctl.rank:
             incoming = local_out[s - 1]
         else:
-            incoming = ctl.recv(source=stage_rank[s - 1], tag=s)
+            incoming = watchdog.call(f"the pipeline's shape exchange: stage {s}'s input from stage {s - 1} (recv)",
+                                     ctl, ctl.recv, None, stage_rank[s - 1], s)
         ins = outs = None
         # a stage runs once only on the inputs it will get: not after a failure upstream,
         # nor when its input_args disagree with what arrives (reported below)

@@ -28,7 +28,7 @@ __all__ = ["PipelineStage", "resolve_group"]
 def resolve_group(group: Any) -> MPI.Intracomm:
     """The MPI communicator of a pipeline ``group``: ``None`` (the world), an MPI
     communicator, a 1-D ``DeviceMesh`` (``mesh["pp"]``) or a process group of
-    ``mpidtensor.tools.process_group``."""
+    ``mpidtensor.backend.process_group``."""
     from ..mesh.device_mesh import DeviceMesh
 
     if group is None:

@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterator
 
 from mpi4py import MPI
 
+from . import watchdog
+
 __all__ = ["agree", "attempt", "exchange", "gather_to_rank0", "on_rank0", "outcomes", "portable",
            "raise_agreed", "raise_first", "raise_found", "raise_listed", "require_same"]
 
@@ -69,7 +71,7 @@ def raise_agreed(comm: MPI.Intracomm, error: BaseException | None) -> None:
 def outcomes(comm: MPI.Intracomm, value: Any, error: BaseException | None = None) -> list[tuple[Any, Any]]:
     """Every rank's ``(value, error)`` (``error`` made :func:`portable`), in rank order (one
     ``allgather``); nothing raised: the caller judges the list, alike on every rank."""
-    return comm.allgather((value, portable(error)))
+    return watchdog.call("an agreement: every rank's outcome (allgather)", comm, comm.allgather, (value, portable(error)))
 
 
 def exchange(comm: MPI.Intracomm, value: Any, error: BaseException | None = None) -> list[Any]:
@@ -109,7 +111,8 @@ def raise_found(comm: MPI.Intracomm, problems: list[str], cls: type[Exception] =
     ``allgather`` of each rank's list of messages); ``name_ranks`` adds to each message the
     ranks that found it (``"... (on ranks 0, 2)"``)."""
     found: dict[str, list[int]] = {}
-    for rank, rank_problems in enumerate(comm.allgather(problems)):
+    for rank, rank_problems in enumerate(watchdog.call("an agreement: every rank's problems (allgather)", comm, comm.allgather,
+                                                      problems)):
         for msg in rank_problems:
             found.setdefault(msg, []).append(rank)
     if name_ranks:
@@ -121,7 +124,8 @@ def raise_found(comm: MPI.Intracomm, problems: list[str], cls: type[Exception] =
 def on_rank0(comm: MPI.Intracomm, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` run by rank 0 alone; its result on every rank, or its error raised
     on every rank (one ``bcast``)."""
-    value, error = comm.bcast(attempt(fn, *args) if comm.rank == 0 else None, root=0)
+    value, error = watchdog.call("an agreement: rank 0's verdict (bcast)", comm, comm.bcast,
+                                 attempt(fn, *args) if comm.rank == 0 else None, 0)
     raise_first([error])
     return value
 
@@ -131,7 +135,8 @@ def gather_to_rank0(comm: MPI.Intracomm, value: Any, error: BaseException | None
     """Every rank's ``value`` (or ``error``) gathered to rank 0, which runs
     ``decide(values)`` unless some rank met an error; its result on every rank, or the
     first error raised on every rank (a ``gather`` and a ``bcast``)."""
-    gathered = comm.gather((value, portable(error)), root=0)
+    gathered = watchdog.call("an agreement: every rank's value to rank 0 (gather)", comm, comm.gather,
+                             (value, portable(error)), 0)
 
     def judged() -> Any:
         raise_first([e for _, e in gathered])
@@ -145,7 +150,7 @@ def require_same(comm: MPI.Intracomm, value: Any, what: str | Callable[[list[Any
     """Every rank's ``value`` (one ``allgather``); ``cls`` on every rank unless all are
     equal. ``what`` names the values (the message lists each rank's), or is a function of
     every rank's values that gives the whole message."""
-    seen = comm.allgather(value)
+    seen = watchdog.call("an agreement: a value every rank must hold alike (allgather)", comm, comm.allgather, value)
     if any(other != seen[0] for other in seen):
         if callable(what):
             raise cls(what(seen))

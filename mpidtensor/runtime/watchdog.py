@@ -18,6 +18,12 @@ previous completed wait, the setting to raise and the waiting thread's Python st
 stderr, then call ``MPI.COMM_WORLD.Abort``. Every stuck rank reports for itself. Callers
 test the module flag ``ENABLED`` (kept equal to "a timeout is set" by a settings
 listener) and skip the bookkeeping while it is false.
+
+Where torch takes a timeout, it is honoured here: a communicator given one of its own
+(:func:`set_timeout`: ``dist.new_group(timeout=...)`` under the switch) is watched with it
+instead of the setting; a wait given a deadline (``Work.wait(timeout=...)``:
+:func:`wait_all` with ``timeout``) polls its requests and raises :class:`WaitTimeout`, a
+``RuntimeError`` as torch's ``Work.wait`` raises, leaving them pending for a later wait.
 """
 from __future__ import annotations
 
@@ -25,23 +31,57 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Any, Callable, Sequence
 
 from mpi4py import MPI
 
+from . import effects
 from .settings import settings
 
-__all__ = ["ENABLED", "enter", "leave", "wait", "wait_all", "wait_any", "call", "poll", "report"]
+__all__ = ["ENABLED", "WaitTimeout", "enter", "leave", "wait", "wait_all", "wait_any", "call", "poll", "report",
+           "set_timeout"]
+
+_own_timeouts: dict[int, float] = {}  # a communicator's handle (py2f) -> its own timeout, seconds
 
 
 def _timeout_changed(value: float | None) -> None:
     global ENABLED
-    ENABLED = value is not None and value > 0
+    ENABLED = (value is not None and value > 0) or bool(_own_timeouts)
 
 
 ENABLED: bool = False  # read by every wait: a module flag, kept by the listener
 _timeout_changed(settings.timeout)
 settings.on_change("timeout", _timeout_changed)
+
+
+class WaitTimeout(RuntimeError):
+    """A wait given a deadline (``Work.wait(timeout=...)``) that passed: torch's
+    ``Work.wait`` raises a ``RuntimeError`` then, the operation left pending."""
+
+
+def set_timeout(comm: MPI.Comm, seconds: float, owner: Any) -> None:
+    """Watch the waits on ``comm`` with ``seconds`` rather than ``settings.timeout`` while
+    ``owner`` (the torch group made on it) lives: ``dist.new_group(timeout=...)``."""
+    key = comm.py2f()
+    _own_timeouts[key] = seconds
+    weakref.finalize(owner, _drop_timeout, key)
+    _timeout_changed(settings.timeout)
+
+
+def _drop_timeout(key: int) -> None:
+    _own_timeouts.pop(key, None)
+    _timeout_changed(settings.timeout)
+
+
+def _limit(where: Any) -> tuple[float | None, str]:
+    """The timeout a wait on ``where`` is watched with, and the setting that gave it."""
+    if _own_timeouts and isinstance(where, MPI.Comm) and where != MPI.COMM_NULL:
+        own = _own_timeouts.get(where.py2f())
+        if own is not None:
+            return own, f"the group's own timeout, new_group(timeout={own:g} s)"
+    timeout = settings.timeout
+    return (timeout if timeout else None), f"MPIDTENSOR_TIMEOUT={timeout or 0:g}"
 
 What = tuple  # (kind, where: a communicator or a description, details: anything printable)
 
@@ -109,9 +149,20 @@ def wait(request: MPI.Request, kind: str, where: Any, details: Any = None) -> No
     call(kind, where, request.Wait, details=details)
 
 
-def wait_all(requests: Sequence[MPI.Request], kind: str, where: Any, details: Any = None) -> None:
-    """``MPI.Request.Waitall(requests)``, watched as ``kind`` on ``where``."""
-    call(kind, where, MPI.Request.Waitall, requests, details=details)
+def wait_all(requests: Sequence[MPI.Request], kind: str, where: Any, details: Any = None,
+             timeout: float | None = None) -> None:
+    """``MPI.Request.Waitall(requests)``, watched as ``kind`` on ``where``; with a
+    ``timeout`` (seconds), polled: :class:`WaitTimeout` once it has passed, the requests
+    left pending."""
+    if not timeout:
+        call(kind, where, MPI.Request.Waitall, requests, details=details)
+        return
+    deadline = time.monotonic() + timeout
+    if poll_all(requests, kind, where, details, deadline=deadline):
+        return
+    raise WaitTimeout(f"[Rank {MPI.COMM_WORLD.rank}]: Timed out waiting {timeout * 1000:.0f}ms for "
+                      f"{describe((kind, where, details))} to complete (Work.wait(timeout=...)); "
+                      f"the operation is still pending")
 
 
 def wait_any(requests: Sequence[MPI.Request], kind: str, where: Any, details: Any = None) -> int:
@@ -123,16 +174,37 @@ def poll(request: MPI.Request, kind: str, where: Any, details: Any = None,
          pause: float = 0.0005, longest: float = 0.02) -> None:
     """Wait for ``request`` by testing it with sleeps in between (``pause`` doubling up to
     ``longest``): a thread beside the training that must not spin inside MPI; watched."""
+    poll_all([request], kind, where, details, pause, longest)
+
+
+def poll_all(requests: Sequence[MPI.Request], kind: str, where: Any, details: Any = None,
+             pause: float = 0.0005, longest: float = 0.02, deadline: float | None = None) -> bool:
+    """:func:`poll` of every request in ``requests``; with a ``deadline`` (``time.monotonic()``)
+    it gives up then: whether they all completed."""
     watched = ENABLED
     if watched:
         enter(kind, where, details)
     try:
-        while not request.Test():
+        while not MPI.Request.Testall(requests):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
             time.sleep(pause)
             pause = min(2 * pause, longest)
+        return True
     finally:
         if watched:
             leave()
+
+
+@effects.effect("watchdog thread", "first mesh",
+                "a daemon thread, mpidtensor-watchdog, that samples the waits of this rank's threads and ends the job "
+                "when one outlives MPIDTENSOR_TIMEOUT (it starts earlier if a wait comes first; not while the "
+                "watchdog is off)")
+def _start_with_the_first_mesh() -> bool | None:
+    if not ENABLED:
+        return False
+    _start()
+    return None
 
 
 def _start() -> None:
@@ -147,9 +219,9 @@ def _watch() -> None:
     """Sample the slots; abort the job once one wait has outlived the timeout."""
     seen: dict[int, tuple[What, float]] = {}  # id(slot) -> (its wait, when first seen)
     while True:
-        timeout = settings.timeout
-        time.sleep(1.0 if not ENABLED else min(max(timeout / 4, 0.05), 1.0))
-        now, timeout = time.monotonic(), settings.timeout
+        shortest = min([settings.timeout or 4.0, *_own_timeouts.values()])
+        time.sleep(1.0 if not ENABLED else min(max(shortest / 4, 0.05), 1.0))
+        now = time.monotonic()
         with _lock:
             _slots[:] = [s for s in _slots if s.thread.is_alive() or s.what is not None]
             slots = list(_slots)
@@ -161,8 +233,10 @@ def _watch() -> None:
             first = seen.get(id(slot))
             if first is None or first[0] is not what:
                 seen[id(slot)] = (what, now)
-            elif ENABLED and now - first[1] > timeout:
-                _abort(slot, now - first[1])
+            elif ENABLED:
+                limit = _limit(what[1])[0]
+                if limit is not None and now - first[1] > limit:
+                    _abort(slot, now - first[1])
 
 
 def _abort(slot: _Slot, waited: float) -> None:
@@ -178,19 +252,25 @@ def _abort(slot: _Slot, waited: float) -> None:
     MPI.COMM_WORLD.Abort(1)
 
 
+_RAISE_OWN = "the timeout given to new_group (MPIDTENSOR_TIMEOUT does not apply to this group)"
+_RAISE_SETTING = ("MPIDTENSOR_TIMEOUT (or pass init_process_group(timeout=...)); MPIDTENSOR_TIMEOUT=0 turns the "
+                  "watchdog off")
+
+
 def report(slot: _Slot, waited: float) -> str:
     """The text printed when ``slot``'s wait has lasted ``waited`` seconds, past the timeout."""
     what = slot.what or ("(finished)", "", None)
     frame = sys._current_frames().get(slot.thread.ident)
     stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (stack unavailable)\n"
-    timeout = settings.timeout or 0
+    timeout, setting = _limit(what[1])
+    own = setting.startswith("the group")
     return (
         f"\n[mpidtensor watchdog] rank {MPI.COMM_WORLD.rank} (thread {slot.thread.name}): stuck for {waited:.1f} s "
-        f"(MPIDTENSOR_TIMEOUT={timeout:g}) in {describe(what)}; previous completed wait: "
+        f"({setting}) in {describe(what)}; previous completed wait: "
         f"{describe(slot.last) if slot.last else 'none'}; aborting the job.\n"
-        f"If this wait is expected to last more than {timeout:g} s in a healthy job (a rank working alone "
-        f"while the others wait), raise MPIDTENSOR_TIMEOUT (or pass init_process_group(timeout=...)); "
-        f"MPIDTENSOR_TIMEOUT=0 turns the watchdog off.\n"
+        f"If this wait is expected to last more than {timeout or 0:g} s in a healthy job (a rank working alone "
+        f"while the others wait), raise "
+        f"{_RAISE_OWN if own else _RAISE_SETTING}.\n"
         f"Stack of the waiting thread (most recent call last):\n{stack}"
     )
 

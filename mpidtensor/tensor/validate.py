@@ -16,6 +16,7 @@ from .layout import local_shape_and_offset
 from ..mesh import DeviceMesh
 from .placements import Placement, Replicate, normalize_placements, shard_dim
 from ..runtime.agreement import raise_listed, require_same
+from ..runtime import watchdog
 
 
 def check_same_tensor_meta(tensor: torch.Tensor, mesh: DeviceMesh, what: str) -> None:
@@ -36,7 +37,8 @@ def global_shape_from_locals(
     tensor rank the ranks agree on, not against this rank's local tensor."""
     if isinstance(placements, Placement) or not any(shard_dim(p) is not None for p in placements):
         return local.shape  # nothing sharded: no rank's shape says more than another's
-    shapes = mesh.comm.allgather(tuple(local.shape))
+    shapes = watchdog.call("from_local: every rank's local shape (allgather)", mesh.comm, mesh.comm.allgather,
+                           tuple(local.shape))
     raise_listed(_ndim_problems(shapes))
     placements = normalize_placements(placements, mesh.ndim, len(shapes[0]))
     raise_listed(_shape_problems(shapes, mesh, placements, None))
@@ -51,8 +53,9 @@ def check_local_tensors(
     mesh, as torch checks them (one all-gather; the verdict is the same on every rank)."""
     data = local.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
     given = None if shape is None else tuple(shape)
-    facts = mesh.comm.allgather((tuple(local.shape), str(local.dtype), zlib.crc32(data), given,
-                                 local.requires_grad, local.stride()))
+    facts = watchdog.call("from_local(run_check=True): every rank's local tensor (allgather)", mesh.comm,
+                          mesh.comm.allgather, (tuple(local.shape), str(local.dtype), zlib.crc32(data), given,
+                                                local.requires_grad, local.stride()))
     if len({f[3] for f in facts}) > 1:
         raise_listed(["ranks passed different shape= arguments: " + str([f[3] for f in facts])])
     shapes = [f[0] for f in facts]

@@ -1,14 +1,15 @@
 """torch.distributed on gloo over the ranks of an MPI job, for tests and benchmarks that
 run torch's DTensor, FSDP2 or DCP beside mpidtensor: rank 0 picks a free TCP port, MPI
-carries it to the others (no launcher variables, no fixed port)."""
+carries it to the others (``backend.rendezvous``: no launcher variables, no fixed port)."""
 from __future__ import annotations
 
 import datetime
 import logging
 import os
-import socket
 
 from mpi4py import MPI
+
+from ..backend.rendezvous import LOOPBACK, rendezvous
 
 
 def init_gloo_process_group(comm: MPI.Intracomm = MPI.COMM_WORLD, timeout_s: float = 120.0) -> None:
@@ -24,14 +25,8 @@ def init_gloo_process_group(comm: MPI.Intracomm = MPI.COMM_WORLD, timeout_s: flo
     if dist.is_initialized():
         return
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # fallback notices
-    host, port = None, None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            host, port = socket.gethostname(), s.getsockname()[1]
-    host, port = comm.bcast((host, port), root=0)
-    if len(set(comm.allgather(socket.gethostname()))) == 1:
-        host = "127.0.0.1"
+    host, port = rendezvous(comm)
+    if host == LOOPBACK:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=comm.rank, world_size=comm.size,
                             timeout=datetime.timedelta(seconds=timeout_s))

@@ -1,2 +1,2 @@
 """Tools around the library: the environment report (``python -m mpidtensor``), nested
-launches, memory statistics, and torch.distributed's default group on MPI."""
+launches and memory statistics (torch.distributed on MPI is :mod:`mpidtensor.backend`)."""

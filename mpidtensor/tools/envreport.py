@@ -23,6 +23,7 @@ from ..comm import buffers
 from ..mesh import launch
 from ..runtime import mpi_library, scheduling
 from ..runtime import effects
+from ..runtime import watchdog
 from ..runtime.settings import ENVIRONMENT, settings
 
 _RANK_ENV = ("SLURM_PROCID", "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES")
@@ -37,7 +38,8 @@ def _allowed_cpus() -> frozenset[int]:
 
 def _rank_row(comm: MPI.Intracomm) -> dict[str, str]:
     """This rank's placement. Collective (the node-local split)."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    node = watchdog.call("the environment report: the node's ranks (Split_type)", comm, comm.Split_type,
+                        MPI.COMM_TYPE_SHARED, comm.rank)
     local, per_node = node.rank, node.size
     node.Free()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -136,7 +138,8 @@ def _table(rows: list[dict[str, str]]) -> list[str]:
 def report(comm: MPI.Intracomm | None = None, file: TextIO | None = sys.stdout) -> str:
     """The environment report, printed to ``file`` on rank 0 and returned on every rank. Collective."""
     comm = MPI.COMM_WORLD if comm is None else comm
-    gathered = comm.gather((_rank_row(comm), (_allowed_cpus(), os.getsid(0))), root=0)
+    gathered = watchdog.call("the environment report: every rank's row to rank 0 (gather)", comm, comm.gather,
+                             (_rank_row(comm), (_allowed_cpus(), os.getsid(0))), 0)
     text = None
     if comm.rank == 0:
         rows, placement = [row for row, _ in gathered], [ranks for _, ranks in gathered]
@@ -172,7 +175,7 @@ def report(comm: MPI.Intracomm | None = None, file: TextIO | None = sys.stdout) 
         text = "\n".join(lines)
         if file is not None:
             print(text, file=file, flush=True)
-    return comm.bcast(text, root=0)
+    return watchdog.call("the environment report from rank 0 (bcast)", comm, comm.bcast, text, 0)
 
 
 def main() -> int:

@@ -42,6 +42,7 @@ import torch
 
 from ..comm import accounting
 from ..comm.pool import pool
+from ..runtime import watchdog
 
 if TYPE_CHECKING:
     from ..mesh import DeviceMesh
@@ -218,7 +219,7 @@ def memory_summary(mesh: "DeviceMesh | None" = None, device_index: Device = None
     cuda = _cuda_index(device_index)
     row = (MPI.COMM_WORLD.rank, socket.gethostname(), "cpu" if cuda is None else f"cuda:{cuda}",
            [stats.get(key) for _, key in _COLUMNS])
-    rows = comm.allgather(row)
+    rows = watchdog.call("memory_summary: every rank's row (allgather)", comm, comm.allgather, row)
     head = ["rank", "host", "device", *(f"{name} MiB" for name, _ in _COLUMNS)]
     body = [[str(rank), host, device, *("-" if value is None else f"{value / 2**20:.2f}" for value in values)]
             for rank, host, device, values in rows]

@@ -9,7 +9,11 @@ PATH: fsdp (2 ranks), hsdp (4: 2 replicas x 2 shards, the rank stops in its back
 tp (2), gpipe, 1f1b (2 stages on 2 ranks), zbv (4 stages in a V on 2 ranks), ring (ring
 attention over 2 ranks, the rank stops before the ring's backward), async_save (the
 rank's checkpoint writer stops while the others train on; DIR: where to write), switch
-(``dist.all_reduce(async_op=True).wait()`` under ``python -m mpidtensor.run``). The rank prints ``STALL=<time>`` as it stops.
+(``dist.all_reduce(async_op=True).wait()`` under ``python -m mpidtensor.run``), group_timeout
+(an all-reduce on ``dist.new_group(timeout=2 s)``, the job's own timeout 300 s: the group's
+ends it), wait_timeout (``irecv(...).wait(timeout=2 s)`` on rank 0 while the last rank has not
+sent: torch's ``RuntimeError`` (a subclass), uncaught, ends the job). The rank prints ``STALL=<time>`` as it
+stops.
 """
 from __future__ import annotations
 
@@ -161,6 +165,34 @@ def switch_steps():
     return step
 
 
+def group_timeout_steps():
+    import torch.distributed as dist
+    from datetime import timedelta
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    t = torch.ones(4)
+
+    def step():
+        stop()
+        dist.all_reduce(t, group=group)
+    return step
+
+
+def wait_timeout_steps():
+    import torch.distributed as dist
+    from datetime import timedelta
+    dist.init_process_group("gloo")
+    t = torch.ones(4)
+
+    def step():
+        if WORLD.rank == 0:  # the healthy step waits as long as it takes (a loaded machine)
+            dist.irecv(t, src=STALLER).wait(**({"timeout": timedelta(seconds=2)} if ARMED[0] else {}))
+        elif WORLD.rank == STALLER:
+            stop()
+            dist.send(t, dst=0)
+    return step
+
+
 def steps():
     if PATH == "fsdp":
         return fsdp_steps((WORLD.size,), Stall())
@@ -176,6 +208,10 @@ def steps():
         return async_save_steps(sys.argv[3])
     if PATH == "switch":
         return switch_steps()
+    if PATH == "group_timeout":
+        return group_timeout_steps()
+    if PATH == "wait_timeout":
+        return wait_timeout_steps()
     raise SystemExit(f"unknown path {PATH!r}")
 
 

@@ -6,7 +6,7 @@ import os
 import runpy
 import sys
 
-from mpidtensor.compat.distributed import launcher_environment
+from mpidtensor.backend.rendezvous import launcher_environment
 
 os.environ.update(launcher_environment())
 if os.environ["MASTER_ADDR"] == "127.0.0.1":

@@ -2,57 +2,26 @@
 ``init_process_group`` with any backend name gives the MPI-backed default group;
 ``monitored_barrier``, which torch's function refuses on any backend but gloo; the c10d
 calls given a mesh's group (``mesh_groups``); the launcher's variables (``RANK``,
-``LOCAL_RANK``, ...) from MPI. Every other c10d call that takes a group reaches the
+``LOCAL_RANK``, ...) from MPI (``rendezvous``). Every other c10d call that takes a group reaches the
 backend's methods through torch's own function (tests/test_c10d_sweep.py).
 """
 from __future__ import annotations
 
-import os
-import socket
+import inspect
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ..runtime import agreement
+from ..runtime import agreement, watchdog
 from ..runtime.settings import settings
-from ..tools import process_group
-from ..tools.monitored_barrier import run as monitored_barrier_run
-from . import cpp_groups, mesh_groups
+from . import cpp_groups, mesh_groups, process_group
+from .monitored_barrier import run as monitored_barrier_run
 
-__all__ = ["OVERRIDES", "export_launcher_environment", "init_process_group", "monitored_barrier"]
+__all__ = ["OVERRIDES", "init_process_group", "monitored_barrier"]
 
 WORLD = MPI.COMM_WORLD
-
-
-def launcher_environment(comm: MPI.Intracomm = WORLD) -> dict[str, str]:
-    """The variables torchrun would set, from MPI: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-    ``LOCAL_WORLD_SIZE`` (the node's ranks: ``MPI.COMM_TYPE_SHARED``), ``MASTER_ADDR`` (rank 0's
-    host; 127.0.0.1 on one node) and ``MASTER_PORT`` (a port free on rank 0 when asked).
-    Collective over ``comm``."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-    local_rank, local_size = node.rank, node.size
-    node.Free()
-    host, port = None, None
-    if comm.rank == 0:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            host, port = socket.gethostname(), probe.getsockname()[1]
-    host, port = comm.bcast((host, port), root=0)
-    if len(set(comm.allgather(socket.gethostname()))) == 1:
-        host = "127.0.0.1"
-    return {"RANK": str(comm.rank), "WORLD_SIZE": str(comm.size), "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(local_size), "MASTER_ADDR": host, "MASTER_PORT": str(port)}
-
-
-def export_launcher_environment(comm: MPI.Intracomm = WORLD) -> None:
-    """Set :func:`launcher_environment` in ``os.environ``: the ranks from MPI always (MPI
-    decides them), ``MASTER_ADDR``/``MASTER_PORT`` unless set. Collective over ``comm``."""
-    found = launcher_environment(comm)
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        found[name] = os.environ.get(name, found[name])
-    os.environ.update(found)
 
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,
@@ -76,6 +45,16 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     process_group.init_process_group(WORLD)
 
 
+def new_group(*args: Any, **kwargs: Any) -> Any:
+    """``torch.distributed.new_group``; a ``timeout`` given watches the group's waits with it
+    (a stuck one ends the job with the watchdog's report) instead of ``MPIDTENSOR_TIMEOUT``."""
+    timeout = inspect.signature(dist.new_group).bind(*args, **kwargs).arguments.get("timeout")
+    group = dist.new_group(*args, **kwargs)
+    if timeout is not None and isinstance(group, process_group.MPIProcessGroup):
+        watchdog.set_timeout(group.comm, timeout.total_seconds(), group)
+    return group
+
+
 def get_rank(group: Any = None) -> int:
     """``torch.distributed.get_rank``; an MPI communicator (what an mpidtensor mesh's
     ``get_group()`` returns, which torchtitan's vocab-parallel embedding passes) answers
@@ -92,7 +71,7 @@ def monitored_barrier(group: Any = None, timeout: timedelta | float | None = Non
                       wait_all_ranks: bool = False) -> None:
     """``torch.distributed.monitored_barrier`` on the MPI backend's groups and on mesh groups
     (MPI communicators): rank 0 waits at most ``timeout`` and names the ranks that did not
-    arrive, in torch's ``RuntimeError`` (``tools.monitored_barrier``). torch's own function
+    arrive, in torch's ``RuntimeError`` (``monitored_barrier``). torch's own function
     refuses every backend but gloo; any other group goes to it."""
     if isinstance(group, MPI.Intracomm):
         return monitored_barrier_run(group, timeout, wait_all_ranks)
@@ -116,6 +95,7 @@ OVERRIDES: dict[str, Any] = {
     "init_process_group": init_process_group,
     "monitored_barrier": monitored_barrier,
     "shrink_group": shrink_group,
+    "new_group": new_group,
     "get_rank": get_rank,
     "get_world_size": get_world_size,
     **mesh_groups.OVERRIDES,  # collectives given a mesh's group (an MPI communicator)

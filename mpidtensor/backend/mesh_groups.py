@@ -18,7 +18,8 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from ..comm import collectives
-from ..tools.process_group import Completed, outside_autograd, premultiplied, reduce_op_of
+from ..runtime import watchdog
+from .process_group import Completed, outside_autograd, premultiplied, reduce_op_of
 
 __all__ = ["OVERRIDES"]
 
@@ -136,7 +137,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
     if not isinstance(group, MPI.Intracomm):
         return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
-    group.Barrier()
+    watchdog.call("torch.distributed barrier on a mesh's group (Barrier)", group, group.Barrier)
     return _done([], async_op)
 
 

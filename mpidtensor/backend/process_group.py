@@ -19,7 +19,7 @@ gradient division), ``all_reduce_coalesced``, ``broadcast``, ``reduce``, ``all_g
 sizes) and ``all_to_all_single`` (their sizes agreed by one small ``allgather`` first: a
 mismatch is a ``ValueError`` on every rank), the coalesced forms that
 ``_coalescing_manager`` calls, ``barrier`` and ``monitored_barrier``
-(``tools.monitored_barrier``; under the switch ``dist.monitored_barrier`` reaches it, torch's
+(``monitored_barrier``; under the switch ``dist.monitored_barrier`` reaches it, torch's
 own refuses any backend but gloo). So torch's own ``gather_object`` and
 ``scatter_object_list`` work too. Each writes into the caller's tensors as c10d does:
 outside autograd (``dist.broadcast(param, src=0)`` on an ``nn.Parameter``), into
@@ -34,6 +34,7 @@ non-blocking sends and receives whose work completes them at ``wait()``.
 from __future__ import annotations
 
 import functools
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -79,9 +80,10 @@ def _create(options: Any, _pg_options: Any = None) -> "MPIProcessGroup":
     world = _WORLD[0]
     ranks = list(options.global_ranks_in_group)
     if not ranks or ranks == list(range(world.size)):
-        comm = world.Dup()
+        comm = watchdog.call("init_process_group: the default group's communicator (Dup)", world, world.Dup)
     else:
-        comm = world.Create_group(world.group.Incl(ranks))
+        comm = watchdog.call("new_group: its communicator (Create_group)", world, world.Create_group,
+                             world.group.Incl(ranks))
     return MPIProcessGroup(comm)
 
 
@@ -114,9 +116,11 @@ class _Pending(dist._Work):
         self._what = what  # (kind, communicator, details) for the watchdog's report
         self._done = False
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Complete the transfers; with a ``timeout`` (torch's ``timedelta``; zero: none) a
+        ``RuntimeError`` once it passes, the transfers left pending (as torch's ``Work.wait``)."""
         if not self._done:
-            watchdog.wait_all(self._requests, *self._what)
+            watchdog.wait_all(self._requests, *self._what, timeout=timeout.total_seconds() if timeout else None)
             with torch.no_grad():
                 for into, received in self._copies:
                     into.copy_(received)
@@ -224,9 +228,7 @@ class MPIProcessGroup(dist.ProcessGroup):
     @outside_autograd
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any) -> Completed:
-        for output, t in zip(outputs, inputs):
-            self._allgather_base(output, t, opts)
-        return Completed(outputs)
+        return self._coalesced(self._allgather_base, outputs, inputs, opts)
 
     @outside_autograd
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> Completed:
@@ -245,8 +247,15 @@ class MPIProcessGroup(dist.ProcessGroup):
     @outside_autograd
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any) -> Completed:
+        return self._coalesced(self._reduce_scatter_base, outputs, inputs, opts)
+
+    @staticmethod
+    def _coalesced(base: Callable[..., Completed], outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                   opts: Any) -> Completed:
+        """A coalesced call (``_coalescing_manager``'s) as one ``base`` call per (output, input)
+        pair: each completes when called, so the result is the coalesced one."""
         for output, t in zip(outputs, inputs):
-            self._reduce_scatter_base(output, t, opts)
+            base(output, t, opts)
         return Completed(outputs)
 
     @outside_autograd
@@ -257,7 +266,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         recv = checks.splits(output_split_sizes, output, n)
         if t.dtype != output.dtype:
             raise RuntimeError(f"all_to_all_single: input {t.dtype} and output {output.dtype} differ")
-        _check_splits(self.comm.allgather((send, recv, t.shape[0], output.shape[0])))
+        _check_splits(self.comm, (send, recv, t.shape[0], output.shape[0]))
         output.copy_(exchange_rows(t, self.comm, send_rows=send, recv_rows=recv))
         return Completed([output])
 
@@ -267,7 +276,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         wants one size), the sizes agreed first as ``all_to_all_single``'s splits are."""
         checks.same_dtype("alltoall", [*inputs, *outputs], self.comm.size, len(inputs), len(outputs))
         send, recv = [t.numel() for t in inputs], [t.numel() for t in outputs]
-        _check_splits(self.comm.allgather((send, recv, sum(send), sum(recv))))
+        _check_splits(self.comm, (send, recv, sum(send), sum(recv)))
         flat = torch.cat([t.reshape(-1) for t in inputs])
         got = exchange_rows(flat, self.comm, send_rows=send, recv_rows=recv)
         for out, piece in zip(outputs, got.split(recv)):
@@ -335,7 +344,7 @@ class MPIProcessGroup(dist.ProcessGroup):
                         ("torch.distributed recv", self.comm, _peer("from", src, tag, staged)))
 
     def barrier(self, opts: Any = None) -> Completed:
-        self.comm.Barrier()
+        watchdog.call("torch.distributed barrier (Barrier)", self.comm, self.comm.Barrier)
         return Completed([])
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
@@ -357,17 +366,20 @@ def all_reduce(t: torch.Tensor, comm: MPI.Intracomm, reduce_op: Any) -> torch.Te
     bitwise = checks.bitwise_op(reduce_op, t.dtype)
     if bitwise is not None:
         send = stage(t, copy=True)
-        comm.Allreduce(MPI.IN_PLACE, [as_buffer(send), mpi_type(send.dtype)], op=bitwise)
+        watchdog.call("torch.distributed all_reduce, bitwise (Allreduce)", comm, comm.Allreduce,
+                      MPI.IN_PLACE, [as_buffer(send), mpi_type(send.dtype)], bitwise)
         return send
     op, factor = reduce_op_of(reduce_op, t.dtype)
     return collectives.all_reduce(premultiplied(t, factor), comm, op)
 
 
-def _check_splits(table: list[tuple[list[int], list[int], int, int]]) -> None:
-    """``ValueError`` on every rank (each checks the same gathered ``table`` of every rank's
-    send and receive splits and row counts) unless each split list has a count per rank,
-    adds up to its tensor's rows, and each rank receives from rank k what rank k sends it;
-    a rank alone in the exchange would hang or truncate."""
+def _check_splits(comm: MPI.Intracomm, mine: tuple[list[int], list[int], int, int]) -> None:
+    """``ValueError`` on every rank (each checks the same table of every rank's send and
+    receive splits and row counts, ``mine`` this rank's, gathered by one ``allgather``)
+    unless each split list has a count per rank, adds up to its tensor's rows, and each
+    rank receives from rank k what rank k sends it; a rank alone in the exchange would hang
+    or truncate."""
+    table = watchdog.call("all_to_all: every rank's splits (allgather)", comm, comm.allgather, mine)
     n = len(table)
     for r, (send, recv, rows_in, rows_out) in enumerate(table):
         if len(send) != n or len(recv) != n or sum(send) != rows_in or sum(recv) != rows_out:
