@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from record_steps import COMM, MLP_SIZES, N, RANK, StepRow, agreed, close, megatron_mlp, mlp_model, mlp_step
+from record_steps import COMM, MLP_SIZES, N, RANK, StepRow, agreed, close, megatron_mlp, mlp_reference, mlp_step
 
 import mpidtensor as md
 
@@ -50,11 +50,7 @@ def dtensor_mlp(lib, mesh, ref) -> tuple[Callable, list]:
 def tp_mlp_ops_row(gloo) -> StepRow:
     """The TP MLP in DTensor ops: mpidtensor, torch's DTensor on gloo, Megatron's step."""
     batch, dim, hidden = MLP_SIZES
-    gen = torch.Generator().manual_seed(1)
-    x0, target = torch.randn(batch, dim, generator=gen), torch.randn(batch, dim, generator=gen)
-    ref = mlp_model()
-    ref_x = x0.clone().requires_grad_()
-    ref_y = mlp_step(ref, list(ref.parameters()), ref_x, target)().detach()
+    x0, target, ref, ref_x, ref_y = mlp_reference()
     ref_grads = [ref[0].weight.grad.t(), ref[0].bias.grad, ref[2].weight.grad.t(), ref[2].bias.grad]
     fns: dict[str, Callable | None] = {"torch": None}
     libs = {"mpidtensor": (md, md.init_device_mesh)}

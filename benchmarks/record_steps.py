@@ -149,13 +149,21 @@ def megatron_mlp(ref: nn.Sequential):
     return forward, [w1, b1, w2, b2], blocks
 
 
-def tp_mlp_row(gloo) -> StepRow:
+def mlp_reference():
+    """The TP MLP rows' one-process reference: the input, the target, the model after one
+    step, its input (with its gradient) and its output."""
     batch, dim, _ = MLP_SIZES
     gen = torch.Generator().manual_seed(1)
     x0, target = torch.randn(batch, dim, generator=gen), torch.randn(batch, dim, generator=gen)
     ref = mlp_model()
     ref_x = x0.clone().requires_grad_()
     ref_y = mlp_step(ref, list(ref.parameters()), ref_x, target)().detach()
+    return x0, target, ref, ref_x, ref_y
+
+
+def tp_mlp_row(gloo) -> StepRow:
+    batch, dim, _ = MLP_SIZES
+    x0, target, ref, ref_x, ref_y = mlp_reference()
     ref_grads = [p.grad for p in (ref[0].weight, ref[0].bias, ref[2].weight, ref[2].bias)]
 
     fns = {"torch": None}

@@ -47,18 +47,22 @@ def routed(path: str) -> bool:
     return any(path.startswith(row + ".") for row in ALIASES)
 
 
-def target(path: str) -> types.ModuleType | None:
-    """The mpidtensor module of ``path``'s row, or ``None`` (no row, or its module does not
-    exist yet)."""
-    name = ALIASES.get(path)
-    if name is None:
-        return None
+def import_if_present(name: str) -> types.ModuleType | None:
+    """Module ``name`` (imported as Python would), or ``None`` if it or a package above it
+    does not exist; an import error from inside an existing module is raised."""
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as err:
         if err.name is not None and (name == err.name or name.startswith(err.name + ".")):
             return None
         raise
+
+
+def target(path: str) -> types.ModuleType | None:
+    """The mpidtensor module of ``path``'s row, or ``None`` (no row, or its module does not
+    exist yet)."""
+    name = ALIASES.get(path)
+    return None if name is None else import_if_present(name)
 
 
 def override(path: str, names: dict[str, Any]) -> None:

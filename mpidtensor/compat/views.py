@@ -55,7 +55,7 @@ def view(path: str) -> types.ModuleType | None:
         pass
     made = None
     if routes.routed(path):
-        source = _torch_module(path)  # torch's first, as Python's import would have loaded it
+        source = routes.import_if_present(path)  # torch's first, as Python's import would have loaded it
         target = routes.target(path)
         if target is not None:
             made = _module(path, source, target)
@@ -73,16 +73,6 @@ def override(path: str, names: dict[str, Any]) -> None:
         if made is not None:  # forget what views read before: a name may now be replaced
             for name in [n for n in vars(made) if not n.startswith("__")]:
                 del vars(made)[name]
-
-
-def _torch_module(path: str) -> types.ModuleType | None:
-    """torch's module ``path`` (imported as Python would), or ``None`` if torch has none."""
-    try:
-        return importlib.import_module(path)
-    except ModuleNotFoundError as err:
-        if err.name is not None and (path == err.name or path.startswith(err.name + ".")):
-            return None
-        raise
 
 
 def _module(path: str, source: types.ModuleType | None, target: types.ModuleType | None) -> types.ModuleType:

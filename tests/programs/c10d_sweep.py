@@ -121,6 +121,12 @@ def no_grad(fn):
     return run
 
 
+def settle(work, async_op: bool) -> None:
+    """Wait for the work an ``async_op=True`` call returned."""
+    if async_op:
+        work.wait()
+
+
 def values(dtype, shape=(3,), base=0):
     """Small distinct values of ``dtype`` that sums and products of a few ranks keep exact."""
     numel = 1
@@ -154,8 +160,7 @@ def in_place(fn, make, async_op=False, contiguous=False):
         t = make()
         into = t.contiguous() if contiguous else t
         work = fn(into, async_op=async_op) if async_op else fn(into)
-        if async_op:
-            work.wait()
+        settle(work, async_op)
         if into is not t:
             t.copy_(into)
         return t
@@ -206,8 +211,7 @@ def gather_into(make_out, make_in, fn, async_op=False, out_shape=None, in_shape=
         into = out if out_shape is None else out.view(out_shape)
         mine = mine if in_shape is None else mine.reshape(in_shape)
         work = fn(into, mine, async_op=True) if async_op else fn(into, mine)
-        if async_op:
-            work.wait()
+        settle(work, async_op)
         return out
     return run
 
@@ -253,8 +257,7 @@ def all_gather_coalesced(async_op=False):
         outs = [[torch.zeros(3), torch.zeros(2, 2)] for _ in range(N)]
         work = dist.all_gather_coalesced(outs, [values(torch.float32), values(torch.float32, (2, 2), 5)],
                                          async_op=async_op)
-        if async_op:
-            work.wait()
+        settle(work, async_op)
         return outs
     return run
 
@@ -267,8 +270,7 @@ def all_reduce_coalesced(dtype, async_op=False, op=dist.ReduceOp.SUM):
     def run():
         tensors = [values(dtype), values(dtype, (2, 2), 1), values(dtype, (), 2)]
         work = dist.all_reduce_coalesced(tensors, op=op, async_op=async_op)
-        if async_op:
-            work.wait()
+        settle(work, async_op)
         return tensors
     return run
 
@@ -316,8 +318,7 @@ def lists_twin(make_out, make_in, fn, async_op):
         with torch.no_grad():
             into = [t.contiguous() for t in out] if isinstance(out, list) else out.contiguous()
             work = fn(into, ins, async_op=True) if async_op else fn(into, ins)
-            if async_op:
-                work.wait()
+            settle(work, async_op)
             for t, done in zip(out, into) if isinstance(out, list) else [(out, into)]:
                 t.copy_(done)
         return out
@@ -432,8 +433,7 @@ def rooted_gather(make, root, async_op=False):
     def run():
         pieces = [make() for _ in range(N)] if RANK == root else None
         work = dist.gather(make(), pieces, dst=root, async_op=async_op)
-        if async_op:
-            work.wait()
+        settle(work, async_op)
         return pieces
     return run
 
@@ -454,8 +454,7 @@ def rooted_scatter(make, root, async_op=False, twin=False):
         with torch.no_grad() if twin else contextlib.nullcontext():
             into = mine.contiguous() if twin else mine
             work = dist.scatter(into, pieces, src=root, async_op=async_op)
-            if async_op:
-                work.wait()
+            settle(work, async_op)
             if into is not mine:
                 mine.copy_(into)
         return mine
@@ -543,8 +542,7 @@ call("send/bfloat16", ring(lambda: values(torch.bfloat16), "send"))
 def barrier(async_op=False):
     def run():
         work = dist.barrier(async_op=async_op)
-        if async_op:
-            work.wait()
+        settle(work, async_op)
         return None
     return run
 
