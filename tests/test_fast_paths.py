@@ -177,7 +177,7 @@ def test_llama_tp_sp_block(mesh1d):
 
 
 # the paths tests/test_fast_paths_optim.py compares on and off
-DISPATCH_AND_OPTIMIZER_PATHS = {"dispatch.local_plan", "dispatch.per_mesh", "dispatch.detach",
+DISPATCH_AND_OPTIMIZER_PATHS = {"dispatch.local_plan", "dispatch.local_view", "dispatch.per_mesh", "dispatch.detach",
                                 "optim.foreach", "optim.local_step", "optim.flat_runs"}
 
 

@@ -3,11 +3,13 @@
 Each case runs with ``settings.fast_paths`` off (plain dispatch plans, one call per list
 position, the per-parameter DTensor optimizer step) and on, and asserts bit-equal
 results, that the fast paths it exercises ran (``hits > 0``) when on and that no fast
-path ran when off. Covered: ``dispatch.local_plan``, ``dispatch.per_mesh``,
+path ran when off. Covered: ``dispatch.local_plan``, ``dispatch.local_view``, ``dispatch.per_mesh``,
 ``dispatch.detach`` (mpidtensor.dispatch), ``optim.foreach``, ``optim.local_step``,
 ``optim.flat_runs`` (mpidtensor.fast): every fast path of these two rooms.
 """
 from __future__ import annotations
+
+from math import prod
 
 import pytest
 import torch
@@ -215,3 +217,37 @@ def test_foreach_ops_over_two_meshes():
         return [*scaled, *mixed, *norms, *ds]
 
     _check(run, {"dispatch.per_mesh"})
+
+
+def _layouts(values) -> list[tuple]:
+    """Each DTensor's spec (placements, global shape and strides), local strides and local
+    tensor: what a local view must reproduce exactly."""
+    return [(v.placements, v.shape, v.stride(), v._local_tensor.stride(), v._local_tensor) for v in values]
+
+
+@pytest.mark.parametrize("mesh_shape", [(1,), (2,), (3,), (4,), (2, 2)])
+def test_local_views_against_general(mesh_shape):
+    """View ops whose rule computes the local view (view/reshape's local size, squeeze,
+    expand, slice, select) on DTensors that stay where they are, uneven shards included:
+    ``dispatch.local_view`` gives the general Plan's local result, strides and spec."""
+    if WORLD.size != prod(mesh_shape):
+        pytest.skip(f"needs {prod(mesh_shape)} ranks")
+    mesh = init_device_mesh("cpu", mesh_shape)
+    two = len(mesh_shape) == 2
+
+    def run():
+        a = distribute_tensor(global_tensor((7, 6, 4), seed=1), mesh, [Shard(0), Shard(2)] if two else [Shard(0)])
+        b = distribute_tensor(global_tensor((5, 1, 6), seed=2), mesh, [Replicate(), Shard(2)] if two else [Shard(2)])
+        c = distribute_tensor(global_tensor((7, 6), seed=3), mesh, [Shard(0), Replicate()] if two else [Shard(0)])
+        return [a.view(7, 24) if not two else a.view(7, 6, 2, 2), a.reshape(7, 6, 4, 1), b.squeeze(1),
+                b.expand(3, 5, 4, 6), c[:, 1:5], c[:, 2], c.t().view(6, 7), c.unsqueeze(1).view(7, 6)]
+
+    general, off = _run(run, fast=False)
+    fast, on = _run(run, fast=True)
+    problems = [f"result {i}: {g[:4]} vs {f[:4]}" for i, (g, f) in enumerate(zip(_layouts(general), _layouts(fast)))
+                if g[:4] != f[:4] or not torch.equal(g[4], f[4])]
+    if off.get("dispatch.local_view"):
+        problems.append("dispatch.local_view ran with fast_paths off")
+    if not on.get("dispatch.local_view"):
+        problems.append(f"dispatch.local_view did not run (hits {on})")
+    assert_all_ranks(not problems, "; ".join(problems))

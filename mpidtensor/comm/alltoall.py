@@ -9,7 +9,7 @@ packed in rank order for a regular ``Alltoall``/``Alltoallv`` and unpacked after
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from math import prod
 from typing import Sequence
 
@@ -20,7 +20,8 @@ from ..runtime import caches
 from . import base, guard, recorders
 from .base import TRACED, Run, Types, beyond, check_dim, check_sizes, enter, leave, limits, piece_counts, resized
 from .buffers import as_buffer, derived, empty, host_buffer, mpi_type, stage, unstage
-from .packing import from_rank_order, to_rank_order
+from .packing import from_rank_order, into_rank_order, to_rank_order
+from .pool import tracked_empty
 from .prepared import Prepared, owned_types
 from .rounds import offsets
 
@@ -146,8 +147,9 @@ def _packed_runner(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype
                    out_shape: tuple[int, ...], host: bool = False) -> Run:
     """Pack the pieces in rank order, one ``Alltoall`` (even pieces) or ``Alltoallv``, unpack,
     as a function of the staged send tensor, its counts and copies worked out once (``host``
-    as for :func:`_typed_runner`): a copy on each side unless the split/concat dim leads, but
-    MPICH's regular all-to-all."""
+    as for :func:`_typed_runner`; a prepared one packs into a send buffer of its own): a copy
+    on each side unless the split/concat dim leads, but MPICH's regular all-to-all. Where the
+    concat dim leads, the result itself is received into."""
     buf, datatype = host_buffer if host else as_buffer, mpi_type(dtype)
     send_counts = piece_counts(shape, split_dim, split_sizes)
     recv_counts = piece_counts(resized(shape, split_dim, split_sizes[comm.rank]), concat_dim, concat_sizes)
@@ -157,14 +159,23 @@ def _packed_runner(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype
     else:
         exchange = comm.Alltoallv
         sends, receives = (send_counts, offsets(send_counts)), (recv_counts, offsets(recv_counts))
-    pack = to_rank_order(tuple(shape), split_dim, split_sizes)
-    unpack = from_rank_order(out_shape, concat_dim, concat_sizes)
+    if prod(out_shape[:concat_dim]) == 1:  # pieces land as runs of the result: received into it
+        total, unpack = out_shape, None
+    else:
+        unpack = from_rank_order(out_shape, concat_dim, concat_sizes)
+    if host and prod(shape[:split_dim]) != 1:
+        # A prepared plan packs into a send buffer of its own, made once and freed with the
+        # plan (which ``clear_cache`` drops): no pool look-up, and one strided copy per call.
+        into, own = into_rank_order(tuple(shape), split_dim, split_sizes), tracked_empty(prod(shape), dtype)
+        pack = partial(into, flat=own)
+    else:
+        pack = to_rank_order(tuple(shape), split_dim, split_sizes)
 
     def packed(send: torch.Tensor) -> torch.Tensor:
         flat_send = pack(send)
         flat = empty(total, send)
         exchange([buf(flat_send), sends, datatype], [buf(flat), receives, datatype])
-        return unpack(flat)
+        return flat if unpack is None else unpack(flat)
     return packed
 
 

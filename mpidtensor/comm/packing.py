@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from math import prod
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -31,30 +31,47 @@ def pieces_in_rank_order(tensor: torch.Tensor, dim: int, sizes: Sequence[int]) -
 @lru_cache(maxsize=1024)
 def to_rank_order(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> Run:
     """The pieces along ``dim`` of a C-contiguous, detached tensor of ``shape`` back to back,
-    flat: a view when ``dim`` leads, else one strided copy for even pieces or a copy per piece."""
-    outer, inner, n = prod(shape[:dim]), prod(shape[dim + 1:]), len(sizes)
-    if outer == 1:
+    flat: a view when ``dim`` leads, else one strided copy for even pieces or a copy per piece
+    (:func:`into_rank_order`) into a pooled buffer."""
+    if prod(shape[:dim]) == 1:
         return lambda t: t.view(-1)
-    if len(set(sizes)) == 1:
-        blocks, packed = (outer, n, sizes[0], inner), (n, outer, sizes[0], inner)
-
-        def strided(t: torch.Tensor) -> torch.Tensor:
-            flat = empty((t.numel(),), t)
-            flat.view(packed).copy_(t.view(blocks).transpose(0, 1))
-            return flat
-        return strided
-    return _per_piece(shape, dim, sizes)
+    into = into_rank_order(shape, dim, sizes)
+    return lambda t: into(t, empty((t.numel(),), t))
 
 
 @lru_cache(maxsize=1024)
-def _per_piece(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> Run:
-    """The pieces along ``dim`` of a detached tensor of ``shape`` (any strides) back to back,
-    flat: a copy per piece."""
+def into_rank_order(shape: tuple[int, ...], dim: int,
+                    sizes: tuple[int, ...]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``into(t, flat)``: the pieces along ``dim`` of a C-contiguous, detached tensor ``t`` of
+    ``shape`` copied back to back into the C-contiguous ``flat`` (as many elements), which it
+    returns; one strided copy for even pieces (the source viewed by one ``as_strided``, the
+    destination's view made per buffer), else a copy per piece. A prepared all-to-all packs
+    into a buffer of its own with it."""
+    outer, inner, n = prod(shape[:dim]), prod(shape[dim + 1:]), len(sizes)
+    if len(set(sizes)) > 1:
+        return _per_piece(shape, dim, sizes)
+    piece = sizes[0]
+    packed = (n, outer, piece, inner)
+    # the source's (outer, n, piece, inner) blocks with the first two dims swapped
+    source_strides = (piece * inner, n * piece * inner, inner, 1)
+
+    def strided(t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        flat.view(packed).copy_(t.as_strided(packed, source_strides))
+        return flat
+    return strided
+
+
+@lru_cache(maxsize=1024)
+def _per_piece(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> Callable[..., torch.Tensor]:
+    """``per_piece(t, flat=None)``: the pieces along ``dim`` of a detached tensor of ``shape``
+    (any strides) back to back in ``flat`` (a pooled buffer if None), which it returns: a
+    copy per piece."""
     pieces = [resized(shape, dim, size) for size in sizes]
     counts = [prod(piece) for piece in pieces]
 
-    def per_piece(t: torch.Tensor) -> torch.Tensor:
-        flat = empty((t.numel(),), t)
+    def per_piece(t: torch.Tensor, flat: torch.Tensor | None = None) -> torch.Tensor:
+        if flat is None:
+            flat = empty((t.numel(),), t)
         for chunk, piece, view in zip(flat.split(counts), t.split(sizes, dim), pieces):
             chunk.view(view).copy_(piece)
         return flat
@@ -80,7 +97,8 @@ def from_rank_order(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) ->
     return strided
 
 
-for _name, _cached in (("rank-order packings", to_rank_order), ("per-piece packings", _per_piece),
+for _name, _cached in (("rank-order packings", to_rank_order), ("rank-order packings into", into_rank_order),
+                       ("per-piece packings", _per_piece),
                        ("rank-order unpackings", from_rank_order)):
     caches.on_clear(_name, _cached.cache_clear, holds_meshes=False)
 del _name, _cached

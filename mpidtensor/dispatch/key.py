@@ -26,6 +26,7 @@ _PLANS = caches.cache("dispatch.plans", maxsize=16384)  # key -> Plan, LocalPlan
 _FLOAT_BY_VALUE = caches.cache("dispatch.float_by_value", maxsize=None, holds_meshes=False)  # id(op) -> bool
 _DETACH_KEEPS = caches.cache("dispatch.detach_keeps_spec", maxsize=16384)  # spec -> bool
 _DETACH = torch.ops.aten.detach.default
+_INTS = {int}
 DETACH = fast_paths.register(
     "dispatch.detach",
     shortcuts="the cache key and plan of aten.detach on a DTensor (AccumulateGrad detaches every gradient)",
@@ -55,6 +56,8 @@ def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             key.append(a._spec)
         elif kind is float and not by_value:
             key.append(float)
+        elif kind is list and set(map(type, a)) == _INTS:  # sizes, dims: _key's result, in C calls only
+            key.append((list, *a))
         else:
             key.append(_key(a, by_value))
     if kwargs:

@@ -3,10 +3,12 @@
 - :class:`Plan`, the general one: unwrap (redistributing where the rule says so), run
   the local op, wrap the outputs (and write back in place).
 - :class:`LocalPlan`, a fast path: a plan that moves nothing, run in one frame.
+- :class:`LocalViewPlan`, a fast path: a view op on one DTensor that moves nothing, its
+  local view computed by the rule's own function (``view``'s local size), in one frame.
 - :class:`PerMeshPlan`, a fast path: a ``_foreach_*`` op over DTensors on several meshes,
   one call per mesh; its general form is one call per list position.
 
-Both fast paths are chosen by the planner from the rule's decision and registered in
+The fast paths are chosen by the planner from the rule's decision and registered in
 :mod:`mpidtensor.fast.registry`; with ``settings.fast_paths`` off the planner makes
 plain plans and per-position calls instead (changing the setting through
 ``settings.update``/``override`` drops every cached plan, so the choice is made at plan
@@ -22,7 +24,7 @@ from ..tensor.dtensor import DTensor
 from ..fast import registry
 from .args import is_view_op, local_of, mutated_inputs, tensors
 
-__all__ = ["Plan", "LocalPlan", "PerMeshPlan", "per_mesh_groups", "LOCAL", "PER_MESH"]
+__all__ = ["Plan", "LocalPlan", "LocalViewPlan", "PerMeshPlan", "per_mesh_groups", "LOCAL", "LOCAL_VIEW", "PER_MESH"]
 
 LOCAL = registry.register(
     "dispatch.local_plan",
@@ -30,6 +32,13 @@ LOCAL = registry.register(
               "are: pointwise and foreach ops on same-placed DTensors (an optimizer's), views that move nothing",
     decided_by="the op's sharding rule: every input's target placement is its own, no custom local "
                "function, outputs wrapped with the rule's specs (LocalPlan.make)")
+LOCAL_VIEW = registry.register(
+    "dispatch.local_view",
+    shortcuts="the general Plan (unwrap, the rule's local function, view tagging, wrap) of a view op on one "
+              "DTensor whose rule moves nothing but computes the local view itself (view/reshape's local size, "
+              "squeeze, expand, slice, select)",
+    decided_by="the op's sharding rule: its input's target placement is its own, a local function given, one "
+               "output of the rule's spec (LocalViewPlan.make)")
 PER_MESH = registry.register(
     "dispatch.per_mesh",
     shortcuts="one dispatch per list position of a _foreach_* op whose DTensors live on several meshes "
@@ -132,6 +141,38 @@ class LocalPlan:
         else:
             return None
         return cls(func._op, found, lists, finish, out_specs, wrap)
+
+
+class LocalViewPlan:
+    """A view op on one DTensor (the first argument; the rest plain values) whose rule moves
+    nothing but gives a local function (``view``: the size argument becomes this rank's local
+    shape): the local function on the local tensor, wrapped with the rule's fixed spec, in one
+    frame instead of the general Plan's four. An input tagged as not a view takes the general
+    wrap (which tags the output too)."""
+
+    __slots__ = ("local", "spec", "fallback")
+
+    def __init__(self, local: Callable, spec, fallback: Callable) -> None:
+        self.local, self.spec, self.fallback = local, spec, fallback
+
+    def __call__(self, args, kwargs):
+        LOCAL_VIEW.hits += 1
+        x = args[0]
+        out = self.local([x._local_tensor, *args[1:]], kwargs)
+        if getattr(x, "_not_a_view_of", None) is not None:
+            return self.fallback(out, args, kwargs)
+        return DTensor(out, self.spec, requires_grad=False)
+
+    @classmethod
+    def make(cls, func, args, kwargs, converters, out_meta, out_specs, sharding, wrap) -> "LocalViewPlan | None":
+        """The plan of a view op whose one DTensor input (first) stays where it is and whose
+        rule computes the local view (``sharding.local``), one tensor out; else None."""
+        if (sharding.local is None or not is_view_op(func) or torch.Tag.inplace_view in func.tags
+                or not isinstance(out_meta, torch.Tensor) or len(converters) != 1
+                or converters[0] not in (None, local_of) or not isinstance(args[0], DTensor)
+                or tensors(args[1:]) or tensors(kwargs) or mutated_inputs(func, args)):
+            return None
+        return cls(sharding.local, out_specs[0], wrap)
 
 
 class PerMeshPlan:

@@ -17,7 +17,7 @@ from ..runtime.caches import cache
 from ..runtime.settings import settings
 from ..tensor.spec import DTensorSpec
 from .args import common_mesh, converter, make_unwrap, mutated_inputs, replace_tensors, spec_of, tensors
-from .kinds import LocalPlan, PerMeshPlan, Plan, per_mesh_groups
+from .kinds import LocalPlan, LocalViewPlan, PerMeshPlan, Plan, per_mesh_groups
 from .outside import make_outside_plan
 from .writeback import list_writeback, make_inplace_wrap, mark_broken_views, rebase_viewed
 
@@ -29,7 +29,7 @@ _WARNED = cache("dispatch.warned_fallbacks", maxsize=None, holds_meshes=False)  
 
 
 def make_plan(func, args, kwargs) -> Callable:
-    """The plan (a :class:`Plan`, :class:`LocalPlan` or :class:`PerMeshPlan`) for this call's
+    """The plan (a :class:`Plan`, :class:`LocalPlan`, :class:`LocalViewPlan` or :class:`PerMeshPlan`) for this call's
     signature."""
     split = per_mesh_groups(func, args, kwargs, by_mesh=fast_paths.enabled())
     if split is not None:
@@ -126,9 +126,10 @@ def _build_plan(func, args, kwargs, found, specs, mesh, out_meta, sharding) -> C
             return Plan(make_unwrap(args, kwargs, converters), *written_lists)
     wrap = mark_broken_views(func, converters, _make_wrap(func, out_meta, out_specs, args), rebased)
     if rebased is None and fast_paths.enabled():
-        fast = LocalPlan.make(func, args, kwargs, converters, out_meta, out_specs, sharding, wrap)
-        if fast is not None:
-            return fast
+        for kind in (LocalPlan, LocalViewPlan):
+            fast = kind.make(func, args, kwargs, converters, out_meta, out_specs, sharding, wrap)
+            if fast is not None:
+                return fast
     local = sharding.local or (lambda a, k, f=func._op: f(*a, **k))
     return Plan(make_unwrap(args, kwargs, converters), local, wrap)
 

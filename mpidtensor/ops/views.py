@@ -272,8 +272,8 @@ def view_rule(call: OpCall) -> Sharding:
         placements = _relocate(in_shape, mesh.shape, placements, sorted(bad), list(by_lead), valid)
         out = _renumber(placements, {**units, **{lead: g[1][0] for lead, g in by_lead.items()}})
     size = _local_shape(out_shape, out, mesh)
-    func = call.func
-    return Sharding([tuple(placements)], [out], local=lambda a, k: func(a[0], size))
+    op = call.func._op  # the overload's C++ entry: one Python frame less per call
+    return Sharding([tuple(placements)], [out], local=lambda a, k: op(a[0], size))
 
 
 @register(aten.view.dtype)
