@@ -51,7 +51,7 @@ from ..comm import collectives
 from ..tensor.placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
-from .gather import Route, gather_route, shard_route
+from .gather import Route, shard_route
 from ..runtime import caches
 from .registry import enabled, register
 from .rules import keeps_layout
@@ -79,7 +79,7 @@ def local_grad(gy: Any, spec: DTensorSpec | None) -> torch.Tensor:
     in that layout: moved there first when it came in another one; a plain gradient (or
     ``spec`` None: the output was handed on local) is taken as the block itself, as
     ``from_local``'s backward takes it."""
-    if spec is None or not isinstance(gy, DTensor):
+    if spec is None or (type(gy) is not DTensor and not isinstance(gy, DTensor)):
         return gy
     if gy._spec.placements != spec.placements:
         gy = gy.redistribute(spec.mesh, spec.placements)
@@ -131,11 +131,12 @@ class _ColwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, out_spec: DTensorSpec | None, gather=None):
-        local = x._local_tensor if isinstance(x, DTensor) else x
+        distributed = type(x) is DTensor or isinstance(x, DTensor)  # (a type test first: no call)
+        local = x._local_tensor if distributed else x
         if gather is not None:
             local = gather.gather(local)
         ctx.comm, ctx.gather = comm, gather
-        ctx.x_spec = _grad_spec(x, True) if isinstance(x, DTensor) and gather is None else None
+        ctx.x_spec = _grad_spec(x, True) if distributed and gather is None else None
         ctx.bias, ctx.out_spec = bias, out_spec
         ctx.save_for_backward(local, weight)
         y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
@@ -164,9 +165,10 @@ class _RowwiseLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, route: Route | None,
                 out_spec: DTensorSpec | None):
-        local = x._local_tensor if isinstance(x, DTensor) else x
+        distributed = type(x) is DTensor or isinstance(x, DTensor)
+        local = x._local_tensor if distributed else x
         ctx.bias, ctx.out_spec = bias, out_spec
-        ctx.x_spec = _grad_spec(x, False) if isinstance(x, DTensor) else None
+        ctx.x_spec = _grad_spec(x, False) if distributed else None
         ctx.save_for_backward(local, weight)
         y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, route)
         if bias is not None:
@@ -340,5 +342,5 @@ class LocalLinearForward:
         """(``x`` as the Function takes it, the Colwise Function's gather route or None) for a
         DTensor not laid out as ``desired``: a sharded one that the Colwise Function
         all-gathers itself (``fast.gather``), else moved to the layout by the public path."""
-        gather = gather_route(x) if self.colwise else None
+        gather = shard_route(x._spec) if self.colwise else None  # (``_plan`` ruled out compiling: no gather_route)
         return (x, gather) if gather is not None else (x.redistribute(self.mesh, (desired,)), None)
