@@ -79,6 +79,23 @@ def test_pool_limits():
     assert_all_ranks(pool.pooled_bytes <= 1000 and e.numel() == 50, f"pooled {pool.pooled_bytes}")
 
 
+def test_pool_drops_the_least_recently_requested_size_first():
+    """Room is made by dropping idle sizes in the order they were last asked for (a reuse
+    counts as a request), not the order they were first made."""
+    pool = BufferPool(limit_bytes=1200)
+    first = pool.take((100,), torch.float32)  # 400 bytes each: three sizes fill the pool
+    second = pool.take((100,), torch.int32)
+    third = pool.take((50,), torch.float64)
+    first_ptr, third_ptr = first.data_ptr(), third.data_ptr()
+    del first, second, third  # all idle
+    again = pool.take((100,), torch.float32)  # the first size, asked for again: now the most recent
+    del again
+    pool.take((200,), torch.int16)  # 400 bytes more: one idle size must go, the int32 one
+    kept_first = pool.take((100,), torch.float32).data_ptr() == first_ptr
+    kept_third = pool.take((50,), torch.float64).data_ptr() == third_ptr
+    assert_all_ranks(kept_first and kept_third and pool.pooled_bytes <= 1200,
+                     f"first kept {kept_first}, third kept {kept_third}, pooled {pool.pooled_bytes}")
+
 def test_large_new_buffers_ask_for_huge_pages(monkeypatch):
     """``host_empty`` advises a buffer of HUGE_PAGES_MIN bytes or more, from the first page
     boundary inside it to its end, and leaves smaller ones alone."""

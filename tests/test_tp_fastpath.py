@@ -63,6 +63,18 @@ def test_direct_apply_under_functorch_takes_public_apply():
         torch.func.grad(lambda t: scale(t, 2.0).sum())(torch.randn(4))
 
 
+def test_direct_apply_takes_a_dead_functorch_wrapper_as_apply_does():
+    """A tensor leaked from a finished ``torch.func.grad`` (a dead wrapper, whose Python type
+    is plain ``torch.Tensor``: the only type ``direct_apply`` looks at) gives what the public
+    ``apply`` gives, and no functorch wrapper."""
+    leaked = []
+    torch.func.grad(lambda t: leaked.append(t) or t.sum())(torch.arange(4.0))
+    dead = leaked[0]
+    assert type(dead) is torch.Tensor and torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    got, want = direct_apply(_Scale)(dead, 2.0), _Scale.apply(dead, 2.0)
+    assert not torch._C._functorch.is_functorch_wrapped_tensor(got)
+    assert torch.equal(got, want) and torch.equal(got, torch.arange(4.0) * 2)
+
 def test_direct_apply_refuses_setup_context():
     with pytest.raises(TypeError, match="setup_context"):
         direct_apply(_WithSetup)

@@ -70,7 +70,8 @@ def iall_gather(send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor | Non
     src = stage(send)
     dst = out if out.device == src.device else empty((numel,), out)
     datatype = mpi_type(send.dtype)
-    recorders.record("all_gather", src.nbytes)
+    if recorders.ACTIVE:
+        recorders.record("all_gather", src.nbytes)
     request = comm.Iallgather([as_buffer(src), src.numel(), datatype], [as_buffer(dst), src.numel(), datatype])
     return Handle(request, (src, dst), lambda: out if dst is out else out.copy_(dst),
                   ("iall_gather", comm, {"dtype": send.dtype, "bytes": src.nbytes}))
@@ -93,7 +94,8 @@ def ireduce_scatter(
     src = stage(send, dtype)
     dst = out if (out.device == src.device and out.dtype == dtype) else empty((piece,), out, dtype)
     datatype = mpi_type(dtype)
-    recorders.record("reduce_scatter", src.nbytes)
+    if recorders.ACTIVE:
+        recorders.record("reduce_scatter", src.nbytes)
     request = comm.Ireduce_scatter_block([as_buffer(src), piece, datatype], [as_buffer(dst), piece, datatype], mpi_op)
     return Handle(request, (src, dst), lambda: _finish_reduction(dst, out, op, comm.size),
                   ("ireduce_scatter", comm, {"dtype": dtype, "bytes": src.nbytes}))
@@ -107,7 +109,8 @@ def iall_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum",
     out = tensor if inplace else torch.empty_like(tensor)
     src = stage(tensor, dtype, copy=not inplace)  # in place: ``tensor`` itself unless staged
     datatype = mpi_type(dtype)
-    recorders.record("all_reduce", src.nbytes)
+    if recorders.ACTIVE:
+        recorders.record("all_reduce", src.nbytes)
     request = comm.Iallreduce(MPI.IN_PLACE, [as_buffer(src), src.numel(), datatype], mpi_op)
     return Handle(request, (src,), lambda: _finish_reduction(src, out, op, comm.size),
                   ("iall_reduce", comm, {"dtype": dtype, "bytes": src.nbytes}))

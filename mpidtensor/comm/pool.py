@@ -33,7 +33,6 @@ import ctypes
 import mmap
 import sys
 import threading
-from collections import OrderedDict
 from math import prod
 
 import torch
@@ -68,7 +67,11 @@ class BufferPool:
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
-        self._sizes: OrderedDict[tuple[torch.dtype, tuple[int, ...]], list[_Buffer]] = OrderedDict()
+        self._sizes: dict[tuple[torch.dtype, tuple[int, ...]], list[_Buffer]] = {}
+        # when each size was last asked for (a count of requests): the least recently used go first.
+        # (A stamp is a subscript store; ``OrderedDict.move_to_end`` was a call per hand-out.)
+        self._used: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}
+        self._requests = 0
         self._addresses: set[int] = set()  # storage addresses of the pooled buffers
         self._bytes = 0  # all pooled buffers
         self._out_bytes = 0  # those handed out and not yet seen back
@@ -85,9 +88,13 @@ class BufferPool:
         refers to."""
         key = (dtype, shape)
         with self._lock:
-            buffers = self._sizes.get(key)
-            if buffers is not None:
-                self._sizes.move_to_end(key)
+            self._requests += 1
+            try:
+                buffers = self._sizes[key]
+            except KeyError:
+                buffers = None
+            else:
+                self._used[key] = self._requests
                 for buffer in buffers:
                     if _use_count(buffer.cdata) <= buffer.idle:
                         if buffer.out:  # back since its last hand-out: a free and an allocation,
@@ -99,6 +106,7 @@ class BufferPool:
             if (buffers is None or len(buffers) < PER_SIZE) and self._make_room(prod(shape) * dtype.itemsize):
                 buffer = _Buffer(host_empty(shape, dtype))
                 self._sizes.setdefault(key, []).append(buffer)
+                self._used[key] = self._requests
                 self._addresses.add(buffer.cdata)
                 self._bytes += buffer.nbytes
                 self._hand_out(buffer)
@@ -130,6 +138,7 @@ class BufferPool:
                     if buffer.out:
                         self._returned(buffer)  # its holders' own from now on
             self._sizes.clear()
+            self._used.clear()
             self._addresses.clear()
             self._bytes = 0
 
@@ -153,7 +162,7 @@ class BufferPool:
         """Drop idle buffers, least recently used sizes first, until ``nbytes`` more fit."""
         if nbytes > self.limit_bytes:
             return False
-        for key in list(self._sizes):
+        for key in sorted(self._sizes, key=self._used.__getitem__):
             if self._bytes + nbytes <= self.limit_bytes and len(self._sizes) < MAX_SIZES:
                 break
             kept = []
@@ -168,7 +177,7 @@ class BufferPool:
             if kept:
                 self._sizes[key] = kept
             else:
-                del self._sizes[key]
+                del self._sizes[key], self._used[key]
         return self._bytes + nbytes <= self.limit_bytes and len(self._sizes) < MAX_SIZES
 
 

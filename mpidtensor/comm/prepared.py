@@ -51,7 +51,8 @@ class Prepared:
         if (type(tensor) is torch.Tensor and tensor.shape == self.shape and tensor.dtype is self.dtype
                 and self.fast is not None and not tensor.is_cuda and not guard.ENABLED
                 and limits() == self.limits):
-            recorders.record(self.kind, self.nbytes)
+            if recorders.ACTIVE:
+                recorders.record(self.kind, self.nbytes)
             if tensor.requires_grad or not tensor.is_contiguous() or tensor.is_neg() or tensor.is_conj():
                 tensor = stage(tensor)  # what ``stage`` would return as it is, checked inline
             if not watchdog.ENABLED:

@@ -47,7 +47,8 @@ def all_reduce(tensor: torch.Tensor, comm: MPI.Intracomm, op: ReduceOp = "sum", 
                     lambda: reduction(tensor.dtype, op))
     dtype, mpi_op = reduction(tensor.dtype, op)
     send = stage(tensor, dtype)
-    recorders.record("all_reduce", send.nbytes)
+    if recorders.ACTIVE:
+        recorders.record("all_reduce", send.nbytes)
     enter("all_reduce", comm, dtype, [send.numel()])
     try:
         inplace = inplace and send.data_ptr() == tensor.data_ptr()

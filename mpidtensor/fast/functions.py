@@ -7,8 +7,9 @@ about a third of a small Function's call cost on CPU. A TP + SP step calls a Fun
 per Linear, norm and gather (about 26 per step of the demo's Llama). The Functions
 here define ``forward`` / ``backward`` only (no ``setup_context``), so the same call is
 the C++ ``apply`` on the arguments with dead wrappers unwrapped, as ``Function.apply``
-does; under functorch transforms and ``torch.compile`` (whose tracer knows ``Function.apply``
-and not this) the public ``apply`` runs, and so it does everywhere if this torch's
+does (looking at the plain tensors only: functorch's wrappers are never a subclass); under
+functorch transforms and ``torch.compile`` (whose tracer knows ``Function.apply`` and not
+this) the public ``apply`` runs, and so it does everywhere if this torch's
 ``Function`` lacks the C++ ``apply`` it relies on.
 """
 from __future__ import annotations
@@ -36,7 +37,9 @@ def direct_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
     def apply(*args: Any) -> Any:
         if _transforms_active() or _is_compiling():
             return public(*args)
-        return c_apply(*[_unwrap_if_dead(a) if isinstance(a, tensor) else a for a in args])
+        # functorch's wrappers reach Python as plain ``torch.Tensor`` objects (a subclass such as
+        # DTensor is never one), so only those are looked at: a type test is no call, ``isinstance`` is
+        return c_apply(*[_unwrap_if_dead(a) if type(a) is tensor else a for a in args])
 
     apply.__doc__ = f"``{cls.__name__}.apply`` (see :func:`direct_apply`)."
     return apply

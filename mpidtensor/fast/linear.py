@@ -51,7 +51,7 @@ from ..comm import collectives
 from ..tensor.placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
-from .gather import Route, gather_route, shard_route
+from .gather import Route, shard_route
 from ..runtime import caches
 from .registry import enabled, register
 from .rules import keeps_layout
@@ -79,7 +79,7 @@ def local_grad(gy: Any, spec: DTensorSpec | None) -> torch.Tensor:
     in that layout: moved there first when it came in another one; a plain gradient (or
     ``spec`` None: the output was handed on local) is taken as the block itself, as
     ``from_local``'s backward takes it."""
-    if spec is None or not isinstance(gy, DTensor):
+    if spec is None or (type(gy) is not DTensor and not isinstance(gy, DTensor)):
         return gy
     if gy._spec.placements != spec.placements:
         gy = gy.redistribute(spec.mesh, spec.placements)
@@ -131,11 +131,12 @@ class _ColwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, out_spec: DTensorSpec | None, gather=None):
-        local = x._local_tensor if isinstance(x, DTensor) else x
+        distributed = type(x) is DTensor or isinstance(x, DTensor)  # (a type test first: no call)
+        local = x._local_tensor if distributed else x
         if gather is not None:
             local = gather.gather(local)
         ctx.comm, ctx.gather = comm, gather
-        ctx.x_spec = _grad_spec(x, True) if isinstance(x, DTensor) and gather is None else None
+        ctx.x_spec = _grad_spec(x, True) if distributed and gather is None else None
         ctx.bias, ctx.out_spec = bias, out_spec
         ctx.save_for_backward(local, weight)
         y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
@@ -164,9 +165,10 @@ class _RowwiseLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, route: Route | None,
                 out_spec: DTensorSpec | None):
-        local = x._local_tensor if isinstance(x, DTensor) else x
+        distributed = type(x) is DTensor or isinstance(x, DTensor)
+        local = x._local_tensor if distributed else x
         ctx.bias, ctx.out_spec = bias, out_spec
-        ctx.x_spec = _grad_spec(x, False) if isinstance(x, DTensor) else None
+        ctx.x_spec = _grad_spec(x, False) if distributed else None
         ctx.save_for_backward(local, weight)
         y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, route)
         if bias is not None:
@@ -221,20 +223,33 @@ class LocalLinearForward:
 
     def __call__(self, module: nn.Linear, args: tuple, kwargs: dict) -> Any:
         x = args[0] if len(args) == 1 and not kwargs else None
-        plan = self._plan(module, x) if x is not None and enabled() else None
+        params = module._parameters
+        try:  # (subscripts, not ``module.weight``: ``nn.Module.__getattr__`` is a Python call each)
+            weight, bias = params["weight"], params["bias"]
+        except KeyError:  # not registered parameters (a parametrization): as the module reads them
+            weight, bias = module.weight, module.bias
+        plan = self._plan(x, weight, bias) if x is not None and enabled() else None
         if plan is None:
             inputs = self.prepare_input(module, args, self.mesh)
             return self.prepare_output(module, nn.Linear.forward(module, *inputs, **kwargs), self.mesh)
         LINEAR.hits += 1
         given, wanted, desired, natural = plan
-        x, gather = self._input(module, x, given, desired)
-        spec = self._out_spec(module, x, natural)
+        gather = None
+        if type(x) is DTensor or isinstance(x, DTensor):
+            if x._spec.placements != (desired,):
+                x, gather = self._move(x, desired)
+        elif given != desired or x.shape[-1] != weight._local_tensor.shape[-1]:
+            x = self.prepare_input(module, (x,), self.mesh)[0]
+        try:
+            spec = self.out_specs[(x.shape, x.dtype)]
+        except KeyError:
+            spec = self._out_spec(module, x, natural)
         out_spec = None if self.local_out and wanted == natural else spec
         if self.colwise:
-            y = _colwise_linear(x, module.weight, module.bias, self.comm, out_spec, gather)
+            y = _colwise_linear(x, weight, bias, self.comm, out_spec, gather)
         else:
             route = shard_route(spec) if isinstance(natural, Shard) else None
-            y = _rowwise_linear(x, module.weight, module.bias, self.comm, route, out_spec)
+            y = _rowwise_linear(x, weight, bias, self.comm, route, out_spec)
         if out_spec is None:
             return y
         if wanted != natural:
@@ -244,26 +259,26 @@ class LocalLinearForward:
     def _out_spec(self, module: nn.Linear, x: torch.Tensor, natural: Placement) -> DTensorSpec:
         """The spec of the Function's DTensor output for the input ``x`` (whose leading dims
         are whole here), C-contiguous in the ``natural`` layout; cached by shape and dtype."""
-        key = (x.shape, x.dtype)
-        spec = self.out_specs.get(key)
-        if spec is None:
-            shape = (*x.shape[:-1], module.out_features)
-            spec = self.out_specs[key] = DTensorSpec(self.mesh, (natural,), shape, contiguous_strides(shape), x.dtype)
+        shape = (*x.shape[:-1], module.out_features)
+        spec = self.out_specs[(x.shape, x.dtype)] = DTensorSpec(self.mesh, (natural,), shape,
+                                                                contiguous_strides(shape), x.dtype)
         return spec
 
-    def _plan(self, module: nn.Linear, x: Any) -> tuple[Placement, ...] | None:
+    def _plan(self, x: Any, weight: Any, bias: Any) -> tuple[Placement, ...] | None:
         """(given, wanted, desired, natural) when this call takes the local path, else None:
         per call the facts a cached verdict cannot hold (the input's type and mesh, autocast,
         compiling), then the verdict by the parameters' specs and the input's ndim and dtype."""
-        if isinstance(x, DTensor):
-            if not self._on_mesh(x._spec):
+        if type(x) is DTensor or isinstance(x, DTensor):
+            if x._spec.mesh is not self.mesh and not self._on_mesh(x._spec):
                 return None
         elif type(x) is not torch.Tensor:
             return None
         if x.ndim == 0 or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
             return None
-        weight, bias = module.weight, module.bias
-        specs = (caches.GENERATION, getattr(weight, "_spec", None), getattr(bias, "_spec", None))
+        try:  # (attribute reads, not ``getattr(p, "_spec", None)``: no call)
+            specs = (caches.GENERATION, weight._spec, None if bias is None else bias._spec)
+        except AttributeError:  # a parameter that is not a DTensor: the general path
+            return None
         if specs != self.checked:  # other parameters, or the rules changed (caches.clear_all)
             self.checked, self.plans = specs, {}
         key = (x.ndim, x.dtype)
@@ -323,17 +338,9 @@ class LocalLinearForward:
     def _on_mesh(self, spec: DTensorSpec) -> bool:
         return spec.mesh is self.mesh or spec.mesh == self.mesh
 
-    def _input(self, module: nn.Linear, x: torch.Tensor, given: Placement,
-               desired: Placement) -> tuple[torch.Tensor, Any]:
-        """(``x`` as the Function takes it, the Colwise Function's gather route or None): this
-        rank's plain block when it came as one in the layout needed; a sharded DTensor that the
-        Colwise Function all-gathers itself (``fast.gather``); else a DTensor moved to the
-        layout by the public path."""
-        if isinstance(x, DTensor):
-            if x._spec.placements == (desired,):
-                return x, None
-            gather = gather_route(x) if self.colwise else None
-            return (x, gather) if gather is not None else (x.redistribute(self.mesh, (desired,)), None)
-        if given == desired and x.shape[-1] == module.weight._local_tensor.shape[-1]:
-            return x, None
-        return self.prepare_input(module, (x,), self.mesh)[0], None
+    def _move(self, x: DTensor, desired: Placement) -> tuple[DTensor, Any]:
+        """(``x`` as the Function takes it, the Colwise Function's gather route or None) for a
+        DTensor not laid out as ``desired``: a sharded one that the Colwise Function
+        all-gathers itself (``fast.gather``), else moved to the layout by the public path."""
+        gather = shard_route(x._spec) if self.colwise else None  # (``_plan`` ruled out compiling: no gather_route)
+        return (x, gather) if gather is not None else (x.redistribute(self.mesh, (desired,)), None)

@@ -149,24 +149,39 @@ class LocalNormForward:
         if self.prepare_input is not None:
             args = self.prepare_input(module, args, self.mesh)
         x = args[0] if len(args) == 1 and not kwargs else None
-        if x is None or not enabled() or not self._applies(module, x):
+        params = self._params(module)
+        if x is None or not enabled() or not self._applies(module, x, params):
             out = self.inner(module, *args, **kwargs)
         else:
             NORM.hits += 1
             if isinstance(module, nn.RMSNorm):
-                out = _local_rms_norm(x, module.weight, tuple(module.normalized_shape), module.eps, self.comm)
+                out = _local_rms_norm(x, params[0], tuple(module.normalized_shape), module.eps, self.comm)
             else:
-                out = _local_layer_norm(x, module.weight, module.bias, tuple(module.normalized_shape), module.eps,
-                                        self.comm)
+                out = _local_layer_norm(x, *params, tuple(module.normalized_shape), module.eps, self.comm)
         return out if self.prepare_output is None else self.prepare_output(module, out, self.mesh)
 
-    def _applies(self, module: nn.Module, x: Any) -> bool:
+    @staticmethod
+    def _params(module: nn.Module) -> tuple[Any, Any]:
+        """(weight, bias or None) as the module reads them: from ``_parameters`` by subscript
+        (``nn.Module.__getattr__`` is a Python call per read), else by attribute; an RMSNorm's
+        bias is None (its forward, and so its local path, reads none)."""
+        params = module._parameters
+        try:
+            weight = params["weight"]
+        except KeyError:  # not a registered parameter (a parametrization)
+            weight = module.weight
+        if "bias" in params:
+            return weight, params["bias"]
+        return weight, None if isinstance(module, nn.RMSNorm) else getattr(module, "bias", None)
+
+    def _applies(self, module: nn.Module, x: Any, params: tuple[Any, Any]) -> bool:
         if not isinstance(x, DTensor) or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
             return False
         if self.generation != caches.GENERATION:  # the rules changed (caches.clear_all): decide again
             self.decided, self.rules, self.generation = {}, {}, caches.GENERATION
-        params = (module.weight, getattr(module, "bias", None))
-        key = (x._spec, *(p._spec if isinstance(p, DTensor) else p is None for p in params))
+        weight, bias = params
+        key = (x._spec, weight._spec if isinstance(weight, DTensor) else weight is None,
+               bias._spec if isinstance(bias, DTensor) else bias is None)
         fits = self.decided.get(key)
         if fits is None:
             fits = self.decided[key] = self._fits(module, x._spec, params)

@@ -72,7 +72,12 @@ class DTensor(torch.Tensor):
             out = DTensor.from_local(local_tensor, device_mesh if spec is None else spec, placements,
                                      run_check=run_check, shape=shape, stride=stride)
             return out.requires_grad_() if requires_grad else out
-        r = _wrap(local_tensor, spec, cls)
+        # ``local_tensor`` wrapped as it is: the hot path of dispatch, redistribute and the local
+        # paths, inline (a helper function here was a Python call per DTensor made)
+        r = _make_wrapper(cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local_tensor.device,
+                          layout=local_tensor.layout)
+        r._local_tensor = local_tensor
+        r._spec = spec
         return r.requires_grad_() if requires_grad else r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -298,7 +303,7 @@ def redistribute_dtensor(x: DTensor, spec: DTensorSpec, *, same_ok: bool = False
         return x
     if x.requires_grad and torch.is_grad_enabled():
         return _Redistribute.apply(x, spec)
-    return _wrap(redistribute_local(x._local_tensor, x._spec, spec), spec)
+    return DTensor(redistribute_local(x._local_tensor, x._spec, spec), spec)
 
 
 def _redistribute_with_options(x: DTensor, target: DTensorSpec, async_op: bool, forward_dtype: torch.dtype | None,
@@ -318,16 +323,6 @@ def _redistribute_with_options(x: DTensor, target: DTensorSpec, async_op: bool, 
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
-
-
-def _wrap(local: torch.Tensor, spec: DTensorSpec, cls: type = DTensor) -> DTensor:
-    """``DTensor(local, spec)``: ``local`` wrapped as it is, not requiring grad (the hot path of
-    redistribute: no constructor to go through)."""
-    r = _make_wrapper(cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device,
-                      layout=local.layout)
-    r._local_tensor = local
-    r._spec = spec
-    return r
 
 
 class _FromLocal(torch.autograd.Function):
