@@ -60,7 +60,7 @@ def _is_inplace(func) -> bool:
 @takes_strided
 def pointwise_rule(call: OpCall) -> Sharding:
     out = call.out_metas()[0]
-    inputs, output = _choose(call.func, call.tensor_specs, out.shape, call.ndim, refuse_moves=True)
+    inputs, output = _choose(call.func, call.tensor_specs, out.shape, call.ndim)
     return Sharding(inputs, [output] * len(call.out_metas()))
 
 
@@ -105,13 +105,14 @@ _FOREACH_NOT_POINTWISE = {"_foreach_norm", "_foreach_max", "_foreach_mm", "_fore
 _FUSED = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}
 
 
-def _choose(func, specs, out_shape, mesh_ndim: int, refuse_moves: bool = False):
+def _choose(func, specs, out_shape, mesh_ndim: int):
     """Per mesh dim, the cheapest (output placement, input placements) pair.
 
-    An in-place op keeps its self argument's placement; where none of the options does
-    (``clamp_`` of a Partial), ``refuse_moves`` raises torch's ``RuntimeError`` (decided
-    from the specs: on every rank), else self is reduced first and takes the new
-    placement (the ``_foreach_*_`` and fused optimizer steps: a Partial parameter)."""
+    An in-place op keeps its self argument's placement where an option does; where none
+    does (``clamp_`` of a Partial) self is reduced first and takes the new placement, so
+    the value equals one process's. torch refuses that case; mpidtensor does not, because
+    torch's own decompositions write in place into Partial intermediates (``rms_norm``'s
+    ``add_`` of eps to the mean of a dim sharded across ranks)."""
     linearity = _linearity(func)
     divides = func._schema.name.split("::")[-1] in ("div", "div_")
     inplace = _is_inplace(func)
@@ -119,14 +120,8 @@ def _choose(func, specs, out_shape, mesh_ndim: int, refuse_moves: bool = False):
     out: list[Placement] = []
     for m in range(mesh_ndim):
         options = _options(specs, out_shape, m, linearity, divides)
-        if inplace:  # torch's rule: self keeps its placement, or the op is refused (on every rank)
-            kept = [o for o in options if o[0] == specs[0].placements[m]]
-            options = kept or options
-            if not kept and refuse_moves:
-                raise RuntimeError(
-                    f"{func}: in-place operations that require placement changes are not supported. The input "
-                    f"has placement {specs[0].placements}, but no valid strategy preserves this placement. "
-                    f"Please use the out-of-place version of this operation instead.")
+        if inplace:  # self keeps its placement where an option does
+            options = [o for o in options if o[0] == specs[0].placements[m]] or options
         best = min(options, key=lambda o: _cost(specs, m, o[1]))
         out.append(best[0])
         for i, p in enumerate(best[1]):
