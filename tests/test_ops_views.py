@@ -20,12 +20,11 @@ P2 = [[Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(1)], [Shar
 MESHES = ["mesh1d", "mesh2d"]
 
 
-def _check_all(request, mesh_name: str, x: torch.Tensor, fn, unsharded: int | None = None, **kw) -> None:
-    """``check_op(fn, [x])`` for every placement set of the mesh that fits ``x`` (and leaves
-    dim ``unsharded`` whole, if given)."""
+def _check_all(request, mesh_name: str, x: torch.Tensor, fn, **kw) -> None:
+    """``check_op(fn, [x])`` for every placement set of the mesh that fits ``x``."""
     mesh = request.getfixturevalue(mesh_name)
     for placements in P1 if mesh_name == "mesh1d" else P2:
-        if all(not isinstance(p, Shard) or (p.dim < x.ndim and p.dim != unsharded) for p in placements):
+        if all(not isinstance(p, Shard) or p.dim < x.ndim for p in placements):
             check_op(fn, [x], [placements], mesh, **kw)
 
 
@@ -195,8 +194,7 @@ def _splits(x):
 @pytest.mark.parametrize("mesh_name", MESHES)
 def test_split_chunk_unbind(request, mesh_name):
     _check_all(request, mesh_name, global_tensor((7, 9, 2)), _splits)
-    # unbind of a sharded dim is refused, as torch's (test_unbind_keeps_other_shards_...)
-    _check_all(request, mesh_name, global_tensor((7, 9, 2)), lambda x: x.unbind(-1), unsharded=2)
+    _check_all(request, mesh_name, global_tensor((7, 9, 2)), lambda x: x.unbind(-1))
 
 
 def test_split_along_unsharded_dim_moves_nothing(mesh1d):
@@ -289,9 +287,9 @@ def test_tensor_split_by_a_tensor_of_indices(mesh1d, as_dtensor):
     raises_everywhere(RuntimeError, lambda: torch.tensor_split(x, wrap(torch.tensor([[1, 2]]))), "one-dimensional")
 
 
-def test_unbind_keeps_other_shards_and_refuses_the_sharded_dim(mesh1d):
-    """As torch: unbinding an unsharded dim keeps the shards (no collective); unbinding the
-    sharded dim raises torch's RuntimeError on every rank."""
+def test_unbind_keeps_other_shards_and_moves_the_sharded_dim(mesh1d):
+    """Unbinding an unsharded dim keeps the shards (no collective, as torch); unbinding the
+    sharded dim moves its shards first and equals one process (torch raises)."""
     full = global_tensor((WORLD, 3))
     x = distribute_tensor(full, mesh1d, [Shard(1)])
     with Collectives() as seen:
@@ -299,4 +297,5 @@ def test_unbind_keeps_other_shards_and_refuses_the_sharded_dim(mesh1d):
     assert_all_ranks(not seen.calls and all(r.placements == (Shard(0),) for r in rows), f"{seen.calls}")
     for got, want in zip(rows, full.unbind(0)):
         assert_close(got.full_tensor(), want)
-    raises_everywhere(RuntimeError, lambda: x.unbind(1), "Sharding propagation failed")
+    for got, want in zip(x.unbind(1), full.unbind(1)):
+        assert_close(got.full_tensor(), want)

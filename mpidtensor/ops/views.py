@@ -440,19 +440,19 @@ def select_backward_rule(call: OpCall) -> Sharding:
 
 @register(aten.unbind.int)
 def unbind_rule(call: OpCall) -> Sharding:
-    """The other dims keep their shards. Unbinding the sharded dim is refused with torch's
-    ``RuntimeError`` (decided from the spec: on every rank): it would need a redistribution
-    torch's rule disallows (``redistribute`` to another dim first)."""
+    """The other dims keep their shards. A sharded unbound dim would leave most ranks
+    empty-handed: its shards move to another dim first (torch refuses that case; the value
+    here is one process's, and torch's OpInfo samples unbind sharded dims)."""
     spec = call.tensor_specs[0]
     dim = _norm(call.bound()["dim"], spec.ndim)
-    if _sharders(spec.placements, dim):
-        raise RuntimeError(
-            f"Attempted to unbind along the sharded dimension {dim}. It cannot be performed without "
-            f"redistribution, which is disallowed by the current operator.\n\nSharding propagation failed "
-            f"for {call.func}")
     others = [d for d in range(spec.ndim) if d != dim]
-    out = _renumber(spec.placements, {d: d - (d > dim) for d in others})
-    return Sharding([None], [out] * spec.shape[dim])
+    sharders = _sharders(spec.placements, dim)
+    if not sharders:
+        out = _renumber(spec.placements, {d: d - (d > dim) for d in others})
+        return Sharding([None], [out] * spec.shape[dim])
+    placements = _relocate(spec.shape, spec.mesh.shape, list(spec.placements), sharders, others)
+    out = _renumber(placements, {d: d - (d > dim) for d in others})
+    return Sharding([tuple(placements)], [out] * spec.shape[dim])
 
 
 # --- diagonal and unfold: a new dim made of two old ones or of windows -----------------------------

@@ -375,10 +375,7 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx, grad: DTensor):
         src = ctx.src
         local, spec = grad._local_tensor, grad._spec
-        # A Partial input whose gradient arrives as the same Partial keeps it (no collective, as
-        # torch's); any other Partial input's gradient is settled to Replicate.
-        target = [p if p.is_partial() and g == p else Replicate() if p.is_partial() else p
-                  for p, g in zip(src.placements, spec.placements)]
+        target = _settled(src.placements)
         moved = ctx.backward_dtype
         if moved is not None and moved != spec.dtype:  # the gradient moves in backward_dtype
             local = local.to(moved)
