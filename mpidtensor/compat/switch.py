@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..runtime import effects
 from ..backend import cpp_groups, distributed, process_group, rendezvous
-from . import importer, views
+from . import importer, serialization, views
 
 __all__ = ["EFFECT", "install_torch_distributed"]
 
@@ -15,13 +15,15 @@ EFFECT = "torch.distributed switch"
 @effects.effect(EFFECT, "explicit",
                 "user code's imports of torch.distributed.tensor, .device_mesh, .fsdp, .checkpoint (and the "
                 "older paths) give mpidtensor's modules, torch's own code keeping torch's (builtins.__import__ "
-                "and importlib.import_module wrapped); torch.distributed's default group is the MPI backend; "
+                "and importlib.import_module wrapped); torch.save/torch.load write DTensors in torch's format and read "
+                "it back as mpidtensor's; torch.distributed's default group is the MPI backend; "
                 "RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set from MPI")
 def _install() -> None:
     rendezvous.export_launcher_environment()
     process_group.init_process_group()
     views.override("torch.distributed", distributed.OVERRIDES)
     views.override("torch.distributed._composable", cpp_groups.COMPOSABLE_OVERRIDES)
+    views.override("torch", {"save": serialization.save, "load": serialization.load})
     importer.install()
 
 
