@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..runtime import effects
 from ..backend import cpp_groups, distributed, process_group, rendezvous
-from . import importer, serialization, views
+from . import importer, views
 
 __all__ = ["EFFECT", "install_torch_distributed"]
 
@@ -23,7 +23,6 @@ def _install() -> None:
     process_group.init_process_group()
     views.override("torch.distributed", distributed.OVERRIDES)
     views.override("torch.distributed._composable", cpp_groups.COMPOSABLE_OVERRIDES)
-    views.override("torch", {"save": serialization.save, "load": serialization.load})
     importer.install()
 
 

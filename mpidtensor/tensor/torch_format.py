@@ -23,7 +23,7 @@ or in its safe globals (weights_only=True), which hold torch's classes once
 ``torch.distributed.tensor`` is imported: :func:`loading` puts mpidtensor's in their place
 for the duration of one load, :class:`Unpickler` maps them for the other. A mesh torch
 itself saved (no ``_mpidtensor_mesh``) maps to the program's root mesh of its ranks and
-names, or a named slice of it.
+names (built if it has none).
 """
 from __future__ import annotations
 
@@ -155,22 +155,15 @@ class SavedMesh(_Saved):
         ours = self.state.get("_mpidtensor_mesh")
         if ours is not None:
             return ours
-        # a mesh torch saved: its root (rank map and names), and the slice of it by names
+        # a mesh torch saved: the program's root mesh of its ranks and dim names (or a new one)
         root = self.state.get("_root_mesh")
-        root_state = root.state if isinstance(root, SavedMesh) else self.state
-        ranks = tuple(int(r) for r in root_state["_rank_map"].tolist())
-        shape = tuple(root_state["_layout"].top_level_sizes)
-        root_names = root_state.get("_mesh_dim_names")
-        world = MPI.COMM_WORLD.size
-        if root is None or root is self:
-            return VERSION, self.state["_device_type"], world, 0, shape, ranks, root_names, ()
-        names = self.state.get("_mesh_dim_names") or ()
-        if not root_names or not all(n in root_names for n in names):
-            raise ValueError(f"a DeviceMesh that torch saved as {names} of a root mesh {root_names}: "
-                             f"mpidtensor maps only a root mesh or a slice of it by dim names")
-        dims = tuple(root_names.index(n) for n in names)
-        return (VERSION, self.state["_device_type"], world, 0, shape, ranks, root_names,
-                (("slice", dims, tuple(names)),))
+        if root is not None and root is not self:
+            raise ValueError(f"a DeviceMesh that torch saved as a part of a larger mesh "
+                             f"({self.state.get('_mesh_dim_names')}): mpidtensor maps only a root mesh of torch's")
+        shape = tuple(self.field("_layout").top_level_sizes)
+        ranks = tuple(int(r) for r in self.field("_rank_map").tolist())
+        return (VERSION, self.field("_device_type"), MPI.COMM_WORLD.size, 0, shape, ranks,
+                self.state.get("_mesh_dim_names"), ())
 
 
 class SavedPlacement(_Saved):
