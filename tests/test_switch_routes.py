@@ -20,7 +20,7 @@ import mpidtensor
 from helpers import assert_all_ranks
 from mpidtensor.backend import distributed as switch_dist
 from mpidtensor.compat import importer, routes, views
-from mpidtensor.compat.aliases import ALIASES
+from mpidtensor.compat.aliases import ALIASES, NAMES
 from subjob import run_command
 
 WORLD = MPI.COMM_WORLD
@@ -77,11 +77,13 @@ def test_every_provided_name_by_every_spelling(switched):
                 ("torch.distributed.tensor.parallel.api", "parallelize_module"),
                 ("torch.distributed.tensor.placement_types", "Shard"),
                 ("torch.distributed.tensor._api", "DTensor"),
-                ("torch.distributed.fsdp._fully_shard._fully_shard", "fully_shard")]:
+                ("torch.distributed.fsdp._fully_shard._fully_shard", "fully_shard"),
+                ("torch", "save"), ("torch", "load")]:
         if key not in found:
             problems.append(f"{'.'.join(key)} is not among the {len(found)} routed names")
-    replaced = {(path, name) for path, name in found if path not in ALIASES and not getattr(
-        sys.modules[path], name).__module__.startswith(("torch.distributed", "torch._C._distributed"))}
+    replaced = {(path, name) for path, name in found if path not in ALIASES and f"{path}.{name}" not in NAMES
+                and not getattr(sys.modules[path], name).__module__.startswith(
+                    ("torch.distributed", "torch._C._distributed"))}
     if replaced:
         problems.append(f"torch objects replaced from outside torch.distributed: {sorted(replaced)[:5]}")
     assert_all_ranks(not problems, f"{len(problems)} problems over {len(found)} names: " + "; ".join(problems[:20]))

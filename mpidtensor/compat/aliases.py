@@ -48,11 +48,15 @@ ALIASES: dict[str, str] = {
     "torch.distributed.pipelining.microbatch": "mpidtensor.pipelining.microbatch",
 }
 
-# torch functions below a row that user code gets as mpidtensor's (torch path -> mpidtensor
-# path), where torch's own would read mpidtensor's objects wrongly: torch's
-# compute_local_shape_and_global_offset tests `isinstance(p, Shard)` against torch's class and
-# so skips mpidtensor's placements (a full shape, no error).
+# torch functions below a row (or at a package above one) that user code gets as mpidtensor's
+# (torch path -> mpidtensor path), where torch's own would read mpidtensor's objects wrongly:
+# torch's compute_local_shape_and_global_offset tests `isinstance(p, Shard)` against torch's
+# class and so skips mpidtensor's placements (a full shape, no error); torch.save would write
+# mpidtensor's classes (a file plain torch cannot load) and torch.load would give torch's
+# DTensor for a file in torch's format.
 NAMES: dict[str, str] = {
+    "torch.save": "mpidtensor.compat.serialization.save",
+    "torch.load": "mpidtensor.compat.serialization.load",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset":
         "mpidtensor.compat.torch_utils.compute_local_shape_and_global_offset",
     "torch.distributed.tensor._utils._compute_local_shape_and_global_offset":

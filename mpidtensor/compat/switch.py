@@ -15,7 +15,8 @@ EFFECT = "torch.distributed switch"
 @effects.effect(EFFECT, "explicit",
                 "user code's imports of torch.distributed.tensor, .device_mesh, .fsdp, .checkpoint (and the "
                 "older paths) give mpidtensor's modules, torch's own code keeping torch's (builtins.__import__ "
-                "and importlib.import_module wrapped); torch.distributed's default group is the MPI backend; "
+                "and importlib.import_module wrapped); torch.save/torch.load write DTensors in torch's format and read "
+                "it back as mpidtensor's; torch.distributed's default group is the MPI backend; "
                 "RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set from MPI")
 def _install() -> None:
     rendezvous.export_launcher_environment()

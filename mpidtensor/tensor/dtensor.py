@@ -20,7 +20,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .layout import global_strides
-from . import pickling, validate
+from . import pickling, torch_format, validate
 from ..mesh import DeviceMesh
 from ..mesh.foreign import refuse_torch_dtensor, require_mesh
 from .placements import Partial, Placement, Replicate, normalize_placements, shard_dim
@@ -92,6 +92,10 @@ class DTensor(torch.Tensor):
     def __reduce_ex__(self, protocol: int):
         """Pickled as its local tensor and spec; unpickled on the live mesh (:mod:`.pickling`)."""
         return pickling.reduce_dtensor(self)
+
+    def __setstate__(self, state) -> None:
+        """Finishes a DTensor unpickled from torch's format (:func:`.torch_format.set_state`)."""
+        torch_format.set_state(self, state)
 
     def __tensor_flatten__(self):
         return ["_local_tensor"], self._spec

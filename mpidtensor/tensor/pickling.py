@@ -14,6 +14,9 @@ registers its DTensor classes when ``torch.distributed.tensor`` is imported; mpi
 registers its own (:func:`safe_globals`) when the first mesh is built (a process-wide
 effect, :mod:`mpidtensor.runtime.effects`). The placements registered are every subclass
 of ``Placement`` defined by then, so a new placement class needs no change here.
+
+Under the torch.distributed switch, ``torch.save`` writes torch's format instead (a file a
+plain torch process loads; :mod:`.torch_format`), and ``torch.load`` reads both.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 from ..mesh import DeviceMesh
 from ..mesh.pickling import restore_mesh
 from .placements import Placement
+from . import torch_format
 from .spec import DTensorSpec
 from .validate import check_local_shape
 
@@ -31,7 +35,12 @@ __all__ = ["rebuild_dtensor", "reduce_dtensor", "safe_globals"]
 
 
 def reduce_dtensor(tensor: torch.Tensor) -> tuple:
-    """``DTensor.__reduce_ex__``: ``(rebuild_dtensor, (type, local, spec, requires_grad, state))``."""
+    """``DTensor.__reduce_ex__``: ``(rebuild_dtensor, (type, local, spec, requires_grad, state))``,
+    or torch's DTensor's reduce tuple inside :func:`.torch_format.saving`."""
+    if torch_format.saving_active():
+        reduced = torch_format.reduce_as_torch(tensor)
+        if reduced is not None:
+            return reduced
     state = dict(tensor.__dict__)
     return rebuild_dtensor, (type(tensor), tensor._local_tensor, tensor._spec, tensor.requires_grad, state)
 
