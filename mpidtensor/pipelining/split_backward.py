@@ -110,17 +110,12 @@ def _walk(roots: list[torch.Tensor], inputs: list[torch.Tensor], params: list[to
             nodes.append(e.node)
     shape = []
     leaves: dict[int, tuple[int, torch.Tensor]] = {}  # id of a leaf -> (position of its AccumulateGrad, the leaf)
-    i = 0
-    while i < len(nodes):
-        node = nodes[i]
+    for i, node in enumerate(nodes):  # the list grows as the walk discovers nodes
         kids = []
         for child, nr in node.next_functions:
-            if child is None:
-                kids.append((-1, nr))
-                continue
-            at = index.get(child)
+            at = -1 if child is None else index.get(child)
             if at is None:
-                at = index[child] = len(nodes)
+                at = index[child] = len(index)
                 nodes.append(child)
             kids.append((at, nr))
         if not kids:
@@ -128,7 +123,6 @@ def _walk(roots: list[torch.Tensor], inputs: list[torch.Tensor], params: list[to
             if variable is not None:
                 leaves[id(variable)] = (i, variable)
         shape.append((type(node), tuple(kids)))
-        i += 1
 
     def where(t: torch.Tensor) -> tuple[int, int]:
         if t.grad_fn is not None:
