@@ -17,6 +17,10 @@ mean-square loss on the last stage), without the optimizer.
 * **hand**: GPipe and 1F1B written directly on mpi4py (``Irecv`` / ``Isend`` of the
   tensors' numpy views, one message per hop), the floor an implementation can reach.
 
+Beside each row, ``calls``: the Python calls of one step on rank 0 (``sys.setprofile``,
+as ``record_steps.python_calls`` counts them; mdt's and torch's schedules, the hand loop):
+a figure of the step's CPU work that machine load does not move.
+
 The bubble fraction is measured from per-rank timelines: each stage records when its
 forward and backward run (mdt and torch: each backward action of the pipeline stage, whole
 ``B``, input ``I`` or weight ``W``; hand: from the arrival of the output's gradient to the
@@ -29,7 +33,8 @@ in turn within each repetition (the same machine load for all); the table gives 
 A second table times one stage's backward of one micro-batch alone (the V-shaped
 schedules' stage, half a rank's layers; every rank at once, the slowest rank's median):
 whole (``torch.autograd.backward``), split as mdt's zero-bubble schedules run it (``I``
-then ``W``, :mod:`mpidtensor.pipelining.split_backward`), and split by walking the graph
+then ``W``, :mod:`mpidtensor.pipelining.split_backward`, through a stage's ``Splitter``,
+which plans the graph's shape once), and split by walking the graph
 twice (``I`` as ``autograd.grad(..., retain_graph=True)``, ``W`` as a second backward
 restricted to the parameters: mdt before the split, the reference).
 
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -58,11 +64,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 from llama_pp import Timeline  # noqa: E402
+from record_steps import python_calls  # noqa: E402
 from text_table import print_table  # noqa: E402
 
 import mpidtensor  # noqa: E402,F401  (MPI set up as the rest of the benchmarks have it)
 import mpidtensor.pipelining as mdt_pp  # noqa: E402
-from mpidtensor.pipelining.split_backward import backward_input  # noqa: E402
+from mpidtensor.pipelining.split_backward import Splitter  # noqa: E402
 from mpidtensor.testing.gloo import init_gloo_process_group  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -252,12 +259,13 @@ def backward_seconds(args) -> dict[str, float]:
     params = list(stage.parameters())
     x = torch.randn(args.rows, args.width, requires_grad=True)
     grad = torch.randn(args.rows, args.width)
+    splitter = Splitter()  # as a pipeline stage holds one: the graph's plan made once
 
     def whole() -> None:
         torch.autograd.backward([stage(x)], [grad])
 
     def split() -> None:
-        _, weights = backward_input([stage(x)], [grad], [x], params)
+        _, weights = splitter.backward_input([stage(x)], [grad], [x], params)
         weights()
 
     def twice() -> None:
@@ -355,6 +363,9 @@ def _run(args) -> dict:
             bubbles[case] += b
             spans[case] = sp
     ideal_s = statistics.median(ideal)
+    calls = {}
+    for case, runner in runners.items():  # every rank runs the step; rank 0 counts its calls
+        calls[case] = python_calls(runner) if RANK == 0 else runner()
     backward_ms = {k: v * 1e3 for k, v in backward_seconds(args).items()}
     rows = []
     for case in cases:
@@ -364,7 +375,7 @@ def _run(args) -> dict:
         hand = statistics.median(secs[(name, "hand")]) if (name, "hand") in secs else None
         rows.append({"schedule": name, "impl": impl, "step_ms": step * 1e3, "vs_ideal": step / ideal_s,
                      "vs_hand": step / hand if hand else None, "bubble": statistics.median(bubbles[case]),
-                     "bubble_theory": theory})
+                     "bubble_theory": theory, "calls": calls[case]})
     return {"ranks": P, "width": args.width, "layers": args.layers, "rows": args.rows,
             "microbatches": args.microbatches, "ideal_ms": ideal_s * 1e3, "rows_out": rows, "skipped": skipped,
             "backward_ms": backward_ms,
@@ -372,13 +383,13 @@ def _run(args) -> dict:
 
 
 def table(result: dict) -> tuple[list[str], list[list[str]]]:
-    header = ["schedule", "impl", "step ms", "x ideal", "x hand", "bubble", "theory"]
+    header = ["schedule", "impl", "step ms", "x ideal", "x hand", "bubble", "theory", "calls"]
     rows = []
     for r in result["rows_out"]:
         name = r["schedule"].removeprefix("Schedule")
         rows.append([name, r["impl"], f"{r['step_ms']:.1f}", f"{r['vs_ideal']:.2f}",
                      "-" if r["vs_hand"] is None else f"{r['vs_hand']:.2f}", f"{r['bubble']:.2f}",
-                     "-" if r["bubble_theory"] is None else f"{r['bubble_theory']:.2f}"])
+                     "-" if r["bubble_theory"] is None else f"{r['bubble_theory']:.2f}", f"{r['calls']:,}"])
     return header, rows
 
 
@@ -418,7 +429,8 @@ def main(argv: list[str] | None = None) -> dict:
     if RANK == 0:
         header, rows = table(result)
         title = (f"pipeline step, {P} ranks, {args.microbatches} micro-batches of {args.rows} x {args.width}, "
-                 f"{args.layers} layers per rank; ideal (no bubble) {result['ideal_ms']:.1f} ms")
+                 f"{args.layers} layers per rank; ideal (no bubble) {result['ideal_ms']:.1f} ms; load average "
+                 f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print(title)
         print_table(header, rows)
         out = Path(args.out)

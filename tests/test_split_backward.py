@@ -1,7 +1,8 @@
 """The zero-bubble split (``pipelining.split_backward``) against one whole backward: on each
 stage module, ``I`` then ``W`` give the same input and parameter gradients as
 ``torch.autograd.backward``, run no matrix product twice where the weight sides are
-apart, and release the graph once ``W`` has run. Local: every rank runs the same and
+apart, and release the graph once ``W`` has run; a stage's ``Splitter`` plans each graph
+shape once. Local: every rank runs the same and
 the verdict is agreed."""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import assert_all_ranks
-from mpidtensor.pipelining.split_backward import backward_input
+from mpidtensor.pipelining.split_backward import Splitter, backward_input
 
 WIDTH = 6
 
@@ -164,6 +165,51 @@ def test_no_product_runs_twice(name: str) -> None:
     assert_all_ranks(counts[0] == counts[1] and counts[0] > 0, f"{name}: whole {counts[0]}, split {counts[1]}")
 
 
+class Branchy(nn.Module):
+    """The benchmark's stack, with one more layer when asked: two graph shapes, one module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = Stack()
+        self.extra = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, deeper: bool):
+        x = self.stack(x)
+        return self.extra(x) if deeper else x
+
+
+def test_splitter_plans_once_per_graph_shape() -> None:
+    """A stage's :class:`Splitter` analyses each graph shape once and reuses the plan for
+    the micro-batches that build it again (new tensors, new nodes), with the gradients of
+    whole backwards; a micro-batch of another shape gets a plan of its own."""
+    torch.manual_seed(0)
+    module = Branchy().double()
+    xs = [torch.randn(4, WIDTH, dtype=torch.float64) for _ in range(5)]
+    deeper = [False, False, True, False, True]
+    grads = [torch.randn(4, WIDTH, dtype=torch.float64) for _ in xs]
+    whole_in = []
+    for x, d, g in zip(xs, deeper, grads):
+        x = x.clone().requires_grad_()
+        torch.autograd.backward([module(x, d)], [g])
+        whole_in.append(x.grad)
+    whole_params = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    splitter = Splitter()
+    params = list(module.parameters())
+    split_in, pending = [], []
+    for x, d, g in zip(xs, deeper, grads):  # every I first, the Ws later (as a schedule defers them)
+        x = x.clone().requires_grad_()
+        got, weights = splitter.backward_input([module(x, d)], [g], [x], params)
+        split_in += got
+        pending.append(weights)
+    for weights in pending:
+        weights()
+    ok = splitter.analyses == 2 and all(same(a, b) for a, b in zip(whole_in, split_in))
+    ok = ok and all(same(a, p.grad) for a, p in zip(whole_params, params))
+    assert_all_ranks(ok, f"{splitter.analyses} analyses (2 shapes); input grads equal: "
+                         f"{[same(a, b) for a, b in zip(whole_in, split_in)]}")
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_graph_released_after_weights(name: str) -> None:
     """What the forward saved for backward lives until ``W`` has run, and not after."""
@@ -183,7 +229,8 @@ def test_graph_released_after_weights(name: str) -> None:
         outputs = module(*args)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     roots = [o for o in outputs if o.requires_grad]
-    _, weights = backward_input(roots, [torch.ones_like(o) for o in roots], args, list(module.parameters()))
+    splitter = Splitter()  # the plan it keeps holds no node of the graph
+    _, weights = splitter.backward_input(roots, [torch.ones_like(o) for o in roots], args, list(module.parameters()))
     del outputs, roots
     gc.collect()
     kept = sum(r() is not None for r in alive)

@@ -19,29 +19,40 @@ call. When an edge into the weight side is itself reachable from another such ed
 target can exclude the input side and ``W`` runs the whole backward again over the
 retained graph, restricted to the parameters (correct; the old cost).
 
+Which nodes are intermediates, and which parameters each one's ``W`` call reaches, depend
+only on the graph's structure. A stage builds the same graph for every micro-batch, so a
+:class:`Splitter` (one per stage) keeps that plan per *graph shape*: the walk that finds
+the nodes also writes the shape down (each node's type and the walk positions of its
+children, with the positions of roots, inputs and parameters), and a shape met before
+reuses its plan; only the walk, the hooks and the autograd calls run per micro-batch. A
+plan holds positions, never nodes, so it keeps no graph alive. (On the benchmark's stage
+of two Linear layers the analysis of a graph took ~120 us and the walk alone ~10 us.)
+
 The graph is retained between ``I`` and ``W`` (``W`` needs the intermediates' saved
 tensors) and released once ``W`` has run: :class:`WeightPass` drops every reference.
+``I``'s and ``W``'s calls go straight to autograd's engine (``_engine_run_backward``, what
+``torch.autograd.backward`` and ``grad`` end in) where every root has its gradient (the
+stage checked their shapes): the argument handling they skip cost 10-25 us per call.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, _engine_run_backward, get_gradient_edge
 
-__all__ = ["WeightPass", "backward_input"]
+__all__ = ["Splitter", "WeightPass", "backward_input"]
 
-_Edges = list[GradientEdge]
+_WHOLE, _OWN, _SHARED = "whole", "own", "shared"  # how W runs (module docstring, in order)
 
 
 class WeightPass:
     """The ``W`` of one micro-batch: call it once. ``calls`` are the autograd calls to make,
-    each ``(outputs, grads, targets, accumulate)``: with ``accumulate`` a
-    ``torch.autograd.backward`` into the parameters' ``.grad``, else a
-    ``torch.autograd.grad`` whose results (the gradients at the weight side's first edges)
-    feed the final accumulating call ``final``."""
+    each ``(outputs, grads, targets, accumulate)``: with ``accumulate`` a backward into the
+    targets' ``.grad``, else a gradient computation whose results (the gradients at the
+    weight side's first edges) feed the final accumulating call ``final``."""
 
-    def __init__(self, calls: list[tuple[list, list, list, bool]], final: tuple[list, list] | None,
+    def __init__(self, calls: list[tuple[list, list | None, list, bool]], final: tuple[list, list] | None,
                  params: list[torch.Tensor]) -> None:
         self.calls, self.final, self.params = calls, final, params
 
@@ -52,9 +63,12 @@ class WeightPass:
         roots, grads = list(roots), list(grads)
         for outputs, out_grads, targets, accumulate in calls:
             if accumulate:
-                torch.autograd.backward(outputs, out_grads, inputs=targets)
+                if out_grads is None:  # a scalar loss: autograd makes its gradient
+                    torch.autograd.backward(outputs, out_grads, inputs=targets)
+                else:
+                    _engine_run_backward(tuple(outputs), tuple(out_grads), False, False, tuple(targets), True, True)
                 continue
-            got = torch.autograd.grad(outputs, targets, out_grads, allow_unused=True)
+            got = _engine_run_backward(tuple(outputs), tuple(out_grads), False, False, tuple(targets), True, False)
             for edge, g in zip(targets, got):
                 if g is not None:
                     roots.append(edge)
@@ -63,32 +77,74 @@ class WeightPass:
             torch.autograd.backward(roots, grads, inputs=params)
 
 
+class _Plan(NamedTuple):
+    """How ``W`` runs for one graph shape, in walk positions: ``entries`` are the
+    intermediates as ``(node, first weight-side edges as (child, input_nr), parameters
+    whose gradients its call accumulates)``; ``given`` the roots that lead to parameters
+    and not to inputs, as ``(root, parameters)``."""
+
+    mode: str
+    entries: tuple[tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]], ...]
+    given: tuple[tuple[int, tuple[int, ...]], ...]
+
+
+class _Graph(NamedTuple):
+    """One walk of a backward graph: its nodes by position, and its shape (the plan's key)."""
+
+    nodes: list[Node]
+    shape: tuple
+
+
+def _walk(roots: list[torch.Tensor], inputs: list[torch.Tensor], params: list[torch.Tensor]) -> _Graph:
+    """Every node reachable from ``roots``, in discovery order, and the graph's shape: each
+    node's type and its children's positions (``-1`` for none) with their input numbers,
+    then where each root, input and parameter sits (position, output number; ``-1`` when
+    unreachable). A leaf is found by its ``AccumulateGrad`` node's ``variable``: asking
+    autograd for a leaf's edge makes a view, ~20 us each under load."""
+    root_edges = [_edge(r) for r in roots]
+    nodes: list[Node] = []
+    index: dict[Node, int] = {}
+    for e in root_edges:
+        if e.node not in index:
+            index[e.node] = len(nodes)
+            nodes.append(e.node)
+    shape = []
+    leaves: dict[int, tuple[int, torch.Tensor]] = {}  # id of a leaf -> (position of its AccumulateGrad, the leaf)
+    for i, node in enumerate(nodes):  # the list grows as the walk discovers nodes
+        kids = []
+        for child, nr in node.next_functions:
+            at = -1 if child is None else index.get(child)
+            if at is None:
+                at = index[child] = len(index)
+                nodes.append(child)
+            kids.append((at, nr))
+        if not kids:
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                leaves[id(variable)] = (i, variable)
+        shape.append((type(node), tuple(kids)))
+
+    def where(t: torch.Tensor) -> tuple[int, int]:
+        if t.grad_fn is not None:
+            return index.get(t.grad_fn, -1), t.output_nr
+        found = leaves.get(id(t))
+        if found is not None and found[1] is t:
+            return found[0], 0
+        # not reached (unused), or a leaf seen under another Python object
+        return index.get(get_gradient_edge(t).node, -1), 0
+
+    places = (tuple((index[e.node], e.output_nr) for e in root_edges), tuple(where(x) for x in inputs),
+              tuple(where(p) for p in params))
+    return _Graph(nodes, (tuple(shape), places))
+
+
 def _edge(t: torch.Tensor) -> GradientEdge:
-    return get_gradient_edge(t)
+    return GradientEdge(t.grad_fn, t.output_nr) if t.grad_fn is not None else get_gradient_edge(t)
 
 
-def _walk(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
-    """Every node reachable from ``roots`` and each one's parents (nodes with an edge to it)."""
-    stack = list(dict.fromkeys(roots))
-    parents: dict[Node, list[Node]] = {r: [] for r in stack}
-    order: list[Node] = []
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
-        order.append(node)
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            parents.setdefault(child, []).append(node)
-            if child not in seen:
-                seen.add(child)
-                stack.append(child)
-    return order, parents
-
-
-def _ancestors(starts: Sequence[Node], parents: dict[Node, list[Node]]) -> set[Node]:
-    """``starts`` and every node with a path to one of them."""
-    found = {s for s in starts if s in parents}
+def _ancestors(starts: Sequence[int], parents: list[list[int]]) -> set[int]:
+    """``starts`` (reached positions) and every position with a path to one of them."""
+    found = {s for s in starts if s >= 0}
     stack = list(found)
     while stack:
         for p in parents[stack.pop()]:
@@ -98,95 +154,139 @@ def _ancestors(starts: Sequence[Node], parents: dict[Node, list[Node]]) -> set[N
     return found
 
 
-def backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, inputs: list[torch.Tensor],
-                   params: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], Callable[[], None]]:
-    """``I``: the gradients of ``inputs`` (``None`` where unused) from ``roots`` (with
-    ``root_grads``, ``None`` for a scalar loss), and the ``W`` that later accumulates the
-    gradients of ``params`` into their ``.grad`` (:class:`WeightPass`)."""
-    if not roots:
-        return [None] * len(inputs), WeightPass([], None, [])
-    if not inputs:  # the first stage: the whole backward is W's
-        return [], WeightPass([(roots, root_grads, params, True)] if params else [], None, [])
-    if not params:
-        return list(torch.autograd.grad(roots, inputs, root_grads, allow_unused=True)), WeightPass([], None, [])
-    root_edges = [_edge(r) for r in roots]
-    order, parents = _walk([e.node for e in root_edges])
-    input_side = _ancestors([_edge(x).node for x in inputs], parents)
-    weight_bound = _ancestors([_edge(p).node for p in params], parents)
+def _analyse(shape: tuple) -> _Plan:
+    """The plan of ``W`` for a graph of ``shape`` (see the module's docstring)."""
+    structure, (root_places, input_places, param_places) = shape
+    parents: list[list[int]] = [[] for _ in structure]
+    for i, (_, kids) in enumerate(structure):
+        for child, _ in kids:
+            if child >= 0:
+                parents[child].append(i)
+    input_side = _ancestors([at for at, _ in input_places], parents)
+    weight_bound = _ancestors([at for at, _ in param_places], parents)
     # the first weight-side edges below each intermediate, in the walk's order: the same on
-    # every rank (a set's order is not), so ranks whose weight sides communicate (tensor
-    # parallel) run W's calls in the same order
-    entries: dict[Node, _Edges] = {}
-    for node in order:
-        if node not in input_side or node not in weight_bound:
-            continue
-        below = [GradientEdge(child, nr) for child, nr in node.next_functions
-                 if child is not None and child not in input_side and child in weight_bound]
-        if below:
-            entries[node] = below
-    # weight-only outputs (a root that leads to parameters and not to inputs) start W as given
-    given = [(r, g) for r, e, g in zip(roots, root_edges, root_grads or [None] * len(roots))
-             if e.node not in input_side and e.node in weight_bound]
-    captured: dict[Node, tuple] = {}
-    handles = [node.register_prehook(_keep(captured, node)) for node in entries]
-    try:
-        got = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    return list(got), _plan(entries, captured, given, roots, root_grads, params)
-
-
-def _keep(captured: dict, node: Node) -> Callable[[tuple], None]:
-    def hook(grad_outputs: tuple) -> None:
-        captured[node] = grad_outputs
-    return hook
-
-
-def _plan(entries: dict[Node, _Edges], captured: dict[Node, tuple], given: list, roots: list,
-          root_grads: list | None, params: list[torch.Tensor]) -> WeightPass:
-    """The autograd calls of ``W`` (see the module's docstring for the three cases)."""
-    owner: dict[Node, Node] = {}  # weight-side node -> the one start (intermediate or root) reaching it
+    # every rank, so ranks whose weight sides communicate (tensor parallel) run W's calls
+    # in the same order
+    entries = []
+    for i, (_, kids) in enumerate(structure):
+        if i in input_side and i in weight_bound:
+            below = tuple((c, nr) for c, nr in kids if c >= 0 and c not in input_side and c in weight_bound)
+            if below:
+                entries.append((i, below))
+    given = [k for k, (at, _) in enumerate(root_places) if at not in input_side and at in weight_bound]
+    owner: dict[int, int] = {}  # weight-side position -> the one start (intermediate or root) reaching it
     shared = overlapping = False
-    starts = [(n, [e.node for e in below]) for n, below in entries.items()] + [(_edge(r).node, [_edge(r).node])
-                                                                                for r, _ in given]
-    entry_nodes = [e.node for below in entries.values() for e in below]
+    starts = [(i, [c for c, _ in below]) for i, below in entries] + [(root_places[k][0], [root_places[k][0]])
+                                                                     for k in given]
+    entry_nodes = [c for _, below in entries for c, _ in below]
     for start, firsts in starts:
         stack, mine = list(firsts), set(firsts)
         while stack:
             node = stack.pop()
-            if owner.setdefault(node, start) is not start:
+            if owner.setdefault(node, start) != start:
                 shared = True
-            for child, _ in node.next_functions:
-                if child is not None and child not in mine:
+            for child, _ in structure[node][1]:
+                if child >= 0 and child not in mine:
                     mine.add(child)
                     stack.append(child)
         if any(n in mine for n in entry_nodes if n not in firsts):
             overlapping = True
-    if len(set(entry_nodes)) != len(entry_nodes):
-        overlapping = True
-    if overlapping:  # W as a whole backward over the retained graph, restricted to the parameters
-        return WeightPass([(roots, root_grads, params, True)], None, [])
+    if overlapping or len(set(entry_nodes)) != len(entry_nodes):
+        return _Plan(_WHOLE, (), ())
+    owned: dict[int, list[int]] = {}
+    for j, (at, _) in enumerate(param_places):
+        if at in owner:
+            owned.setdefault(owner[at], []).append(j)
+    return _Plan(_SHARED if shared else _OWN, tuple((i, below, tuple(owned.get(i, ()))) for i, below in entries),
+                 tuple((k, tuple(owned.get(root_places[k][0], ()))) for k in given))
+
+
+class Splitter:
+    """Splits the backwards of one stage (:meth:`backward_input`), keeping the plan of each
+    graph shape it met; ``capacity`` shapes at most (the oldest is forgotten first).
+    ``analyses`` counts the plans it made."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self.analyses = 0
+        self._plans: dict[tuple, _Plan] = {}
+
+    def _plan(self, shape: tuple) -> _Plan:
+        plan = self._plans.get(shape)
+        if plan is None:
+            plan = _analyse(shape)
+            self.analyses += 1
+            if self.capacity > 0:
+                if len(self._plans) >= self.capacity:
+                    del self._plans[next(iter(self._plans))]
+                self._plans[shape] = plan
+        return plan
+
+    def backward_input(self, roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None,
+                       inputs: list[torch.Tensor], params: list[torch.Tensor]
+                       ) -> tuple[list[torch.Tensor | None], WeightPass]:
+        """``I``: the gradients of ``inputs`` (``None`` where unused) from ``roots`` (with
+        ``root_grads``, ``None`` for a scalar loss), and the ``W`` that later accumulates
+        the gradients of ``params`` into their ``.grad`` (:class:`WeightPass`)."""
+        if not roots:
+            return [None] * len(inputs), WeightPass([], None, [])
+        if not inputs:  # the first stage: the whole backward is W's
+            return [], WeightPass([(roots, root_grads, params, True)] if params else [], None, [])
+        if not params:
+            return list(torch.autograd.grad(roots, inputs, root_grads, allow_unused=True)), WeightPass([], None, [])
+        graph = _walk(roots, inputs, params)
+        plan = self._plan(graph.shape)
+        if plan.mode == _WHOLE:  # W as a whole backward over the retained graph, restricted to the parameters
+            got = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True)
+            return list(got), WeightPass([(roots, root_grads, params, True)], None, [])
+        nodes = graph.nodes
+        captured: dict[int, tuple] = {}
+        handles = [nodes[i].register_prehook(_keep(captured, i)) for i, _, _ in plan.entries]
+        try:
+            if root_grads is None or any(g is None for g in root_grads):  # autograd makes a scalar's gradient
+                got = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True)
+            else:
+                got = _engine_run_backward(tuple(roots), tuple(root_grads), True, False, tuple(inputs), True, False)
+        finally:
+            for h in handles:
+                h.remove()
+        return list(got), _weight_pass(plan, nodes, captured, roots, root_grads, params)
+
+
+def backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, inputs: list[torch.Tensor],
+                   params: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], WeightPass]:
+    """:meth:`Splitter.backward_input` with no plan kept (a one-off split)."""
+    return Splitter(capacity=0).backward_input(roots, root_grads, inputs, params)
+
+
+def _keep(captured: dict, position: int) -> Callable[[tuple], None]:
+    def hook(grad_outputs: tuple) -> None:
+        captured[position] = grad_outputs
+    return hook
+
+
+def _weight_pass(plan: _Plan, nodes: list[Node], captured: dict[int, tuple], roots: list,
+                 root_grads: list | None, params: list[torch.Tensor]) -> WeightPass:
+    """The autograd calls of ``W`` for this micro-batch's graph, following ``plan``."""
     calls = []
-    for node, below in entries.items():
-        grads = captured.get(node)
+    for i, below, mine in plan.entries:
+        grads = captured.get(i)
         if grads is None:  # did not run in I: nothing reached it
             continue
-        outs = [(GradientEdge(node, k), g) for k, g in enumerate(grads) if g is not None]
+        outs = [(GradientEdge(nodes[i], k), g) for k, g in enumerate(grads) if g is not None]
         if not outs:
             continue
         outputs, out_grads = [o for o, _ in outs], [g for _, g in outs]
-        if shared:
-            calls.append((outputs, out_grads, below, False))
-        else:
-            mine = [p for p in params if owner.get(_edge(p).node) is node]
+        if plan.mode == _SHARED:
+            calls.append((outputs, out_grads, [GradientEdge(nodes[c], nr) for c, nr in below], False))
+        elif mine:
+            calls.append((outputs, out_grads, [params[j] for j in mine], True))
+    given_grads = root_grads or [None] * len(roots)
+    if plan.mode == _OWN:
+        for k, mine in plan.given:
             if mine:
-                calls.append((outputs, out_grads, mine, True))
-    if not shared:
-        for r, g in given:
-            mine = [p for p in params if owner.get(_edge(p).node) is _edge(r).node]
-            if mine:
-                calls.append(([r], None if g is None else [g], mine, True))
+                g = given_grads[k]
+                calls.append(([roots[k]], None if g is None else [g], [params[j] for j in mine], True))
         return WeightPass(calls, None, [])
-    final = ([r for r, _ in given], [g for _, g in given])
+    final = ([roots[k] for k, _ in plan.given], [given_grads[k] for k, _ in plan.given])
     return WeightPass(calls, final, params)

@@ -8,8 +8,8 @@ Backward comes whole (``B``: ``torch.autograd.backward`` from the outputs, gradi
 accumulating in the parameters' ``.grad`` across micro-batches) or split for the
 zero-bubble schedules: ``I`` computes only the input gradients, so they can be sent at
 once, and keeps the gradients ``W`` needs to compute, later, only the weight gradients
-(:mod:`.split_backward`: the graph is walked once between the two); a ``dw_builder``
-replaces ``W``, as in torch.
+(:mod:`.split_backward`: the graph is walked once between the two, and analysed once
+per graph shape for the stage); a ``dw_builder`` replaces ``W``, as in torch.
 """
 from __future__ import annotations
 
@@ -93,6 +93,8 @@ class PipelineStage:
         self.output_chunks: list[Any] = []
         self.fwd_cache: dict[int, tuple[tuple, list[torch.Tensor]]] = {}
         self._deferred: dict[int, Callable[[], None]] = {}
+        self._splitter = split_backward.Splitter()  # I/W plans per graph shape, kept across steps
+        self._autograd_params: list[torch.Tensor] | None = None  # found at a step's first I
 
     @property
     def is_first(self) -> bool:
@@ -115,6 +117,7 @@ class PipelineStage:
         self.output_chunks.clear()
         self.fwd_cache.clear()
         self._deferred.clear()
+        self._autograd_params = None
 
     # -- forward ------------------------------------------------------------------------
     def forward_one_chunk(self, mb: int, args: tuple, kwargs: dict | None = None,
@@ -162,8 +165,9 @@ class PipelineStage:
             if not full_backward:
                 self._deferred[mb] = self.dw_builder()
             return [crossing.grad_to_send(x.grad if x.grad is not None else torch.zeros_like(x), x) for x in inputs]
-        got, self._deferred[mb] = split_backward.backward_input(roots, root_grads, inputs,
-                                                                fsdp_sync.autograd_parameters(self.submod))
+        if self._autograd_params is None:  # once a step: the module's parameters do not change within one
+            self._autograd_params = fsdp_sync.autograd_parameters(self.submod)
+        got, self._deferred[mb] = self._splitter.backward_input(roots, root_grads, inputs, self._autograd_params)
         return [crossing.grad_to_send(g if g is not None else torch.zeros_like(x), x) for g, x in zip(got, inputs)]
 
     def backward_weight_one_chunk(self, mb: int) -> None:
