@@ -235,16 +235,22 @@ class ParamGroup:
 
     def _ensure_unsharded_storage(self) -> None:
         """Allocate ``unsharded_flat`` (first gather) or give back its freed storage."""
-        if self.unsharded_flat is None:
+        flat = self.unsharded_flat
+        if flat is None:
             self.unsharded_flat = tracked_empty(self.unsharded_nbytes, torch.uint8, self.device)
-        elif self.unsharded_flat.untyped_storage().nbytes() == 0:
-            self.unsharded_flat.untyped_storage().resize_(self.unsharded_nbytes)  # new memory: advise it again
-            accounting.track_resize(advise_huge_pages(self.unsharded_flat))
+            return
+        storage = flat.untyped_storage()
+        if not storage.nbytes():
+            storage.resize_(self.unsharded_nbytes)  # new memory: advise it again
+            accounting.track_resize(advise_huge_pages(flat))
 
     def _free_unsharded_storage(self) -> None:
-        if self.unsharded_flat is not None and self.unsharded_flat.untyped_storage().nbytes():
-            self.unsharded_flat.untyped_storage().resize_(0)
-            accounting.track_resize(self.unsharded_flat)
+        flat = self.unsharded_flat
+        if flat is not None:
+            storage = flat.untyped_storage()
+            if storage.nbytes():
+                storage.resize_(0)
+                accounting.track_resize(flat)
 
     # --- all-gather extensions (fsdp_pre_all_gather / fsdp_post_all_gather) ---------------------------
     def _pre_all_gather(self) -> dict[int, tuple[torch.Tensor, ...]]:
