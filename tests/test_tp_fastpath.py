@@ -46,8 +46,9 @@ class _WithSetup(torch.autograd.Function):
         return grad
 
 
-def test_direct_apply_matches_apply():
-    scale = direct_apply(_Scale)
+@pytest.mark.parametrize("compiling_checked", [False, True])
+def test_direct_apply_matches_apply(compiling_checked):
+    scale = direct_apply(_Scale, compiling_checked=compiling_checked)
     x = torch.randn(5, requires_grad=True)
     y = scale(x, 3.0)
     assert type(y.grad_fn) is _Scale._backward_cls
@@ -55,15 +56,17 @@ def test_direct_apply_matches_apply():
     assert torch.equal(y, _Scale.apply(x, 3.0)) and torch.equal(x.grad, torch.full((5,), 3.0))
 
 
-def test_direct_apply_under_functorch_takes_public_apply():
+@pytest.mark.parametrize("compiling_checked", [False, True])
+def test_direct_apply_under_functorch_takes_public_apply(compiling_checked):
     """Under a functorch transform the public ``apply`` runs: its error for a Function
-    without ``setup_context``, as before."""
-    scale = direct_apply(_Scale)
+    without ``setup_context``, as before (whether or not the caller ruled out compiling)."""
+    scale = direct_apply(_Scale, compiling_checked=compiling_checked)
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda t: scale(t, 2.0).sum())(torch.randn(4))
 
 
-def test_direct_apply_takes_a_dead_functorch_wrapper_as_apply_does():
+@pytest.mark.parametrize("compiling_checked", [False, True])
+def test_direct_apply_takes_a_dead_functorch_wrapper_as_apply_does(compiling_checked):
     """A tensor leaked from a finished ``torch.func.grad`` (a dead wrapper, whose Python type
     is plain ``torch.Tensor``: the only type ``direct_apply`` looks at) gives what the public
     ``apply`` gives, and no functorch wrapper."""
@@ -74,6 +77,17 @@ def test_direct_apply_takes_a_dead_functorch_wrapper_as_apply_does():
     got, want = direct_apply(_Scale)(dead, 2.0), _Scale.apply(dead, 2.0)
     assert not torch._C._functorch.is_functorch_wrapped_tensor(got)
     assert torch.equal(got, want) and torch.equal(got, torch.arange(4.0) * 2)
+
+
+def test_direct_apply_without_plain_tensors_matches_apply(tp_mesh):
+    """Arguments with no plain ``torch.Tensor`` (a DTensor, a number) go to the C++ ``apply``
+    as they are (no unwrap list): the same output, node and gradient as ``Function.apply``."""
+    x = distribute_tensor(torch.arange(6.0), tp_mesh, [Shard(0)]).requires_grad_()
+    y, want = direct_apply(_Scale, compiling_checked=True)(x, 3.0), _Scale.apply(x, 3.0)
+    assert_all_ranks(type(y.grad_fn) is _Scale._backward_cls and torch.equal(y.full_tensor(), want.full_tensor()),
+                     "output or node differs from Function.apply")
+    y.sum().backward()
+    assert_all_ranks(torch.equal(x.grad.full_tensor(), torch.full((6,), 3.0)), "gradient differs")
 
 def test_direct_apply_refuses_setup_context():
     with pytest.raises(TypeError, match="setup_context"):

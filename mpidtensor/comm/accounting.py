@@ -38,18 +38,22 @@ def track_buffer(tensor: torch.Tensor) -> torch.Tensor:
 def track_resize(tensor: torch.Tensor) -> None:
     """Re-read the size of ``tensor``'s storage after an in-place ``resize_``, registering
     it if new, and update the peaks."""
-    if not is_host_tensor(tensor):
-        return
+    if type(tensor) not in _HOST_TYPES or tensor.device.type != "cpu":  # ``is_host_tensor``, inline: FSDP
+        return  # resizes its unsharded buffers twice a step
     storage = tensor.untyped_storage()
-    entry = _storages.get(id(storage))
+    key = id(storage)
+    entry = _storages.get(key)
     if entry is None:
         _register(storage, "library")
     else:
         ref, old, kind = entry
         new = storage.nbytes()
-        _storages[id(storage)] = (ref, new, kind)
+        _storages[key] = (ref, new, kind)
         current[kind] += new - old
-        counts["allocated_bytes" if new > old else "freed_bytes"] += abs(new - old)
+        if new > old:
+            counts["allocated_bytes"] += new - old
+        else:
+            counts["freed_bytes"] += old - new
     update_peaks()
 
 
@@ -83,9 +87,12 @@ def register_dtensor(local: torch.Tensor) -> None:
         _register(local.untyped_storage(), "dtensor")
 
 
+_HOST_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_host_tensor(tensor: torch.Tensor) -> bool:
     """A real CPU tensor (not a fake, meta or functional one made while tracing)."""
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu"
+    return type(tensor) in _HOST_TYPES and tensor.device.type == "cpu"
 
 
 def update_peaks() -> None:

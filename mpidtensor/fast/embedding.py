@@ -39,7 +39,8 @@ from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
 from .gather import Route, shard_route
 from .linear import gather_reduced_grad, local_grad, reduce_partial, wrap_output
-from .registry import enabled, register
+from .registry import register
+from ..runtime.settings import settings
 from .rules import keeps_layout
 
 aten = torch.ops.aten
@@ -83,7 +84,7 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         return None, gw, None, None, None, None, None
 
 
-_vocab_parallel_embedding = direct_apply(_VocabParallelEmbedding)
+_vocab_parallel_embedding = direct_apply(_VocabParallelEmbedding, compiling_checked=True)  # (``_route`` asks)
 
 
 EMBEDDING = register(
@@ -115,7 +116,7 @@ class LocalEmbeddingForward:
 
     def __call__(self, module: nn.Embedding, args: tuple, kwargs: dict) -> Any:
         x = args[0] if len(args) == 1 and not kwargs else None
-        route = self._route(module, x) if x is not None and enabled() else None
+        route = self._route(module, x) if x is not None and settings.fast_paths else None
         if route is None:
             inputs = self.prepare_input(module, args, self.mesh)
             return self.prepare_output(module, nn.Embedding.forward(module, *inputs, **kwargs), self.mesh)

@@ -10,7 +10,10 @@ the C++ ``apply`` on the arguments with dead wrappers unwrapped, as ``Function.a
 does (looking at the plain tensors only: functorch's wrappers are never a subclass); under
 functorch transforms and ``torch.compile`` (whose tracer knows ``Function.apply`` and not
 this) the public ``apply`` runs, and so it does everywhere if this torch's
-``Function`` lacks the C++ ``apply`` it relies on.
+``Function`` lacks the C++ ``apply`` it relies on. A caller that takes its local path only
+outside ``torch.compile`` (it asked ``torch.compiler.is_compiling()`` itself, as the
+tensor-parallel Linears, norms, embeddings and gathers do) says so
+(``compiling_checked=True``) and the apply does not ask again (two Python calls a Function).
 """
 from __future__ import annotations
 
@@ -24,9 +27,10 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _is_compiling = torch.compiler.is_compiling
 
 
-def direct_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+def direct_apply(cls: type[torch.autograd.Function], compiling_checked: bool = False) -> Callable[..., Any]:
     """``cls.apply``, the same call without ``Function.apply``'s Python frame and generator.
-    ``cls`` must not define ``setup_context`` (its forward takes ``ctx``)."""
+    ``cls`` must not define ``setup_context`` (its forward takes ``ctx``). With
+    ``compiling_checked``, every caller has ruled out ``torch.compile`` before calling."""
     if torch.autograd.function._is_setup_context_defined(cls.setup_context):
         raise TypeError(f"{cls.__name__} defines setup_context: use its apply")
     if _C_APPLY is None:
@@ -35,10 +39,13 @@ def direct_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
     tensor = torch.Tensor
 
     def apply(*args: Any) -> Any:
-        if _transforms_active() or _is_compiling():
+        if _transforms_active() or (not compiling_checked and _is_compiling()):
             return public(*args)
         # functorch's wrappers reach Python as plain ``torch.Tensor`` objects (a subclass such as
-        # DTensor is never one), so only those are looked at: a type test is no call, ``isinstance`` is
+        # DTensor is never one), so only those are looked at: ``map(type, ...)`` and ``in`` are no
+        # Python calls; the list (a call) is made only when there is a plain tensor to look at
+        if tensor not in map(type, args):
+            return c_apply(*args)
         return c_apply(*[_unwrap_if_dead(a) if type(a) is tensor else a for a in args])
 
     apply.__doc__ = f"``{cls.__name__}.apply`` (see :func:`direct_apply`)."

@@ -29,7 +29,8 @@ from ..tensor.spec import DTensorSpec
 from ..tensor.redistribute import AllGather, plan
 from ..runtime.caches import cache
 from .functions import direct_apply
-from .registry import enabled, register
+from .registry import register
+from ..runtime.settings import settings
 
 _PARTIAL_SUM = (Partial("sum"),)
 GATHER = register(
@@ -133,14 +134,14 @@ class _GatherShards(torch.autograd.Function):
         return DTensor(route.block(grad), route.in_spec), None
 
 
-_gather_shards = direct_apply(_GatherShards)
+_gather_shards = direct_apply(_GatherShards, compiling_checked=True)  # (``gather_route`` asks)
 
 
 def gather_shards(x: DTensor) -> DTensor | None:
     """``x`` (sharded on one dim over a 1-D mesh) replicated by the local path, as
     ``x.redistribute(x.device_mesh, [Replicate()])`` gives it; None where that path does
     not apply or fast paths are off (the caller takes the public one)."""
-    route = gather_route(x) if enabled() else None
+    route = gather_route(x) if settings.fast_paths else None
     if route is None:
         return None
     GATHER.hits += 1

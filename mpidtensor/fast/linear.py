@@ -53,7 +53,8 @@ from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
 from .gather import Route, shard_route
 from ..runtime import caches
-from .registry import enabled, register
+from .registry import register
+from ..runtime.settings import settings
 from .rules import keeps_layout
 
 aten = torch.ops.aten
@@ -188,7 +189,9 @@ class _RowwiseLinear(torch.autograd.Function):
         return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None)
 
 
-_colwise_linear, _rowwise_linear = direct_apply(_ColwiseLinear), direct_apply(_RowwiseLinear)
+# (``LocalLinearForward._plan`` rules out torch.compile before either runs)
+_colwise_linear = direct_apply(_ColwiseLinear, compiling_checked=True)
+_rowwise_linear = direct_apply(_RowwiseLinear, compiling_checked=True)
 
 
 LINEAR = register(
@@ -228,23 +231,23 @@ class LocalLinearForward:
             weight, bias = params["weight"], params["bias"]
         except KeyError:  # not registered parameters (a parametrization): as the module reads them
             weight, bias = module.weight, module.bias
-        plan = self._plan(x, weight, bias) if x is not None and enabled() else None
+        plan = self._plan(x, weight, bias) if x is not None and settings.fast_paths else None
         if plan is None:
             inputs = self.prepare_input(module, args, self.mesh)
             return self.prepare_output(module, nn.Linear.forward(module, *inputs, **kwargs), self.mesh)
         LINEAR.hits += 1
-        given, wanted, desired, natural = plan
+        given, wanted, desired, natural, moves_given, moves_natural = plan
         gather = None
         if type(x) is DTensor or isinstance(x, DTensor):
             if x._spec.placements != (desired,):
                 x, gather = self._move(x, desired)
-        elif given != desired or x.shape[-1] != weight._local_tensor.shape[-1]:
+        elif moves_given or x.shape[-1] != weight._local_tensor.shape[-1]:
             x = self.prepare_input(module, (x,), self.mesh)[0]
         try:
             spec = self.out_specs[(x.shape, x.dtype)]
         except KeyError:
             spec = self._out_spec(module, x, natural)
-        out_spec = None if self.local_out and wanted == natural else spec
+        out_spec = None if self.local_out and not moves_natural else spec
         if self.colwise:
             y = _colwise_linear(x, weight, bias, self.comm, out_spec, gather)
         else:
@@ -252,7 +255,7 @@ class LocalLinearForward:
             y = _rowwise_linear(x, weight, bias, self.comm, route, out_spec)
         if out_spec is None:
             return y
-        if wanted != natural:
+        if moves_natural:
             y = y.redistribute(self.mesh, (wanted,))
         return y.to_local() if self.local_out else y
 
@@ -264,8 +267,8 @@ class LocalLinearForward:
                                                                 contiguous_strides(shape), x.dtype)
         return spec
 
-    def _plan(self, x: Any, weight: Any, bias: Any) -> tuple[Placement, ...] | None:
-        """(given, wanted, desired, natural) when this call takes the local path, else None:
+    def _plan(self, x: Any, weight: Any, bias: Any) -> tuple | None:
+        """``_decide``'s plan when this call takes the local path, else None:
         per call the facts a cached verdict cannot hold (the input's type and mesh, autocast,
         compiling), then the verdict by the parameters' specs and the input's ndim and dtype."""
         if type(x) is DTensor or isinstance(x, DTensor):
@@ -288,9 +291,11 @@ class LocalLinearForward:
         return plan
 
     def _decide(self, weight: Any, bias: Any, ndim: int, dtype: torch.dtype) -> tuple | None:
-        """(given, wanted, desired, natural) for an input of ``ndim`` dims and ``dtype``: the
-        style's input and output layouts, the input layout the Function computes on and the
-        output layout it gives; None where the local path does not apply: the parameters are
+        """(given, wanted, desired, natural, given != desired, wanted != natural) for an input
+        of ``ndim`` dims and ``dtype``: the style's input and output layouts, the input layout
+        the Function computes on and the output layout it gives, and whether the input and
+        output move (decided once: ``Placement.__eq__`` is a Python call); None where the
+        local path does not apply: the parameters are
         not DTensors on the style's mesh laid out C-contiguously (the gradients take their
         specs) in the input's dtype, a shard dim is out of range (the general path says why),
         a Rowwise output is wanted sharded on its features (the bias would be sliced), or the
@@ -310,7 +315,9 @@ class LocalLinearForward:
             return None
         else:
             plan = given, wanted, last, wanted  # Replicate, or Shard(d) of a leading dim
-        return plan if self._rules_agree(weight, bias, ndim, dtype, plan[3]) else None
+        if not self._rules_agree(weight, bias, ndim, dtype, plan[3]):
+            return None
+        return (*plan, plan[0] != plan[2], plan[1] != plan[3])
 
     def _rules_agree(self, weight: DTensor, bias: DTensor | None, ndim: int, dtype: torch.dtype,
                      natural: Placement) -> bool:

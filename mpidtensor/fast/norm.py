@@ -36,7 +36,8 @@ from ..runtime import caches
 from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
 from .linear import local_grad
-from .registry import enabled, register
+from .registry import register
+from ..runtime.settings import settings
 from .rules import keeps_layout
 
 aten = torch.ops.aten
@@ -111,7 +112,8 @@ class _LocalLayerNorm(torch.autograd.Function):
                 _reduce_partial(gb if mask[2] else None, bias, ctx.comm), None, None, None)
 
 
-_local_rms_norm, _local_layer_norm = direct_apply(_LocalRMSNorm), direct_apply(_LocalLayerNorm)
+_local_rms_norm = direct_apply(_LocalRMSNorm, compiling_checked=True)  # (``_applies`` asks)
+_local_layer_norm = direct_apply(_LocalLayerNorm, compiling_checked=True)
 
 
 NORM = register(
@@ -150,7 +152,7 @@ class LocalNormForward:
             args = self.prepare_input(module, args, self.mesh)
         x = args[0] if len(args) == 1 and not kwargs else None
         params = self._params(module)
-        if x is None or not enabled() or not self._applies(module, x, params):
+        if x is None or not settings.fast_paths or not self._applies(module, x, params):
             out = self.inner(module, *args, **kwargs)
         else:
             NORM.hits += 1

@@ -21,6 +21,7 @@ progress mode; nothing in the default ``off``).
 """
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..fast.functions import direct_apply
 from ..runtime import progress
 from .group import UNSHARDED, ParamGroup
 from .policies import MixedPrecisionPolicy, cast_floats
@@ -234,11 +236,12 @@ class FSDPState:
     def _hook_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Route the inputs that need gradients through ``_PostBackward``, whose backward runs
         once the module's whole backward (frozen parameters' uses included) is done."""
-        plain = not kwargs and all(isinstance(a, torch.Tensor) for a in args)  # the common case, without pytree
+        # the common case without pytree; ``map`` and ``repeat``: no Python call per argument, as a generator's
+        plain = not kwargs and all(map(isinstance, args, repeat(torch.Tensor)))
         flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
         index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if index:
-            for i, t in zip(index, _PostBackward.apply(self, *(flat[i] for i in index))):
+            for i, t in zip(index, _post_backward(self, *map(flat.__getitem__, index))):
                 flat[i] = t
             args, kwargs = (tuple(flat), kwargs) if plain else tree_unflatten(flat, spec)
         return args, kwargs
@@ -281,9 +284,14 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
-        return tuple(t.view_as(t) for t in inputs)
+        return tuple([t.view_as(t) for t in inputs])  # (a list: one call, a generator's is one per item)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple:
         ctx.state.post_backward()
         return (None, *grads)
+
+
+# (Function.apply's Python layer is ~6 calls a module; only ``_pre_forward`` applies it, which
+# ``torch.compiler.disable`` keeps out of any trace)
+_post_backward = direct_apply(_PostBackward, compiling_checked=True)
