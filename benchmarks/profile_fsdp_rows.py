@@ -7,7 +7,8 @@ The rows are ``record_steps``' FSDP Llama (the demo's model, every block and the
 ``record_steps.Zero3`` step checked against one process first. Rank 0 prints, per row:
 
 1. Python calls of one step (``sys.setprofile``, rank 0), mpidtensor minus ``Zero3`` per
-   function: a figure machine load does not move.
+   function: a figure machine load does not move (the step split into phases below, so
+   about ten calls more than ``record_steps.python_calls`` counts for the record's step).
 2. CPU per phase (``time.process_time``: time descheduled is not counted, which makes it
    usable on a loaded machine; time spinning in an MPI wait is), the two steps interleaved,
    median / min over ``--reps`` of the slowest rank: forward, loss, backward (mpidtensor's
