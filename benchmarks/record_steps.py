@@ -247,6 +247,14 @@ class Zero3:
             self._gather(self.root)
         loss = self.loss(self.model, batch)
         loss.backward()
+        self.reduce_gradients()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+    def reduce_gradients(self) -> None:
+        """Average every group's flat gradient into its shard's ``.grad`` (one
+        ``Reduce_scatter_block`` each) and free the gathered parameters."""
         for params, shard, full in self.groups:
             flat = torch.zeros(full.numel())
             torch.cat([p.grad.reshape(-1) for p in params], out=flat[:sum(p.numel() for p in params)])
@@ -256,9 +264,6 @@ class Zero3:
             for p in params:
                 p.grad = None
             full.untyped_storage().resize_(0)
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.item()
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter, gathered, in ``model.parameters()`` order."""

@@ -107,3 +107,21 @@ def test_context_parallel_bench_runs(tmp_path):
                                         "--reps", "1", "--dim", "32", "--hidden", "64", "--vocab", "64",
                                         "--out", str(Path(out, "cp"))])
     assert_all_ranks(code == 0, f"bench_context_parallel exited {code}")
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_profile_rows_check_and_count():
+    """``benchmarks/profile_fsdp_rows.py`` at any world size: the FSDP Llama and stack steps
+    and their hand-written ZeRO-3 steps match one process, and the profile has every part:
+    the call counts (mpidtensor's step makes more calls than the hand-written one), a CPU
+    figure per phase and repetition, and the FSDP group methods' CPU."""
+    import profile_fsdp_rows
+
+    results = profile_fsdp_rows.main(["--reps", "1", "--top", "3"])
+    ok = sorted(results) == ["FSDP Llama", "FSDP stack"]
+    for row in results.values():
+        calls, phases = row["calls"], row["phases"]
+        ok = ok and sum(calls["mpidtensor"].values()) > sum(calls["Zero3"].values()) > 0
+        ok = ok and all(len(reps) == 1 and len(reps[0]) == len(profile_fsdp_rows.PHASES) for reps in phases.values())
+        ok = ok and "ParamGroup.finish_unshard" in row["groups"]
+    assert_all_ranks(ok, str({name: sorted(row["groups"]) for name, row in results.items()}))
