@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=200, help="repetitions (each times every row once)")
     parser.add_argument("--batch", type=int, default=4, help="calls per timed batch")
     args = parser.parse_args(argv)
+    if COLS % N:
+        raise SystemExit(f"{COLS} columns do not split evenly over {N} ranks (the bare call needs even pieces)")
     rows, persistent = rows_of_cell()
     want = rows["bare"]().clone()
     ok = all(torch.equal(torch.as_tensor(f()), want) for f in rows.values())
