@@ -65,6 +65,38 @@ def test_from_local_backward(mesh1d):
     assert_close(local.grad, weight.chunk(WORLD.size)[WORLD.rank])
 
 
+def test_from_local_without_shape_cached_only_when_nothing_is_sharded(mesh1d):
+    """``from_local`` without ``shape`` keeps the spec of placements that shard nothing (the
+    global shape is the local one) and checks the local shape and strides on every hit; a
+    sharded one is gathered each time. Every result equals the one made with no cache."""
+    from mpidtensor.runtime import caches
+    from mpidtensor.tensor.dtensor import _FROM_LOCAL
+
+    calls = [lambda: DTensor.from_local(torch.ones(3, 5), mesh1d, [Replicate()]),
+             lambda: DTensor.from_local(torch.ones(3, 5), mesh1d, [Replicate()]),  # a hit
+             lambda: DTensor.from_local(torch.ones(5, 3).t(), mesh1d, [Replicate()]),  # other strides
+             lambda: DTensor.from_local(torch.ones(4, 5), mesh1d, [Replicate()]),  # another shape
+             lambda: DTensor.from_local(torch.ones(4, 5, dtype=torch.float64), mesh1d, [Replicate()]),
+             lambda: DTensor.from_local(torch.ones(2), mesh1d, [Partial()]),
+             lambda: DTensor.from_local(shard(7), mesh1d, [Shard(1)]),
+             lambda: DTensor.from_local(shard(9), mesh1d, [Shard(1)])]  # gathered again: another global shape
+
+    def shard(length):
+        return distribute_tensor(torch.ones(2, length), mesh1d, [Shard(1)]).to_local()
+
+    def facts(d):
+        return d.shape, d.stride(), d.placements, d.dtype, d.to_local().shape, d.to_local().stride()
+    caches.clear_all()
+    cached = [facts(call()) for call in calls]
+    sharded_kept = any(k[2] is None and any(isinstance(p, Shard) for p in k[1]) for k in _FROM_LOCAL)
+    fresh = []
+    for call in calls:
+        caches.clear_all()
+        fresh.append(facts(call()))
+    assert_all_ranks(not sharded_kept and cached == fresh, f"{cached} != {fresh}")
+    assert_all_ranks(cached[2][:2] == ((3, 5), (1, 3)) and cached[6][0] == (2, 7) and cached[7][0] == (2, 9))
+
+
 def test_to_local_grad_placements(mesh1d):
     x = distribute_tensor(global_tensor((4, 3)).requires_grad_(), mesh1d, [Replicate()])
     local = x.to_local(grad_placements=[Partial()])

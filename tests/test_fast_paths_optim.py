@@ -201,6 +201,26 @@ def test_views_and_detach(mesh1d):
     _check(run, {"dispatch.local_plan", "dispatch.detach"})
 
 
+def test_tp_mlp_in_dtensor_ops(mesh1d):
+    """The general path's TP MLP (``x @ w1 + b1``, GELU, ``@ w2``, redistribute, ``+ b2``,
+    backward: mm, add, gelu, gelu_backward, sum, view, t, detach) with an uneven hidden dim:
+    outputs and gradients bit-equal with the fast paths off, global and local strides and
+    specs alike."""
+    def run():
+        x = DTensor.from_local(global_tensor((5, 6), seed=1).requires_grad_(), mesh1d, [Replicate()])
+        w1 = nn.Parameter(distribute_tensor(global_tensor((6, 11), seed=2), mesh1d, [Shard(1)]))
+        b1 = nn.Parameter(distribute_tensor(global_tensor((11,), seed=3), mesh1d, [Shard(0)]))
+        w2 = nn.Parameter(distribute_tensor(global_tensor((11, 6), seed=4), mesh1d, [Shard(0)]))
+        b2 = nn.Parameter(distribute_tensor(global_tensor((6,), seed=5), mesh1d, [Replicate()]))
+        h = torch.nn.functional.gelu(torch.matmul(x, w1) + b1)
+        y = torch.matmul(h, w2).redistribute(mesh1d, [Replicate()]) + b2
+        (y.to_local() ** 2).sum().backward()
+        out = [h, y, w1.grad, b1.grad, w2.grad, b2.grad]
+        return out + [(t.stride(), t._local_tensor.stride(), t._spec) for t in out]
+
+    _check(run, {"dispatch.local_plan", "dispatch.local_view", "dispatch.detach"})
+
+
 def test_foreach_ops_over_two_meshes():
     """``_foreach_*`` ops over DTensors on two meshes (and a plain tensor): one call per
     mesh (fast) or per position (general), results in order."""

@@ -27,6 +27,7 @@ _FLOAT_BY_VALUE = caches.cache("dispatch.float_by_value", maxsize=None, holds_me
 _DETACH_KEEPS = caches.cache("dispatch.detach_keeps_spec", maxsize=16384)  # spec -> bool
 _DETACH = torch.ops.aten.detach.default
 _INTS = {int}
+_make_wrapper = torch.Tensor._make_wrapper_subclass
 DETACH = fast_paths.register(
     "dispatch.detach",
     shortcuts="the cache key and plan of aten.detach on a DTensor (AccumulateGrad detaches every gradient)",
@@ -34,53 +35,75 @@ DETACH = fast_paths.register(
                "that spec (asked once per spec)")
 
 
-def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """Run ``func`` on DTensor arguments: the cached plan for the call's key, made on a miss."""
+def torch_dispatch(cls, func: torch._ops.OpOverload, types, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """``DTensor.__torch_dispatch__`` (installed by :mod:`mpidtensor.dispatch`): run ``func``
+    on DTensor arguments, the cached plan for the call's key, made on a miss.
+
+    Every DTensor op enters here, so it is one frame (it does not call :func:`dispatch`), its
+    key a tuple grown by concatenation (no ``list.append`` call per argument), and whether
+    the op keys floats by value is looked up only for an argument that needs it."""
     if func is _DETACH:
         x = args[0]
         if x.__class__ is DTensor and getattr(x, "_not_a_view_of", None) is None:
-            keeps = _DETACH_KEEPS.get(x._spec)
+            spec = x._spec
+            keeps = _DETACH_KEEPS.get(spec)
             if keeps is None:
-                keeps = _DETACH_KEEPS[x._spec] = _detach_keeps_spec(x)
+                keeps = _DETACH_KEEPS[spec] = _detach_keeps_spec(x)
             if keeps:
                 DETACH.hits += 1
-                return DTensor(x._local_tensor.detach(), x._spec)
+                local = x._local_tensor.detach()
+                # DTensor(local, spec) inline (one Python call fewer per gradient)
+                out = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device,
+                                    layout=local.layout)
+                out._local_tensor, out._spec = local, spec
+                return out
     fid = id(func)  # op overloads live for the whole process
-    by_value = _FLOAT_BY_VALUE.get(fid)
-    if by_value is None:
-        by_value = _FLOAT_BY_VALUE[fid] = not placement_ignores_scalars(func)
-    key = [fid]
+    by_value = None  # whether floats key by value: asked when an argument needs it
+    key = (fid,)
     for a in args:  # _key's cases, the common ones first without a call (plan_for: the same key)
         kind = a.__class__
         if kind is DTensor:
-            key.append(a._spec)
-        elif kind is float and not by_value:
-            key.append(float)
+            key += (a._spec,)
+        elif kind is int or kind is bool:
+            key += (a,)
         elif kind is list and set(map(type, a)) == _INTS:  # sizes, dims: _key's result, in C calls only
-            key.append((list, *a))
+            key += ((list, *a),)
         else:
-            key.append(_key(a, by_value))
+            if by_value is None:
+                by_value = _floats_by_value(fid, func)
+            key += (float if kind is float and not by_value else _key(a, by_value),)
     if kwargs:
-        key.append(_key(kwargs, by_value))
-    key = tuple(key)
-    plan = _PLANS.get(key)
-    if plan is None:
+        if by_value is None:
+            by_value = _floats_by_value(fid, func)
+        key += (_key(kwargs, by_value),)
+    elif kwargs is None:
+        kwargs = {}
+    try:
+        plan = _PLANS[key]  # a subscript, not a ``get`` call: the hit is every call but the first
+    except KeyError:
         plan = _PLANS[key] = make_plan(func, args, kwargs)
     return plan(args, kwargs)
 
 
-def torch_dispatch(cls, func, types, args=(), kwargs=None):
-    """``DTensor.__torch_dispatch__`` (installed by :mod:`mpidtensor.dispatch`)."""
-    return dispatch(func, args, kwargs or {})
+def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on DTensor arguments as ``__torch_dispatch__`` does."""
+    return torch_dispatch(DTensor, func, (), args, kwargs)
+
+
+def _floats_by_value(fid: int, func: torch._ops.OpOverload) -> bool:
+    """Whether ``func``'s float arguments key its plans by value (not so for ops whose
+    placement ignores scalars: a changing learning rate must not re-plan)."""
+    by_value = _FLOAT_BY_VALUE.get(fid)
+    if by_value is None:
+        by_value = _FLOAT_BY_VALUE[fid] = not placement_ignores_scalars(func)
+    return by_value
 
 
 def plan_for(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None = None) -> Callable:
     """The plan :func:`dispatch` runs for this call (made and cached if new); nothing runs."""
     kwargs = kwargs or {}
     fid = id(func)
-    by_value = _FLOAT_BY_VALUE.get(fid)
-    if by_value is None:
-        by_value = _FLOAT_BY_VALUE[fid] = not placement_ignores_scalars(func)
+    by_value = _floats_by_value(fid, func)
     key = (fid, *(_key(a, by_value) for a in args), *((_key(kwargs, by_value),) if kwargs else ()))
     plan = _PLANS.get(key)
     if plan is None:

@@ -24,6 +24,8 @@ from ..tensor.dtensor import DTensor
 from ..fast import registry
 from .args import is_view_op, local_of, mutated_inputs, tensors
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass  # DTensor.__new__'s constructor, called inline below
+
 __all__ = ["Plan", "LocalPlan", "LocalViewPlan", "PerMeshPlan", "per_mesh_groups", "LOCAL", "LOCAL_VIEW", "PER_MESH"]
 
 LOCAL = registry.register(
@@ -91,7 +93,11 @@ class LocalPlan:
                 return dst
             return self.fallback(out, args, kwargs)
         if finish == "tensor":
-            return DTensor(out, self.specs[0], requires_grad=False)
+            spec = self.specs[0]  # DTensor(out, spec) inline: a Python call fewer per op
+            r = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device,
+                              layout=out.layout)
+            r._local_tensor, r._spec = out, spec
+            return r
         if finish == "list":
             return type(out)(DTensor(t, spec, requires_grad=False) for t, spec in zip(out, self.specs))
         if finish == "view":
@@ -99,7 +105,11 @@ class LocalPlan:
                 if getattr(args[i], "_not_a_view_of", None) is not None:
                     return self.fallback(out, args, kwargs)
             if isinstance(out, torch.Tensor):
-                return DTensor(out, self.specs[0], requires_grad=False)
+                spec = self.specs[0]  # DTensor(out, spec) inline
+                r = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device,
+                                  layout=out.layout)
+                r._local_tensor, r._spec = out, spec
+                return r
             return type(out)(DTensor(t, spec, requires_grad=False) for t, spec in zip(out, self.specs))
         return out
 
@@ -161,7 +171,11 @@ class LocalViewPlan:
         out = self.local([x._local_tensor, *args[1:]], kwargs)
         if getattr(x, "_not_a_view_of", None) is not None:
             return self.fallback(out, args, kwargs)
-        return DTensor(out, self.spec, requires_grad=False)
+        spec = self.spec  # DTensor(out, spec) inline
+        r = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device,
+                          layout=out.layout)
+        r._local_tensor, r._spec = out, spec
+        return r
 
     @classmethod
     def make(cls, func, args, kwargs, converters, out_meta, out_specs, sharding, wrap) -> "LocalViewPlan | None":

@@ -154,9 +154,13 @@ class DTensor(torch.Tensor):
         end at their next collective through the abort hook (``MPIDTENSOR_ABORT_ON_EXCEPTION``).
         """
         key = None
-        if not run_check and isinstance(placements, (list, tuple)) and isinstance(shape, (list, tuple)):
-            key = (id(device_mesh), tuple(placements), tuple(shape), None if stride is None else tuple(stride),
-                   local_tensor.dtype)
+        if not run_check and isinstance(placements, (list, tuple)) and (
+                isinstance(shape, (list, tuple)) or shape is None and stride is None):
+            # Without ``shape``, only placements that shard nothing are cached (below): their
+            # global shape is the local one, which the cache hit checks; a sharded one is
+            # gathered from every rank each time.
+            key = (id(device_mesh), tuple(placements), None if shape is None else tuple(shape),
+                   None if stride is None else tuple(stride), local_tensor.dtype)
             known = _FROM_LOCAL.get(key)
             if known is not None and local_tensor.shape == known[1] and local_tensor.stride() == known[2]:
                 # a cache hit: checked before
@@ -182,7 +186,7 @@ class DTensor(torch.Tensor):
             stride = global_strides(shape, local_tensor)
         spec = DTensorSpec(device_mesh, placements, shape, tuple(stride), local_tensor.dtype)
         validate.check_local_shape(local_tensor, spec)
-        if key is not None:
+        if key is not None and (key[2] is not None or all(shard_dim(p) is None for p in placements)):
             _FROM_LOCAL[key] = (spec, local_tensor.shape, local_tensor.stride())
         return _FromLocal.apply(local_tensor, spec)
 
@@ -295,7 +299,7 @@ def _settled(placements) -> list[Placement]:
 # (a freed mesh's specs miss them all: freeing a mesh clears them).
 _TARGETS: dict[tuple, DTensorSpec] = caches.cache("dtensor.redistribute_targets", 4096)  # (spec, *placements)
 _REPLICATED: dict[DTensorSpec, DTensorSpec] = caches.cache("dtensor.replicated", 4096)  # spec -> all-Replicate
-_FROM_LOCAL: dict[tuple, tuple] = caches.cache("dtensor.from_local", 4096)  # from_local(shape=...) -> (spec, shape, stride)
+_FROM_LOCAL: dict[tuple, tuple] = caches.cache("dtensor.from_local", 4096)  # from_local(shape=...), or of placements sharding nothing -> (spec, local shape, local stride)
 
 
 def redistribute_dtensor(x: DTensor, spec: DTensorSpec, *, same_ok: bool = False) -> DTensor:
