@@ -336,9 +336,11 @@ class _FromLocal(torch.autograd.Function):
         spec = ctx.spec
         if not isinstance(grad, DTensor):
             return grad, None
-        if grad._spec.placements != spec.placements:
-            # The local gradient must match the forward's layout; Partial becomes Replicate.
-            target = _settled(spec.placements)
+        # The local gradient has the forward's layout, a Partial one settled to Replicate even
+        # when the gradient arrives as that Partial (as torch 2.13): a local term of a Partial
+        # sum has the whole gradient as its gradient; one rank's term of it would be wrong.
+        target = _settled(spec.placements)
+        if grad._spec.placements != tuple(target):
             grad = redistribute_dtensor(grad, grad._spec.with_placements(target))
         return grad._local_tensor, None
 
@@ -375,7 +377,10 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx, grad: DTensor):
         src = ctx.src
         local, spec = grad._local_tensor, grad._spec
-        target = _settled(src.placements)
+        # A Partial input whose gradient arrives as the same Partial keeps it (no collective, as
+        # torch's); any other Partial input's gradient is settled to Replicate.
+        target = [p if p.is_partial() and g == p else Replicate() if p.is_partial() else p
+                  for p, g in zip(src.placements, spec.placements)]
         moved = ctx.backward_dtype
         if moved is not None and moved != spec.dtype:  # the gradient moves in backward_dtype
             local = local.to(moved)
