@@ -97,3 +97,20 @@ def test_vocab_parallel_embedding_block(mesh1d):
         assert_all_ranks(seen == [(Partial(),)], f"embedding output gradient {seen}")
     for name, p, r in zip(["embedding", "w1", "w2"], params, ref):
         assert_close(p.grad.full_tensor(), r.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("grad_kind", ["partial", "replicate"])
+@pytest.mark.parametrize("mesh_kind", ["1d", "2d"])
+def test_partial_local_round_trip_gradient(request, mesh_kind, grad_kind):
+    """A Partial DTensor through ``to_local`` and back through ``from_local`` is the same
+    tensor: its gradient is the output's, whether that arrives Partial or Replicate
+    (``to_local``'s backward takes a Partial's gradient as Replicate, as torch 2.13's)."""
+    mesh = request.getfixturevalue("mesh1d" if mesh_kind == "1d" else "mesh2d")
+    partial = [Partial()] * mesh.ndim
+    x = DTensor.from_local(global_tensor((2 * mesh.size() + 1, 3)), mesh, partial).detach().requires_grad_()
+    y = DTensor.from_local(x.to_local() * 2, mesh, partial)
+    grad_placements = partial if grad_kind == "partial" else [Replicate()] * mesh.ndim
+    terms = _rank_terms(global_tensor((2 * mesh.size() + 1, 3), seed=4), mesh, grad_placements)
+    grad = DTensor.from_local(terms, mesh, grad_placements)
+    y.backward(grad)
+    assert_close(x.grad.full_tensor(), 2 * grad.full_tensor())

@@ -355,7 +355,9 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec
-        placements = ctx.grad_placements or spec.placements
+        # By default the gradient of a Partial's local term is the whole gradient: Replicate
+        # (as torch 2.13; from_local's backward hands it so).
+        placements = ctx.grad_placements or _settled(spec.placements)
         # Autograd may hand a transposed gradient: the global strides follow it. An expanded
         # one (a sum's backward) is made whole first, as a leaf's ``.grad`` would be copied
         # anyway (AccumulateGrad's layout contract) and an in-place update needs it whole.
