@@ -3,8 +3,8 @@ a ``Partial`` output gets the whole gradient, even when the gradient arrives as 
 ``Partial`` (as torch 2.13's ``from_local`` guarantees: Partial forward, Replicate
 gradient). Handing each rank its own term of the gradient instead made a vocab-parallel
 embedding written with ``local_map`` (torchtitan's) take the wrong gradient once a
-Partial-to-Partial redistribute kept its gradient Partial, as torch's does. Each case
-against one process, on 1-D and 2-D meshes with uneven shards.
+redistribute's backward kept its gradient Partial (torch's rule). Each case against one
+process, on 1-D and 2-D meshes with uneven shards.
 """
 import pytest
 import torch
@@ -114,3 +114,22 @@ def test_partial_local_round_trip_gradient(request, mesh_kind, grad_kind):
     grad = DTensor.from_local(terms, mesh, grad_placements)
     y.backward(grad)
     assert_close(x.grad.full_tensor(), 2 * grad.full_tensor())
+
+
+def test_partial_to_replicate_backward_settles_partial_gradient(mesh1d):
+    """A Partial -> Replicate redistribute whose gradient arrives Partial settles it (one
+    all-reduce, shared by everything behind it); only a Partial -> same Partial keeps it
+    (torch keeps it in both: torchtitan's TP step then reduced it once per matrix product
+    behind, 25 collectives a step where this takes 19)."""
+    from mpidtensor.debug import CommDebugMode
+
+    full = global_tensor((5, 3))
+    pt = DTensor.from_local(full / mesh1d.size(), mesh1d, [Partial()]).detach().requires_grad_()
+    terms = _rank_terms(global_tensor((5, 3), seed=2), mesh1d, [Partial()])
+    grad = DTensor.from_local(terms, mesh1d, [Partial()])
+    with CommDebugMode() as comm:
+        pt.redistribute(mesh1d, [Replicate()]).backward(grad)
+    expected = 2 if mesh1d.size() > 1 else 0  # the forward's all-reduce and the gradient's
+    assert_all_ranks(pt.grad.placements == (Replicate(),) and comm.get_total_counts() == expected,
+                     f"{pt.grad.placements} {comm.get_comm_counts()}")
+    assert_close(pt.grad.full_tensor(), grad.full_tensor())

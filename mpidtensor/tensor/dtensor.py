@@ -371,6 +371,7 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, spec: DTensorSpec, backward_dtype: torch.dtype | None = None) -> DTensor:
         ctx.src = x._spec
+        ctx.target = spec.placements
         ctx.backward_dtype = backward_dtype
         local = redistribute_local(x._local_tensor, x._spec, spec)
         return DTensor(local, spec, requires_grad=x.requires_grad)
@@ -380,9 +381,13 @@ class _Redistribute(torch.autograd.Function):
         src = ctx.src
         local, spec = grad._local_tensor, grad._spec
         # A Partial input whose gradient arrives as the same Partial keeps it (no collective, as
-        # torch's); any other Partial input's gradient is settled to Replicate.
-        target = [p if p.is_partial() and g == p else Replicate() if p.is_partial() else p
-                  for p, g in zip(src.placements, spec.placements)]
+        # torch's) where the forward kept it too (Partial to the same Partial); any other
+        # Partial input's gradient is settled to Replicate: after a Partial -> Replicate the
+        # producer's backward (a contraction over a sharded dim) needs it whole, once for all
+        # its matrix products (torchtitan's TP step: 19 collectives a step where keeping it
+        # Partial took 25).
+        target = [p if p.is_partial() and g == p == f else Replicate() if p.is_partial() else p
+                  for p, g, f in zip(src.placements, spec.placements, ctx.target)]
         moved = ctx.backward_dtype
         if moved is not None and moved != spec.dtype:  # the gradient moves in backward_dtype
             local = local.to(moved)
