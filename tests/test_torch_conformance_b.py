@@ -119,15 +119,18 @@ def test_view_of_sharded_unit_dim_without_partner(mesh1d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
-def test_partial_to_partial_backward_settles(mesh1d, dtype):
-    """A Partial-to-Partial redistribute's backward settles its Partial gradient to
-    Replicate (torch keeps Partial: kept here, torchtitan's TP gradient norms differed from
-    one process by 1e-3), with the value one process gives."""
+def test_partial_to_partial_backward_keeps_partial(mesh1d, dtype):
+    """A Partial-to-Partial redistribute's backward keeps its Partial gradient, no
+    collective (torch's rule; ``from_local`` settles it where it leaves DTensor:
+    tests/test_partial_gradients.py)."""
     local = torch.ones(12, 3, dtype=dtype, requires_grad=True)
     pt = distribute_tensor(local, mesh1d, [Partial()])
-    again = pt.redistribute(mesh1d, [Partial()])
-    again.backward(DTensor.from_local(torch.ones(12, 3, dtype=dtype), mesh1d, [Partial()]))
-    assert_all_ranks(pt.grad.placements == (Replicate(),), f"{pt.grad.placements}")
+    with CommDebugMode() as comm:
+        again = pt.redistribute(mesh1d, [Partial()])
+        again.backward(DTensor.from_local(torch.ones(12, 3, dtype=dtype), mesh1d, [Partial()]))
+    assert_all_ranks(pt.grad.placements == (Partial(),) and comm.get_total_counts() == 0,
+                     f"{pt.grad.placements} {comm.get_comm_counts()}")
+    assert_close(pt.grad.to_local(), torch.ones(12, 3, dtype=dtype))
     assert_close(pt.grad.full_tensor(), torch.full((12, 3), float(WORLD.size), dtype=dtype))
 
 

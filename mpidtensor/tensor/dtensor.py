@@ -344,9 +344,11 @@ class _FromLocal(torch.autograd.Function):
         spec = ctx.spec
         if not isinstance(grad, DTensor):
             return grad, None
-        if grad._spec.placements != spec.placements:
-            # The local gradient must match the forward's layout; Partial becomes Replicate.
-            target = _settled(spec.placements)
+        # The local gradient has the forward's layout, a Partial one settled to Replicate even
+        # when the gradient arrives as that Partial (as torch 2.13): a local term of a Partial
+        # sum has the whole gradient as its gradient; one rank's term of it would be wrong.
+        target = _settled(spec.placements)
+        if grad._spec.placements != tuple(target):
             grad = redistribute_dtensor(grad, grad._spec.with_placements(target))
         return grad._local_tensor, None
 
@@ -361,7 +363,9 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec
-        placements = ctx.grad_placements or spec.placements
+        # By default the gradient of a Partial's local term is the whole gradient: Replicate
+        # (as torch 2.13; from_local's backward hands it so).
+        placements = ctx.grad_placements or _settled(spec.placements)
         # Autograd may hand a transposed gradient: the global strides follow it. An expanded
         # one (a sum's backward) is made whole first, as a leaf's ``.grad`` would be copied
         # anyway (AccumulateGrad's layout contract) and an in-place update needs it whole.
@@ -375,6 +379,7 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, spec: DTensorSpec, backward_dtype: torch.dtype | None = None) -> DTensor:
         ctx.src = x._spec
+        ctx.target = spec.placements
         ctx.backward_dtype = backward_dtype
         local = redistribute_local(x._local_tensor, x._spec, spec)
         return DTensor(local, spec, requires_grad=x.requires_grad)
@@ -383,7 +388,14 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx, grad: DTensor):
         src = ctx.src
         local, spec = grad._local_tensor, grad._spec
-        target = _settled(src.placements)
+        # A Partial input whose gradient arrives as the same Partial keeps it (no collective, as
+        # torch's) where the forward kept it too (Partial to the same Partial); any other
+        # Partial input's gradient is settled to Replicate: after a Partial -> Replicate the
+        # producer's backward (a contraction over a sharded dim) needs it whole, once for all
+        # its matrix products (torchtitan's TP step: 19 collectives a step where keeping it
+        # Partial took 25).
+        target = [p if p.is_partial() and g == p == f else Replicate() if p.is_partial() else p
+                  for p, g, f in zip(src.placements, spec.placements, ctx.target)]
         moved = ctx.backward_dtype
         if moved is not None and moved != spec.dtype:  # the gradient moves in backward_dtype
             local = local.to(moved)

@@ -1,0 +1,135 @@
+"""Partial gradients leaving DTensor through ``from_local`` (issue 38): the local term of
+a ``Partial`` output gets the whole gradient, even when the gradient arrives as that same
+``Partial`` (as torch 2.13's ``from_local`` guarantees: Partial forward, Replicate
+gradient). Handing each rank its own term of the gradient instead made a vocab-parallel
+embedding written with ``local_map`` (torchtitan's) take the wrong gradient once a
+redistribute's backward kept its gradient Partial (torch's rule). Each case against one
+process, on 1-D and 2-D meshes with uneven shards.
+"""
+import pytest
+import torch
+
+from helpers import assert_all_ranks, assert_close, global_tensor
+from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from mpidtensor.experimental import local_map
+
+
+def _rank_terms(grad: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """This rank's term of a gradient that is Partial on the Partial mesh dims: differs
+    along those dims, equal along the others (a seed from the coordinates there)."""
+    seed = sum(mesh.get_local_rank(m) * 10 ** m for m, p in enumerate(placements) if p.is_partial())
+    return grad * (1 + seed) + global_tensor(grad.shape, seed=seed)
+
+
+# (mesh, weight placements): the Partial dims of the output are those where the weight's
+# rows are sharded
+CASES = [("1d", [Shard(0)]), ("2d", [Shard(0), Shard(0)]), ("2d", [Replicate(), Shard(0)]),
+         ("2d", [Shard(0), Replicate()])]
+
+
+@pytest.mark.parametrize("via", ["direct", "redistribute"])
+@pytest.mark.parametrize("mesh_kind,placements", CASES)
+def test_from_local_partial_gradient(request, mesh_kind, placements, via):
+    """``out_r = a_r @ W_r`` over a row-sharded ``W`` (uneven rows), wrapped as Partial with
+    ``from_local``; its gradient arrives Partial, directly or through a Partial-to-Replicate
+    redistribute (whose backward keeps it Partial): W's gradient is one process's
+    ``outer(a, G)``, G the gradient's full value."""
+    mesh = request.getfixturevalue("mesh1d" if mesh_kind == "1d" else "mesh2d")
+    rows = 3 * mesh.size() + 1
+    a, w = global_tensor((rows,)), global_tensor((rows, 5), seed=3)
+    out_placements = [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
+    wd = distribute_tensor(w, mesh, placements).requires_grad_()
+    a_local = distribute_tensor(a, mesh, placements).to_local()
+    y = DTensor.from_local(a_local @ wd.to_local(), mesh, out_placements)
+    grad = DTensor.from_local(_rank_terms(global_tensor((5,), seed=7), mesh, out_placements), mesh, out_placements)
+    if via == "redistribute":
+        y.redistribute(mesh, out_placements).redistribute(mesh, [Replicate()] * mesh.ndim).backward(grad)
+    else:
+        y.backward(grad)
+    assert_all_ranks(wd.grad.placements == tuple(placements), f"{wd.grad.placements}")
+    assert_close(wd.grad.full_tensor(), torch.outer(a, grad.full_tensor()))
+
+
+def _vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, vocab: int, mesh) -> torch.Tensor:
+    """torchtitan's vocab-parallel embedding on this rank's rows (``torch.chunk``'s layout):
+    the rows of the tokens outside them masked to zero, the sum over ranks the lookup."""
+    chunk = -(-vocab // mesh.size())
+    offset = mesh.get_local_rank() * chunk
+    mask = (tokens >= offset) & (tokens < offset + weight.shape[0])
+    out = torch.nn.functional.embedding((tokens - offset).clamp(0, weight.shape[0] - 1), weight)
+    return out * mask.unsqueeze(-1).to(out.dtype)
+
+
+def test_vocab_parallel_embedding_block(mesh1d):
+    """The torchtitan pattern that found it: a ``local_map`` vocab-parallel embedding
+    (Partial out, redistributed to Replicate), then a column- and a row-parallel matmul
+    with a residual; the column-parallel matmul's input gradient is Partial, so the
+    embedding's output gradient arrives Partial. Every parameter's gradient is one process's."""
+    n = mesh1d.size()
+    vocab, dim, hidden = 3 * n + 1, 5, 2 * n + 1
+    tokens = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(5))
+    weights = [global_tensor(s, seed=k) for k, s in enumerate([(vocab, dim), (dim, hidden), (hidden, dim)])]
+    scale = global_tensor((2, 7, dim), seed=9)
+
+    def block(emb, w1, w2, lookup):
+        x = lookup(tokens, emb)
+        return ((x + torch.relu(x @ w1) @ w2) * scale).sum()
+
+    ref = [w.clone().requires_grad_() for w in weights]
+    loss_ref = block(*ref, lambda t, e: torch.nn.functional.embedding(t, e))
+    loss_ref.backward()
+
+    params = [distribute_tensor(w, mesh1d, [p]).requires_grad_()
+              for w, p in zip(weights, [Shard(0), Shard(1), Shard(0)])]
+    lookup = local_map(lambda t, e: _vocab_parallel_embedding(t, e, vocab, mesh1d), out_placements=[Partial()],
+                       in_placements=(None, [Shard(0)]), device_mesh=mesh1d)
+    seen = []
+
+    def replicated_lookup(t, e):
+        x = lookup(t, e).redistribute(mesh1d, [Replicate()])
+        x.register_hook(lambda g: seen.append(g.placements))
+        return x
+
+    loss = block(*params, replicated_lookup)
+    loss.backward()
+    assert_close(loss.full_tensor(), loss_ref.detach())
+    if n > 1:  # the case of the bug: the embedding's gradient arrives Partial
+        assert_all_ranks(seen == [(Partial(),)], f"embedding output gradient {seen}")
+    for name, p, r in zip(["embedding", "w1", "w2"], params, ref):
+        assert_close(p.grad.full_tensor(), r.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("grad_kind", ["partial", "replicate"])
+@pytest.mark.parametrize("mesh_kind", ["1d", "2d"])
+def test_partial_local_round_trip_gradient(request, mesh_kind, grad_kind):
+    """A Partial DTensor through ``to_local`` and back through ``from_local`` is the same
+    tensor: its gradient is the output's, whether that arrives Partial or Replicate
+    (``to_local``'s backward takes a Partial's gradient as Replicate, as torch 2.13's)."""
+    mesh = request.getfixturevalue("mesh1d" if mesh_kind == "1d" else "mesh2d")
+    partial = [Partial()] * mesh.ndim
+    x = DTensor.from_local(global_tensor((2 * mesh.size() + 1, 3)), mesh, partial).detach().requires_grad_()
+    y = DTensor.from_local(x.to_local() * 2, mesh, partial)
+    grad_placements = partial if grad_kind == "partial" else [Replicate()] * mesh.ndim
+    terms = _rank_terms(global_tensor((2 * mesh.size() + 1, 3), seed=4), mesh, grad_placements)
+    grad = DTensor.from_local(terms, mesh, grad_placements)
+    y.backward(grad)
+    assert_close(x.grad.full_tensor(), 2 * grad.full_tensor())
+
+
+def test_partial_to_replicate_backward_settles_partial_gradient(mesh1d):
+    """A Partial -> Replicate redistribute whose gradient arrives Partial settles it (one
+    all-reduce, shared by everything behind it); only a Partial -> same Partial keeps it
+    (torch keeps it in both: torchtitan's TP step then reduced it once per matrix product
+    behind, 25 collectives a step where this takes 19)."""
+    from mpidtensor.debug import CommDebugMode
+
+    full = global_tensor((5, 3))
+    pt = DTensor.from_local(full / mesh1d.size(), mesh1d, [Partial()]).detach().requires_grad_()
+    terms = _rank_terms(global_tensor((5, 3), seed=2), mesh1d, [Partial()])
+    grad = DTensor.from_local(terms, mesh1d, [Partial()])
+    with CommDebugMode() as comm:
+        pt.redistribute(mesh1d, [Replicate()]).backward(grad)
+    expected = 2 if mesh1d.size() > 1 else 0  # the forward's all-reduce and the gradient's
+    assert_all_ranks(pt.grad.placements == (Replicate(),) and comm.get_total_counts() == expected,
+                     f"{pt.grad.placements} {comm.get_comm_counts()}")
+    assert_close(pt.grad.full_tensor(), grad.full_tensor())
