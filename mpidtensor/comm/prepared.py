@@ -57,11 +57,7 @@ class Prepared:
                 tensor = stage(tensor)  # what ``stage`` would return as it is, checked inline
             if not watchdog.ENABLED:
                 return self.fast(tensor)
-            watchdog.enter(self.kind, self.comm, self)
-            try:
-                return self.fast(tensor)
-            finally:
-                watchdog.leave()
+            return watchdog.call(self.kind, self.comm, self.fast, tensor, details=self)
         return self.general(tensor)
 
     def __str__(self) -> str:
