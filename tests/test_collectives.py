@@ -291,6 +291,17 @@ def test_expanded_conj_neg_and_grad_inputs():
     assert_all_ranks(not out.requires_grad)
 
 
+def test_prepared_all_reduce_resolves_conj_and_neg_views():
+    """A prepared collective stages a conjugated complex view and a lazily negated real view
+    (the conjugate bit is asked of complex signatures only) rather than sending the raw memory."""
+    full = make((2, 3), torch.complex64)
+    complex_sum = collectives.prepare_all_reduce((2, 3), torch.complex64, WORLD)
+    real_sum = collectives.prepare_all_reduce((2, 3), torch.float32, WORLD)
+    for _ in range(2):  # the first call and a later one
+        assert_equal(complex_sum(full.conj()), full.conj().resolve_conj() * SIZE)
+        assert_equal(real_sum(full.conj().imag), -full.imag * SIZE)
+
+
 def test_bad_sizes_raise_before_communicating():
     calls = []
 

@@ -34,13 +34,15 @@ class Prepared:
     datatypes made for it alone (:func:`owned_types`), freed with it. Redistribution
     steps keep one per plan (docs/performance.md, "Where the time goes at 4 KiB")."""
 
-    __slots__ = ("kind", "comm", "shape", "dtype", "nbytes", "limits", "fast", "general", "__weakref__")
+    __slots__ = ("kind", "comm", "shape", "dtype", "nbytes", "complex", "limits", "fast", "general",
+                 "__weakref__")
 
     def __init__(self, kind: str, comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype,
                  fast: Callable[[torch.Tensor], torch.Tensor] | None,
                  general: Callable[[torch.Tensor], torch.Tensor], owned: Sequence[MPI.Datatype] = ()) -> None:
         self.kind, self.comm, self.shape, self.dtype = kind, comm, torch.Size(shape), dtype
         self.nbytes = prod(shape) * dtype.itemsize
+        self.complex = dtype.is_complex  # only a complex tensor can carry the conjugate bit
         self.limits = limits()
         self.fast = fast  # None: this signature always takes the general function
         self.general = general
@@ -53,15 +55,12 @@ class Prepared:
                 and limits() == self.limits):
             if recorders.ACTIVE:
                 recorders.record(self.kind, self.nbytes)
-            if tensor.requires_grad or not tensor.is_contiguous() or tensor.is_neg() or tensor.is_conj():
+            if (tensor.requires_grad or not tensor.is_contiguous() or tensor.is_neg()
+                    or (self.complex and tensor.is_conj())):
                 tensor = stage(tensor)  # what ``stage`` would return as it is, checked inline
             if not watchdog.ENABLED:
                 return self.fast(tensor)
-            watchdog.enter(self.kind, self.comm, self)
-            try:
-                return self.fast(tensor)
-            finally:
-                watchdog.leave()
+            return watchdog.call(self.kind, self.comm, self.fast, tensor, details=self)
         return self.general(tensor)
 
     def __str__(self) -> str:
