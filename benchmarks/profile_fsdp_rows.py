@@ -1,10 +1,12 @@
 """Where the FSDP rows of the benchmark of record spend a step beyond the hand-written ZeRO-3.
 
-    mpiexec -n 4 python benchmarks/profile_fsdp_rows.py [--reps 31] [--top 30] [--rows llama,stack]
+    mpiexec -n 4 python benchmarks/profile_fsdp_rows.py [--reps 31] [--top 30] [--rows llama,stack,tp]
 
 The rows are ``record_steps``' FSDP Llama (the demo's model, every block and the root
-``fully_shard``-ed) and FSDP stack (4 x ``Linear(1024)``), each mpidtensor step and its
-``record_steps.Zero3`` step checked against one process first. Rank 0 prints, per row:
+``fully_shard``-ed), FSDP stack (4 x ``Linear(1024)``) and, at 4 ranks only, FSDP x TP (the
+demo's own 2x2 step against ``record_2d``'s ZeRO-3 over dp of Megatron-SP blocks over tp),
+each mpidtensor step and its ``record_steps.Zero3`` step checked against one process first.
+Rank 0 prints, per row:
 
 1. Python calls of one step (``sys.setprofile``, rank 0), mpidtensor minus ``Zero3`` per
    function: a figure machine load does not move (the step split into phases below, so
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import statistics
 import sys
@@ -35,8 +38,9 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_fsdp  # noqa: E402
 import record_steps as rs  # noqa: E402
+import record_2d  # noqa: E402
 from bench_llama_tp import train_step  # noqa: E402
-from llama import LlamaConfig, build_model, cross_entropy  # noqa: E402
+from llama import LlamaConfig, build_model, cross_entropy, loss_parallel_context  # noqa: E402
 from train_fsdp_tp import parse_args as demo_args  # noqa: E402
 
 import mpidtensor as md  # noqa: E402
@@ -50,20 +54,24 @@ PHASES = ("forward", "loss", "backward", "Zero3 reduce-scatters", "optimizer")
 
 class Row:
     """One row's two steps, each split into PHASES: ``inputs``/``loss_of`` make the
-    forward's input and the loss of its output for a batch."""
+    forward's input and the loss of its output for a batch (``zero_loss_of`` the hand-written
+    step's, if it differs); mpidtensor's loss and backward run inside ``md_context()``."""
 
     def __init__(self, name: str, model, opt, batch, zero: rs.Zero3, zero_batch,
-                 inputs: Callable, loss_of: Callable) -> None:
+                 inputs: Callable, loss_of: Callable, zero_loss_of: Callable | None = None,
+                 md_context: Callable = contextlib.nullcontext) -> None:
         self.name, self.model, self.opt, self.batch = name, model, opt, batch
         self.zero, self.zero_batch, self.inputs, self.loss_of = zero, zero_batch, inputs, loss_of
+        self.zero_loss_of, self.md_context = zero_loss_of or loss_of, md_context
 
     def md_step(self) -> list[float]:
         t = [time.process_time()]
         out = self.model(self.inputs(self.batch))
         t.append(time.process_time())
-        loss = self.loss_of(out, self.batch)
-        t.append(time.process_time())
-        loss.backward()
+        with self.md_context():
+            loss = self.loss_of(out, self.batch)
+            t.append(time.process_time())
+            loss.backward()
         t.append(time.process_time())
         t.append(time.process_time())
         self.opt.step()
@@ -78,7 +86,7 @@ class Row:
             zero._gather(zero.root)
         out = zero.model(self.inputs(self.zero_batch))
         t.append(time.process_time())
-        loss = self.loss_of(out, self.zero_batch)
+        loss = self.zero_loss_of(out, self.zero_batch)
         t.append(time.process_time())
         loss.backward()
         t.append(time.process_time())
@@ -109,6 +117,30 @@ def llama_row() -> Row:
     rs.agreed(all(abs(a - b) <= args.tol for a, b in zip(losses, ref_losses)), "fsdp, mpi4py ZeRO-3")
     return Row("FSDP Llama", run[0], run[1], tokens[run[3]], zero, mine,
                lambda b: b[:, :-1], lambda logits, b: cross_entropy(logits, b[:, 1:]))
+
+
+def tp_row() -> Row:
+    """The FSDP x TP row of ``record_steps.fsdp_rows`` (4 ranks: dp 2 x tp 2), both steps
+    checked; the hand-written one is ``record_2d``'s."""
+    if N != 4:
+        raise SystemExit("the FSDP x TP row runs on 4 ranks (a 2x2 mesh)")
+    demo = demo_args([])
+    cfg = LlamaConfig(vocab_size=demo.vocab, dim=demo.dim, n_layers=demo.layers, n_heads=demo.heads,
+                      n_kv_heads=demo.kv_heads, hidden_dim=demo.hidden, max_seq_len=demo.seq)
+    dp = 2
+    args = argparse.Namespace(seed=0, batch=4 * dp, lr=demo.lr, check_steps=2, tol=demo.tol)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, demo.seq + 1), generator=torch.Generator().manual_seed(1))
+    ref = build_model(cfg, args.seed)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr)
+    ref_losses = [train_step(ref, ref_opt, tokens, None) for _ in range(args.check_steps)]
+    run = bench_fsdp.setup("mpidtensor", "fsdp x tp", md.init_device_mesh, cfg, args, tokens, ref_losses,
+                           [p.detach() for p in ref.parameters()])
+    rs.agreed(run is not None, "fsdp x tp, mpidtensor")
+    zero, mine, zero_loss_of = record_2d.zero3_tp(cfg, args, tokens, ref_losses, ref, args.check_steps, dp, N // dp,
+                                                  rs.Zero3, rs.agreed, rs.close)
+    return Row("FSDP x TP", run[0], run[1], tokens[run[3]], zero, mine, lambda b: b[:, :-1],
+               lambda logits, b: cross_entropy(logits, b[:, 1:]), zero_loss_of,
+               lambda: loss_parallel_context(run[2]))
 
 
 def stack_row() -> Row:
@@ -191,10 +223,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=31)
     parser.add_argument("--top", type=int, default=30)
-    parser.add_argument("--rows", default="llama,stack")
+    parser.add_argument("--rows", default="llama,stack", help="of llama, stack, tp (4 ranks)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    builders = {"llama": llama_row, "stack": stack_row}
+    builders = {"llama": llama_row, "stack": stack_row, "tp": tp_row}
     results = {}
     for row in [builders[name]() for name in args.rows.split(",")]:
         for _ in range(2):

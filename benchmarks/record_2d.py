@@ -14,7 +14,7 @@ The demo's Llama-style model (``examples/llama.py``) on the (dp, tp) grid of
 * over ``dp``, ZeRO-3 (``record_steps.Zero3`` on the dp communicator) of these local blocks.
 
 ``zero3_tp_step`` checks the step against one process (losses and every parameter) and
-returns it.
+returns it; ``zero3_tp`` returns its parts (``benchmarks/profile_fsdp_rows.py``).
 """
 from __future__ import annotations
 
@@ -157,23 +157,33 @@ def full_parameter(name: str, local: torch.Tensor, tp: MPI.Intracomm) -> torch.T
     return torch.cat([torch.as_tensor(b) for b in tp.allgather(local.contiguous().numpy())], dim)
 
 
-def zero3_tp_step(cfg: LlamaConfig, args, tokens: torch.Tensor, ref_losses: list[float], ref: nn.Module,
-                  check_steps: int, dp: int, tp: int, zero3: type, agreed: Callable, close: Callable) -> Callable:
-    """The hand-written FSDP x TP step on this rank's rows, checked against one process."""
+def zero3_tp(cfg: LlamaConfig, args, tokens: torch.Tensor, ref_losses: list[float], ref: nn.Module,
+             check_steps: int, dp: int, tp: int, zero3: type, agreed: Callable,
+             close: Callable) -> tuple[object, torch.Tensor, Callable]:
+    """The hand-written FSDP x TP step on this rank's rows, checked against one process:
+    (its ``zero3`` object, this rank's rows, ``loss_of(logits, rows)``, the loss of the
+    model's output), for a profiler that splits the step."""
     dp_comm, tp_comm = split_grid(dp, tp)
     rows = args.batch // dp
     mine = tokens[dp_comm.rank * rows:(dp_comm.rank + 1) * rows]
     model = megatron_sp(build_model(cfg, args.seed), tp_comm)
     start = sum(len(c) for c in torch.arange(cfg.vocab_size).chunk(tp)[:tp_comm.rank])
 
-    def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        return _VocabCrossEntropy.apply(m(batch[:, :-1]), batch[:, 1:], start, tp_comm)
+    def loss_of(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        return _VocabCrossEntropy.apply(logits, batch[:, 1:], start, tp_comm)
 
-    zero = zero3(model, args.lr, loss, comm=dp_comm)
+    zero = zero3(model, args.lr, lambda m, batch: loss_of(m(batch[:, :-1]), batch), comm=dp_comm)
     losses = [dp_comm.allreduce(zero.step(mine)) / dp for _ in range(check_steps)]
     names = [n for n, _ in model.named_parameters()]
     params = [full_parameter(n, p, tp_comm) for n, p in zip(names, zero.full_parameters())]
     ok = all(abs(a - b) <= args.tol for a, b in zip(losses, ref_losses))
     agreed(ok and all(close(p, q.detach(), args.tol) for p, q in zip(params, ref.parameters())),
            "fsdp x tp, mpi4py ZeRO-3 x Megatron-SP")
+    return zero, mine, loss_of
+
+
+def zero3_tp_step(cfg: LlamaConfig, args, tokens: torch.Tensor, ref_losses: list[float], ref: nn.Module,
+                  check_steps: int, dp: int, tp: int, zero3: type, agreed: Callable, close: Callable) -> Callable:
+    """The hand-written FSDP x TP step on this rank's rows, checked against one process."""
+    zero, mine, _ = zero3_tp(cfg, args, tokens, ref_losses, ref, check_steps, dp, tp, zero3, agreed, close)
     return lambda: zero.step(mine)
