@@ -20,7 +20,7 @@ from helpers import assert_all_ranks, global_tensor
 from mpidtensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from mpidtensor.fast import registry
 from mpidtensor.runtime.settings import settings
-from test_optim_local import _even_model
+from test_optim_local import _apart_model, _even_model
 
 WORLD = MPI.COMM_WORLD
 
@@ -132,6 +132,24 @@ def test_fsdp_flat_runs_equal_the_general_path(mesh1d, name):
         opt = cls(model.parameters(), **kwargs)
         for step in range(3):
             model(global_tensor((5, 12), seed=40 + step)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()] + [
+            v for p in model.parameters() for v in opt.state[p].values()]
+
+    _check(run, {"optim.local_step", "optim.flat_runs", "optim.foreach"})
+
+
+def test_fsdp_flat_run_apart_in_the_group_equals_the_general_path(mesh1d):
+    """The root group's shards, listed apart in the optimizer's group (another layer's
+    between them), step as one flat run: bit-equal to the per-parameter DTensor step."""
+    cls, kwargs = OPTIMIZERS["adamw"]
+
+    def run():
+        model = _apart_model(mesh1d)
+        opt = cls(model.parameters(), **kwargs)
+        for step in range(3):
+            model(global_tensor((5, 48), seed=60 + step)).square().sum().backward()
             opt.step()
             opt.zero_grad()
         return [p.detach() for p in model.parameters()] + [

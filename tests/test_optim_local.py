@@ -225,6 +225,55 @@ def test_back_to_back_shards_step_as_one_tensor(mesh1d, monkeypatch, name):
     assert_all_ranks(views, "a layer's states are not views of one buffer")
 
 
+def _apart_model(mesh) -> nn.Module:
+    """Three Linear(48, 48) layers, the middle one fully_shard-ed: the root group holds the
+    first and the last layer, whose shards lie back to back in its flat buffers at 1-4 ranks
+    (even shards, whole 16-byte units) while the optimizer's group lists the middle layer's
+    between them."""
+    with torch.random.fork_rng():
+        torch.manual_seed(4)
+        model = nn.Sequential(nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 48))
+    fully_shard(model[2], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def test_a_run_spans_parameters_apart_in_the_group(mesh1d, monkeypatch):
+    """The root group's four shards step as one flat tensor though the group lists the
+    middle layer's two between them (two tensors a step from the second step on), bit for
+    bit the per-parameter step; a step count changed in place is noticed (the run steps
+    one parameter at a time) though the run's counts agreed at its last step."""
+    module = importlib.import_module("torch.optim.adam")
+    seen = []
+    original = module._multi_tensor_adam
+
+    def recorded(params, *args, **kw):
+        seen.append(len(params))
+        return original(params, *args, **kw)
+    monkeypatch.setattr(module, "_multi_tensor_adam", recorded)
+    cls, kwargs = OPTIMIZERS["adamw"]
+    results = {}
+    for coalesce in (False, True):
+        monkeypatch.setattr(optim_step, "COALESCE", coalesce)
+        model = _apart_model(mesh1d)
+        params = list(model.parameters())
+        opt = cls(params, **kwargs)
+        seen.clear()
+        for step in range(5):
+            model(global_tensor((5, 48), seed=60 + step)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 2:
+                opt.state[params[5]]["step"].add_(1.0)  # the run's counts differ now
+        results[coalesce] = ([p.detach()._local_tensor for p in params]
+                             + [v._local_tensor if type(v) is DTensor else v for p in params for v in opt.state[p].values()],
+                             list(seen))
+    (general, pcounts), (fast, fcounts) = results[False], results[True]
+    same = len(general) == len(fast) and all(torch.equal(a, b) for a, b in zip(general, fast))
+    assert_all_ranks(same, "flat steps over a run apart in the group differ from per-parameter ones")
+    assert_all_ranks((pcounts, fcounts) == ([6] * 5, [6, 2, 2, 5, 5]),
+                     f"tensors per step: per-parameter {pcounts}, flat {fcounts}")
+
+
 def test_groups_that_do_not_qualify_step_beside_swapped_ones(mesh1d):
     """One group swapped (FSDP parameters), one not (a Shard parameter with a Replicate
     gradient, and a plain tensor): both match one process, and the state holds the

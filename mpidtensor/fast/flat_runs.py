@@ -21,7 +21,7 @@ parameters) and equal scalar states, nothing about placements.
 """
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import chain as chained, repeat
 from operator import attrgetter, sub
 from typing import Sequence
 
@@ -40,7 +40,7 @@ PATH = registry.register(
                "nothing), the elementwise update, and the tensors' memory layout (Run.make, Run.grad)")
 
 _storage_address = torch._C._storage_address  # an address, without making a storage object
-_grad_of, _local_of = attrgetter("grad"), attrgetter("_local_tensor")
+_grad_of, _local_of, _version_of = attrgetter("grad"), attrgetter("_local_tensor"), attrgetter("_version")
 _data_ptr, _is_contiguous = torch.Tensor.data_ptr, torch.Tensor.is_contiguous
 
 
@@ -68,31 +68,40 @@ def _flat(first: torch.Tensor, numel: int) -> torch.Tensor:
     return first.as_strided((numel,), (1,), first.storage_offset())
 
 
-def candidate_runs(params: Sequence, locals_: Sequence) -> list[tuple[int, int]]:
-    """``(start, end)`` of every stretch of at least two DTensor parameters whose local
-    tensors (``locals_[i]``, None for a plain parameter) are contiguous and back to back."""
-    spans, start = [], None
-    for i, local in enumerate(locals_):
-        if local is not None and start is not None and _follows(locals_[i - 1], local):
-            continue
-        if start is not None and i - start > 1:
-            spans.append((start, i))
-        start = i if local is not None and local.is_contiguous() else None
-    if start is not None and len(locals_) - start > 1:
-        spans.append((start, len(locals_)))
-    return spans
+def candidate_runs(params: Sequence, locals_: Sequence) -> list[tuple[int, ...]]:
+    """The group indices, in memory order, of every chain of at least two DTensor parameters
+    whose local tensors (``locals_[i]``, None for a plain parameter) are contiguous and back
+    to back, wherever the parameters stand in the group: an elementwise step does not depend
+    on their order (FSDP's root group, the embedding before the blocks and the norm and the
+    output after them in ``model.parameters()``, is one chain of its ``shard_flat``)."""
+    order = sorted((i for i, t in enumerate(locals_) if t is not None and t.is_contiguous()),
+                   key=lambda i: (_storage_address(locals_[i]), locals_[i].storage_offset(), locals_[i].numel()))
+    chains, chain = [], []
+    for i in order:
+        if chain and not _follows(locals_[chain[-1]], locals_[i]):
+            if len(chain) > 1:
+                chains.append(tuple(chain))
+            chain = []
+        chain.append(i)
+    if len(chain) > 1:
+        chains.append(tuple(chain))
+    return chains
 
 
 class Run:
     """DTensor parameters whose local tensors and states lie back to back (see
     :meth:`make`): ``flat`` is them as one tensor, ``views`` each DTensor state as one,
-    ``scalars`` each 0-d state's per-parameter tensors, ``others`` the other states."""
+    ``scalars`` each 0-d state's per-parameter tensors, ``others`` the other states;
+    ``agreed``, the scalar tensors' version counters when they were last made equal
+    (:meth:`write_back`): while they read the same, nothing wrote to them and :meth:`entry`
+    need not compare their values."""
 
-    __slots__ = ("params", "numel", "flat", "views", "scalars", "others", "offsets")
+    __slots__ = ("params", "numel", "flat", "views", "scalars", "others", "offsets", "agreed")
 
     def __init__(self, params: tuple, flat: torch.Tensor, views: dict, scalars: dict, others: dict) -> None:
         self.params, self.numel, self.flat = params, flat.numel(), flat
         self.views, self.scalars, self.others = views, scalars, others
+        self.agreed: tuple[int, ...] | None = None
         base = flat.data_ptr()
         self.offsets = tuple(p._local_tensor.data_ptr() - base for p in params)  # bytes from the first
 
@@ -129,12 +138,18 @@ class Run:
             if any(v != values[0] for v in values[1:]):
                 return None
             entry[key] = values[0]
-        for key, tensors in self.scalars.items():
-            stacked = torch.stack(tensors)  # one comparison for the run, not an item() per parameter
-            if not bool(stacked.eq(stacked[0]).all()):
-                return None
+        scalars = self.scalars
+        if scalars and self._versions() != self.agreed:
+            for tensors in scalars.values():
+                stacked = torch.stack(tensors)  # one comparison for the run, not an item() per parameter
+                if not bool(stacked.eq(stacked[0]).all()):
+                    return None
+        for key, tensors in scalars.items():
             entry[key] = tensors[0]
         return entry
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(map(_version_of, chained.from_iterable(self.scalars.values())))
 
     def grad(self) -> torch.Tensor | None:
         """The parameters' gradients as one tensor, if they are all there and laid out as
@@ -166,6 +181,8 @@ class Run:
             else:
                 for p in self.params:
                     state[p][key] = v
+        if self.scalars and all(key in new for key in self.scalars):  # each now holds the run's value
+            self.agreed = self._versions()
 
 
 def rehome(params: Sequence, entries: Sequence[dict]) -> None:

@@ -94,8 +94,9 @@ _keys, _values = methodcaller("keys"), methodcaller("values")
 class _Layout:
     """How one parameter group steps on local tensors, built once and kept while its
     parameters, their local tensors and their state objects stay the same (checked each
-    step): ``locals`` (None for a plain parameter), ``runs`` (start -> (end, Run)) and the
-    stretches whose states are to be put back to back after the step (``rehome``)."""
+    step): ``locals`` (None for a plain parameter), ``runs`` (a run's first group index ->
+    (its group indices, Run)) and the chains whose states are to be put back to back after
+    the step (``rehome``, group indices)."""
 
     __slots__ = ("params", "locals", "dtensors", "dlocals", "values", "runs", "rehome")
 
@@ -107,12 +108,12 @@ class _Layout:
         entries = [state.get(p) if type(p) is DTensor else None for p in params]
         self.values = _state_values(params, self.locals, state)
         self.runs, self.rehome = {}, []
-        for start, end in candidate_runs(params, self.locals) if COALESCE else ():
-            run = Run.make(params[start:end], entries[start:end])
+        for members in candidate_runs(params, self.locals) if COALESCE else ():
+            run = Run.make([params[i] for i in members], [entries[i] for i in members])
             if run is None:
-                self.rehome.append((start, end))
+                self.rehome.append(members)
             else:
-                self.runs[start] = (end, run)
+                self.runs[min(members)] = (members, run)
 
     def holds(self, params: list, state) -> bool:
         """Whether the group still has these parameters, local tensors and state objects."""
@@ -268,11 +269,13 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 def _swap_group(layout: _Layout, params: list, state, shadow: _Shadow, swap: _Swap) -> list:
     """The tensors one group's step runs on (filling ``shadow`` and ``swap``)."""
     out = []
-    i = 0
-    while i < len(params):
+    covered: set[int] = set()  # the members of runs stepped flat
+    for i, p in enumerate(params):
+        if covered and i in covered:
+            continue
         found = layout.runs.get(i)
         if found is not None:
-            end, run = found
+            members, run = found
             grad = run.grad()
             entry = None if grad is None else run.entry()
             if entry is not None:
@@ -281,9 +284,9 @@ def _swap_group(layout: _Layout, params: list, state, shadow: _Shadow, swap: _Sw
                 swap.flat.append(run)
                 flat_runs.PATH.hits += 1
                 out.append(run.flat)
-                i = end
+                covered.update(members)
                 continue
-        p, local = params[i], layout.locals[i]
+        local = layout.locals[i]
         if local is None:
             out.append(p)
         else:
@@ -293,8 +296,7 @@ def _swap_group(layout: _Layout, params: list, state, shadow: _Shadow, swap: _Sw
             shadow[local] = {k: v._local_tensor if type(v) is DTensor else v for k, v in entry.items()} if entry else {}
             swap.pairs.append((p, local))
             out.append(local)
-        i += 1
-    swap.rehome.extend(params[start:end] for start, end in layout.rehome)
+    swap.rehome.extend([params[i] for i in members] for members in layout.rehome)
     return out
 
 
