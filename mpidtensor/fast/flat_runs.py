@@ -11,8 +11,11 @@ optimizer on local tensors and flat runs"). A run steps as one tensor when, acro
 the parameters, the gradients and every DTensor state are each contiguous and back to
 back in one storage (so each flat tensor covers exactly the run's elements, no one
 else's) and the scalar states (step counts) agree; each element then gets the update it
-would get alone. :func:`rehome` puts the states of a run back to back (states just
-created, or loaded as separate tensors), so that the next step takes the flat path.
+would get alone. The run's parameters need not stand together in the optimizer's group
+(the update of an element does not depend on the order): FSDP's root group, whose embedding
+comes first in ``model.parameters()`` and whose norm and output come last, is one run.
+:func:`rehome` puts the states of a run back to back (states just created, or loaded as
+separate tensors), so that the next step takes the flat path.
 
 A run is made only of parameters the local step already takes (the dispatcher moves
 nothing for their ops), and an elementwise optimizer updates each element alone: what is
