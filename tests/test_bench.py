@@ -112,13 +112,15 @@ def test_context_parallel_bench_runs(tmp_path):
 @pytest.mark.timeout(300)
 def test_fsdp_profile_rows_check_and_count():
     """``benchmarks/profile_fsdp_rows.py`` at any world size: the FSDP Llama and stack steps
-    and their hand-written ZeRO-3 steps match one process, and the profile has every part:
-    the call counts (mpidtensor's step makes more calls than the hand-written one), a CPU
-    figure per phase and repetition, and the FSDP group methods' CPU."""
+    (and at 4 ranks the FSDP x TP step) and their hand-written steps match one process, and
+    the profile has every part: the call counts (mpidtensor's step makes more calls than the
+    hand-written one), a CPU figure per phase and repetition, and the FSDP group methods' CPU."""
     import profile_fsdp_rows
 
-    results = profile_fsdp_rows.main(["--reps", "1", "--top", "3"])
-    ok = sorted(results) == ["FSDP Llama", "FSDP stack"]
+    rows = "llama,stack,tp" if WORLD.size == 4 else "llama,stack"
+    results = profile_fsdp_rows.main(["--reps", "1", "--top", "3", "--rows", rows])
+    names = ["FSDP Llama", "FSDP stack"] + (["FSDP x TP"] if WORLD.size == 4 else [])
+    ok = sorted(results) == sorted(names)
     for row in results.values():
         calls, phases = row["calls"], row["phases"]
         ok = ok and sum(calls["mpidtensor"].values()) > sum(calls["Zero3"].values()) > 0
