@@ -300,8 +300,8 @@ def _settled(placements) -> list[Placement]:
 _TARGETS: dict[tuple, DTensorSpec] = caches.cache("dtensor.redistribute_targets", 4096)  # (spec, *placements)
 _REPLICATED: dict[DTensorSpec, DTensorSpec] = caches.cache("dtensor.replicated", 4096)  # spec -> all-Replicate
 _FROM_LOCAL: dict[tuple, tuple] = caches.cache("dtensor.from_local", 4096)  # from_local(shape=...), or of placements sharding nothing -> (spec, local shape, local stride)
-# The backward specs of the autograd Functions below, by their forward spec and the gradient's:
-# a gradient's spec follows from them alone, so each step's backward looks it up once.
+# The gradient specs of the autograd Functions below, by (Function, forward spec, what else decides
+# it): a gradient's spec follows from these alone, so each step's backward looks it up once.
 _GRAD_SPECS: dict[tuple, DTensorSpec] = caches.cache("dtensor.grad_specs", 4096)
 
 
@@ -359,7 +359,7 @@ class _FromLocal(torch.autograd.Function):
         # The local gradient has the forward's layout, a Partial one settled to Replicate even
         # when the gradient arrives as that Partial (as torch 2.13): a local term of a Partial
         # sum has the whole gradient as its gradient; one rank's term of it would be wrong.
-        key = (spec, grad._spec)
+        key = (_FromLocal, spec, grad._spec)
         target = _GRAD_SPECS.get(key)
         if target is None:
             target = _GRAD_SPECS[key] = grad._spec.with_placements(_settled(spec.placements))
@@ -381,7 +381,7 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec
         if grad.__class__ is torch.Tensor and grad.is_contiguous():  # the common case: a spec per forward spec
-            key = (spec, ctx.grad_placements, grad.dtype)
+            key = (_ToLocal, spec, ctx.grad_placements, grad.dtype)
             grad_spec = _GRAD_SPECS.get(key)
             if grad_spec is None:
                 grad_spec = _GRAD_SPECS[key] = _to_local_grad_spec(spec, ctx.grad_placements, grad)
@@ -416,7 +416,7 @@ class _Redistribute(torch.autograd.Function):
         local, spec = grad._local_tensor, grad._spec
         moved = ctx.backward_dtype
         if moved is None and spec.dtype is src.dtype:  # the common case: the spec looked up, the result wrapped inline
-            key = (src, spec, ctx.target)
+            key = (_Redistribute, src, spec, ctx.target)
             out_spec = _GRAD_SPECS.get(key)
             if out_spec is None:
                 out_spec = _GRAD_SPECS[key] = spec.with_placements(_backward_placements(src, spec, ctx.target))
