@@ -133,3 +133,39 @@ def test_partial_to_replicate_backward_settles_partial_gradient(mesh1d):
     assert_all_ranks(pt.grad.placements == (Replicate(),) and comm.get_total_counts() == expected,
                      f"{pt.grad.placements} {comm.get_comm_counts()}")
     assert_close(pt.grad.full_tensor(), grad.full_tensor())
+
+
+@pytest.mark.parametrize("mesh_kind", ["1d", "2d"])
+def test_gradient_specs_looked_up_equal_computed(request, mesh_kind):
+    """``from_local``, ``to_local`` and ``redistribute`` look their gradient's spec up once per
+    (forward spec, gradient spec): the gradients of a second backward (cache hits) and of one
+    after ``clear_cache()`` (computed afresh) equal the first's bit for bit, with the same
+    placements, global and local strides. Cases: to_local's gradient contiguous, transposed,
+    with grad_placements; redistribute's Shard -> Replicate, Partial -> Replicate, Partial ->
+    same Partial; from_local's Partial and Shard inputs; uneven shards."""
+    import mpidtensor
+    mesh = request.getfixturevalue("mesh1d" if mesh_kind == "1d" else "mesh2d")
+    n = 2 * mesh.size() + 1
+    partial, shard, rep = [Partial()] * mesh.ndim, [Shard(0)] * mesh.ndim, [Replicate()] * mesh.ndim
+
+    def step():
+        la, lc = global_tensor((n, 3)).requires_grad_(), global_tensor((3, 5), seed=3).requires_grad_()
+        a, c = DTensor.from_local(la, mesh, partial), DTensor.from_local(lc, mesh, rep)
+        b = distribute_tensor(global_tensor((n, 3), seed=2), mesh, shard).requires_grad_()
+        a.retain_grad()
+        c.retain_grad()
+        out = (a.redistribute(mesh, rep) * 2).to_local().sum()
+        out = out + (b.redistribute(mesh, rep).to_local() ** 2).sum()
+        out = out + (a * 3).redistribute(mesh, partial).to_local(grad_placements=partial).sum()
+        out = out + (c.to_local().t() * global_tensor((5, 3), seed=4)).sum()  # a transposed gradient
+        out.backward()
+        grads = [(g.placements, g.shape, g.stride(), g._local_tensor.stride(), g._local_tensor)
+                 for g in (a.grad, b.grad, c.grad)]
+        return grads + [(None, g.shape, g.stride(), None, g) for g in (la.grad, lc.grad)]
+
+    first, second = step(), step()
+    mpidtensor.clear_cache()
+    fresh = step()
+    same = all(x[:4] == y[:4] == z[:4] and torch.equal(x[4], y[4]) and torch.equal(x[4], z[4])
+               for x, y, z in zip(first, second, fresh))
+    assert_all_ranks(same, f"{[x[:4] for x in first]} {[x[:4] for x in second]} {[x[:4] for x in fresh]}")

@@ -300,6 +300,9 @@ def _settled(placements) -> list[Placement]:
 _TARGETS: dict[tuple, DTensorSpec] = caches.cache("dtensor.redistribute_targets", 4096)  # (spec, *placements)
 _REPLICATED: dict[DTensorSpec, DTensorSpec] = caches.cache("dtensor.replicated", 4096)  # spec -> all-Replicate
 _FROM_LOCAL: dict[tuple, tuple] = caches.cache("dtensor.from_local", 4096)  # from_local(shape=...), or of placements sharding nothing -> (spec, local shape, local stride)
+# The gradient specs of the autograd Functions below, by (Function, forward spec, what else decides
+# it): a gradient's spec follows from these alone, so each step's backward looks it up once.
+_GRAD_SPECS: dict[tuple, DTensorSpec] = caches.cache("dtensor.grad_specs", 4096)
 
 
 def redistribute_dtensor(x: DTensor, spec: DTensorSpec, *, same_ok: bool = False) -> DTensor:
@@ -333,11 +336,20 @@ def _redistribute_with_options(x: DTensor, target: DTensorSpec, async_op: bool, 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
+def _wrap(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+    """``DTensor(local, spec, requires_grad=...)`` for the autograd Functions below: the
+    wrapper made directly (``DTensor.__new__`` first tells its public forms apart)."""
+    out = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device,
+                        layout=local.layout)
+    out._local_tensor, out._spec = local, spec
+    return out.requires_grad_() if requires_grad else out
+
+
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
         ctx.spec = spec
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+        return _wrap(local.view_as(local), spec, local.requires_grad)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
@@ -347,10 +359,15 @@ class _FromLocal(torch.autograd.Function):
         # The local gradient has the forward's layout, a Partial one settled to Replicate even
         # when the gradient arrives as that Partial (as torch 2.13): a local term of a Partial
         # sum has the whole gradient as its gradient; one rank's term of it would be wrong.
-        target = _settled(spec.placements)
-        if grad._spec.placements != tuple(target):
-            grad = redistribute_dtensor(grad, grad._spec.with_placements(target))
-        return grad._local_tensor, None
+        key = (_FromLocal, spec, grad._spec)
+        target = _GRAD_SPECS.get(key)
+        if target is None:
+            target = _GRAD_SPECS[key] = grad._spec.with_placements(_settled(spec.placements))
+        if target is grad._spec:
+            return grad._local_tensor, None
+        if grad.requires_grad and torch.is_grad_enabled():  # a double backward records the move
+            return redistribute_dtensor(grad, target)._local_tensor, None
+        return redistribute_local(grad._local_tensor, grad._spec, target), None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -363,16 +380,26 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec
-        # By default the gradient of a Partial's local term is the whole gradient: Replicate
-        # (as torch 2.13; from_local's backward hands it so).
-        placements = ctx.grad_placements or _settled(spec.placements)
+        if grad.__class__ is torch.Tensor and grad.is_contiguous():  # the common case: a spec per forward spec
+            key = (_ToLocal, spec, ctx.grad_placements, grad.dtype)
+            grad_spec = _GRAD_SPECS.get(key)
+            if grad_spec is None:
+                grad_spec = _GRAD_SPECS[key] = _to_local_grad_spec(spec, ctx.grad_placements, grad)
+            return _wrap(grad, grad_spec, False), None
         # Autograd may hand a transposed gradient: the global strides follow it. An expanded
         # one (a sum's backward) is made whole first, as a leaf's ``.grad`` would be copied
         # anyway (AccumulateGrad's layout contract) and an in-place update needs it whole.
         if not grad.is_contiguous() and not is_non_overlapping_and_dense_or_false(grad):
             grad = grad.contiguous()
-        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, global_strides(spec.shape, grad), grad.dtype)
-        return DTensor(grad, grad_spec, requires_grad=False), None
+        return DTensor(grad, _to_local_grad_spec(spec, ctx.grad_placements, grad), requires_grad=False), None
+
+
+def _to_local_grad_spec(spec: DTensorSpec, grad_placements, grad: torch.Tensor) -> DTensorSpec:
+    """The spec of ``to_local``'s gradient ``grad``: ``grad_placements``, by default the
+    forward's with a Partial's local term's gradient the whole gradient, Replicate (as torch
+    2.13; from_local's backward hands it so); the global strides laid out as ``grad``."""
+    placements = grad_placements or _settled(spec.placements)
+    return DTensorSpec(spec.mesh, placements, spec.shape, global_strides(spec.shape, grad), grad.dtype)
 
 
 class _Redistribute(torch.autograd.Function):
@@ -381,22 +408,20 @@ class _Redistribute(torch.autograd.Function):
         ctx.src = x._spec
         ctx.target = spec.placements
         ctx.backward_dtype = backward_dtype
-        local = redistribute_local(x._local_tensor, x._spec, spec)
-        return DTensor(local, spec, requires_grad=x.requires_grad)
+        return _wrap(redistribute_local(x._local_tensor, x._spec, spec), spec, x.requires_grad)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
         src = ctx.src
         local, spec = grad._local_tensor, grad._spec
-        # A Partial input whose gradient arrives as the same Partial keeps it (no collective, as
-        # torch's) where the forward kept it too (Partial to the same Partial); any other
-        # Partial input's gradient is settled to Replicate: after a Partial -> Replicate the
-        # producer's backward (a contraction over a sharded dim) needs it whole, once for all
-        # its matrix products (torchtitan's TP step: 19 collectives a step where keeping it
-        # Partial took 25).
-        target = [p if p.is_partial() and g == p == f else Replicate() if p.is_partial() else p
-                  for p, g, f in zip(src.placements, spec.placements, ctx.target)]
         moved = ctx.backward_dtype
+        if moved is None and spec.dtype is src.dtype:  # the common case: the spec looked up, the result wrapped inline
+            key = (_Redistribute, src, spec, ctx.target)
+            out_spec = _GRAD_SPECS.get(key)
+            if out_spec is None:
+                out_spec = _GRAD_SPECS[key] = spec.with_placements(_backward_placements(src, spec, ctx.target))
+            return _wrap(redistribute_local(local, spec, out_spec), out_spec, False), None, None
+        target = _backward_placements(src, spec, ctx.target)
         if moved is not None and moved != spec.dtype:  # the gradient moves in backward_dtype
             local = local.to(moved)
             spec = DTensorSpec(spec.mesh, spec.placements, spec.shape, spec.stride, moved)
@@ -407,6 +432,16 @@ class _Redistribute(torch.autograd.Function):
             out_spec = DTensorSpec(out_spec.mesh, out_spec.placements, out_spec.shape, out_spec.stride, src.dtype)
         return DTensor(local, out_spec, requires_grad=False), None, None
 
+
+def _backward_placements(src: DTensorSpec, grad: DTensorSpec, target: tuple) -> list[Placement]:
+    """Where redistribute's gradient goes: a Partial input whose gradient arrives as the same
+    Partial keeps it (no collective, as torch's) where the forward kept it too (Partial to the
+    same Partial); any other Partial input's gradient is settled to Replicate: after a Partial
+    -> Replicate the producer's backward (a contraction over a sharded dim) needs it whole,
+    once for all its matrix products (torchtitan's TP step: 19 collectives a step where
+    keeping it Partial took 25); other placements are the input's own."""
+    return [p if p.is_partial() and g == p == f else Replicate() if p.is_partial() else p
+            for p, g, f in zip(src.placements, grad.placements, target)]
 
 from ..runtime import dynamo_hook as traceable  # noqa: E402  (collectives torch.compile can trace)
 
