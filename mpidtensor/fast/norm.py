@@ -70,17 +70,23 @@ class _LocalRMSNorm(torch.autograd.Function):
         x, rstd = ctx.saved_tensors
         gy = local_grad(gy, ctx.x_spec)
         weight = ctx.weight
-        dims = tuple(range(x.ndim - ctx.ndims, x.ndim))
+        lead = x.ndim - ctx.ndims
         xhat = x * rstd
         gw = None
         if weight is not None and ctx.needs_input_grad[1]:
-            gw = (gy * xhat).reshape(-1, *weight.shape).sum(0).to(weight.dtype)
+            # (a sum over the leading dims of a C-contiguous product: the reduction reshape(-1, ...).sum(0) is)
+            gw = (gy * xhat).sum(tuple(range(lead))) if lead else gy * xhat
+            if gw.dtype != weight.dtype:
+                gw = gw.to(weight.dtype)
         gx = None
         if ctx.needs_input_grad[0]:
             g = gy if weight is None else gy * weight._local_tensor
             # d/dx of x * rstd: rstd * g - xhat * mean(g * xhat) over the normalized dims
-            gx = (g - xhat * (g * xhat).mean(dims, keepdim=True)) * rstd
-            gx = DTensor(gx.to(x.dtype).contiguous(), ctx.x_spec)
+            mean = (g * xhat).mean(tuple(range(lead, x.ndim)), keepdim=True)
+            gx = torch.addcmul(g, xhat, mean, value=-1).mul_(rstd)
+            if gx.dtype != x.dtype:
+                gx = gx.to(x.dtype)
+            gx = DTensor(gx if gx.is_contiguous() else gx.contiguous(), ctx.x_spec)
         return gx, _reduce_partial(gw, weight, ctx.comm), None, None, None
 
 

@@ -109,7 +109,8 @@ def _all_reduce(local: torch.Tensor, group, op: str) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-row cross entropy of local class-sharded logits ``x`` (class dim last, classes
     ``[offset, offset + width)`` of ``n_classes``) with the matching local ``target``
-    rows: the statistics all-reduced in forward over ``group``, the gradient local.
+    rows: the statistics all-reduced in forward over ``group``, the gradient local. The
+    forward keeps the softmax it computed (the backward recomputes no exponentials).
 
     With ``out_spec`` (the fused path), ``x`` is the logits DTensor whose local tensor
     holds every row, and the output is their sum (``mean``: over the weight of the
@@ -124,25 +125,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             x = x._local_tensor
         width = x.shape[-1]
         row_max = x.amax(-1) if width else x.new_full(x.shape[:-1], float("-inf"))
-        shifted = x - _all_reduce(row_max, group, "max").unsqueeze(-1)
+        shifted = x - _all_reduce(row_max, group, "max").unsqueeze(-1)  # a new tensor: this call's own
         rel = target - offset
         mine = (rel >= 0) & (rel < width)
         idx = rel.clamp(0, max(width - 1, 0)).unsqueeze(-1)
         picked = shifted.gather(-1, idx).squeeze(-1) if width else shifted.new_zeros(target.shape)
         w_local = None if weight is None else weight[offset:offset + width]
-        stats = [shifted.exp().sum(-1), torch.where(mine, picked, 0.0)]
+        smooth = (shifted if w_local is None else shifted * w_local).sum(-1) if smoothing else None
+        probs = shifted.exp_()  # (in place: ``shifted`` is not read again)
+        stats = [probs.sum(-1), torch.where(mine, picked, 0.0)]
         if smoothing:
-            stats.append((shifted if w_local is None else shifted * w_local).sum(-1))
+            stats.append(smooth)
         stats = _all_reduce(torch.stack(stats), group, "sum")
-        lse = stats[0].log()  # log-sum-exp of the shifted logits, per row
+        total = stats[0]
+        probs.div_(total.unsqueeze(-1))  # the softmax, kept for the backward (not recomputed there)
+        lse = total.log()  # log-sum-exp of the shifted logits, per row
         valid = target != ignore_index
-        w_target = torch.ones_like(lse) if weight is None else weight[target.clamp(0, n_classes - 1)]
-        w_target = torch.where(valid, w_target, 0.0)
-        loss = (1 - smoothing) * w_target * (lse - stats[1])
+        if weight is None:  # (== where(valid, 1, 0): one op)
+            w_target = valid.to(lse.dtype)
+        else:
+            w_target = torch.where(valid, weight[target.clamp(0, n_classes - 1)], 0.0)
+        # (1 - smoothing) * w_target: the product by 1.0 is exact, skipped without smoothing
+        loss = ((1 - smoothing) * w_target if smoothing else w_target) * (lse - stats[1])
         w_sum = float(n_classes) if weight is None else weight.sum().item()
         if smoothing:  # torch's smoothing term: sum_c w_c * (lse - x_c) / n_classes
             loss = loss + torch.where(valid, w_sum * lse - stats[2], 0.0) * (smoothing / n_classes)
-        ctx.save_for_backward(shifted, lse, rel, mine, valid, w_target)
+        ctx.save_for_backward(probs, rel, mine, valid, w_target)
         ctx.w_local, ctx.w_sum, ctx.smoothing, ctx.n_classes = w_local, w_sum, smoothing, n_classes
         ctx.out_spec, ctx.divisor = out_spec, None
         if out_spec is None:
@@ -155,13 +163,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        shifted, lse, rel, mine, valid, w_target = ctx.saved_tensors
+        probs, rel, mine, valid, w_target = ctx.saved_tensors
         if ctx.out_spec is not None:  # the reduced loss's gradient, one number, to every row
             grad = local_grad(grad, ctx.out_spec)
-            grad = (grad if ctx.divisor is None else grad / ctx.divisor).expand(lse.shape)
-        smoothing, n_classes, width = ctx.smoothing, ctx.n_classes, shifted.shape[-1]
-        probs = (shifted - lse.unsqueeze(-1)).exp()
-        g = grad * w_target * (1 - smoothing)  # d loss / d x = g * (softmax - one_hot) + smoothing
+            grad = (grad if ctx.divisor is None else grad / ctx.divisor).expand(w_target.shape)
+        smoothing, n_classes, width = ctx.smoothing, ctx.n_classes, probs.shape[-1]
+        g = grad * w_target  # d loss / d x = g * (softmax - one_hot) + smoothing
+        if smoothing:
+            g = g * (1 - smoothing)
         out = probs * g.unsqueeze(-1)
         if width:
             idx = rel.clamp(0, width - 1).unsqueeze(-1)
