@@ -19,7 +19,11 @@ mean-square loss on the last stage), without the optimizer.
 
 Beside each row, ``calls``: the Python calls of one step on rank 0 (``sys.setprofile``,
 as ``record_steps.python_calls`` counts them; mdt's and torch's schedules, the hand loop):
-a figure of the step's CPU work that machine load does not move.
+a figure of the step's CPU work that machine load does not move; and ``cpu ms``: the CPU
+time of one step summed over the ranks (``time.process_time``, median of the steps),
+polling inside MPI included. With more ranks than cores the step's wall time is about
+this sum divided by the cores, so it shows what a schedule costs where its bubble does
+not matter (a waiting rank leaves its core to a computing one).
 
 The bubble fraction is measured from per-rank timelines: each stage records when its
 forward and backward run (mdt and torch: each backward action of the pipeline stage, whole
@@ -306,22 +310,26 @@ def ideal_seconds(args, timeline: Timeline) -> float:
     return COMM.allreduce(statistics.median(times[1:]), op=MPI.MAX)
 
 
-def measure(runner, timeline: Timeline, steps: int) -> tuple[list[float], list[float], list]:
-    """Step seconds (slowest rank) and mean bubble fraction of ``steps`` steps after one
-    warm-up; every rank's spans of the last step (on rank 0)."""
-    secs, bubbles = [], []
+def measure(runner, timeline: Timeline, steps: int) -> tuple[list[float], list[float], list, list[float]]:
+    """Step seconds (slowest rank), mean bubble fraction and CPU seconds (summed over the
+    ranks) of ``steps`` steps after one warm-up; every rank's spans of the last step (on
+    rank 0)."""
+    secs, bubbles, cpus = [], [], []
     for i in range(steps + 1):
         COMM.Barrier()
+        cpu = time.process_time()
         timeline.start_step()
         runner()
         timeline.end_step()
+        cpu = COMM.allreduce(time.process_time() - cpu)
         elapsed = COMM.allreduce(timeline.step_end - timeline.step_start, op=MPI.MAX)
         bubble = COMM.allreduce(timeline.bubble_fraction) / P
         if i:
             secs.append(elapsed)
             bubbles.append(bubble)
+            cpus.append(cpu)
     spans = COMM.gather([(k, s - timeline.step_start, e - timeline.step_start) for k, s, e in timeline.spans])
-    return secs, bubbles, spans
+    return secs, bubbles, spans, cpus
 
 
 def run(args) -> dict:
@@ -353,14 +361,16 @@ def _run(args) -> dict:
     cases = list(runners)
     secs = {case: [] for case in runners}
     bubbles = {case: [] for case in runners}
+    cpus = {case: [] for case in runners}
     spans = {}
     ideal = []
     for _ in range(args.reps):
         ideal.append(ideal_seconds(args, timeline))
         for case, runner in runners.items():
-            s, b, sp = measure(runner, timeline, args.steps)
+            s, b, sp, c = measure(runner, timeline, args.steps)
             secs[case] += s
             bubbles[case] += b
+            cpus[case] += c
             spans[case] = sp
     ideal_s = statistics.median(ideal)
     calls = {}
@@ -375,7 +385,7 @@ def _run(args) -> dict:
         hand = statistics.median(secs[(name, "hand")]) if (name, "hand") in secs else None
         rows.append({"schedule": name, "impl": impl, "step_ms": step * 1e3, "vs_ideal": step / ideal_s,
                      "vs_hand": step / hand if hand else None, "bubble": statistics.median(bubbles[case]),
-                     "bubble_theory": theory, "calls": calls[case]})
+                     "bubble_theory": theory, "calls": calls[case], "cpu_ms": statistics.median(cpus[case]) * 1e3})
     return {"ranks": P, "width": args.width, "layers": args.layers, "rows": args.rows,
             "microbatches": args.microbatches, "ideal_ms": ideal_s * 1e3, "rows_out": rows, "skipped": skipped,
             "backward_ms": backward_ms,
@@ -383,13 +393,14 @@ def _run(args) -> dict:
 
 
 def table(result: dict) -> tuple[list[str], list[list[str]]]:
-    header = ["schedule", "impl", "step ms", "x ideal", "x hand", "bubble", "theory", "calls"]
+    header = ["schedule", "impl", "step ms", "x ideal", "x hand", "bubble", "theory", "calls", "cpu ms"]
     rows = []
     for r in result["rows_out"]:
         name = r["schedule"].removeprefix("Schedule")
         rows.append([name, r["impl"], f"{r['step_ms']:.1f}", f"{r['vs_ideal']:.2f}",
                      "-" if r["vs_hand"] is None else f"{r['vs_hand']:.2f}", f"{r['bubble']:.2f}",
-                     "-" if r["bubble_theory"] is None else f"{r['bubble_theory']:.2f}", f"{r['calls']:,}"])
+                     "-" if r["bubble_theory"] is None else f"{r['bubble_theory']:.2f}", f"{r['calls']:,}",
+                     f"{r['cpu_ms']:.1f}"])
     return header, rows
 
 

@@ -86,7 +86,7 @@ def test_pipeline_bench_runs_every_schedule(tmp_path):
     names = [n for n in bench_pipeline.SCHEDULES if hasattr(bench_pipeline.mdt_pp, n)]
     want = {(n, impl) for n in names for impl in ("mdt", "torch")} | {(n, "hand") for n in bench_pipeline.HAND}
     assert_all_ranks(set(rows) == want, f"rows {sorted(rows)}")
-    assert_all_ranks(all(r["step_ms"] > 0 and 0 <= r["bubble"] < 1 for r in rows.values()), f"{rows}")
+    assert_all_ranks(all(r["step_ms"] > 0 and r["cpu_ms"] > 0 and 0 <= r["bubble"] < 1 for r in rows.values()), f"{rows}")
     counted = all(r["calls"] > 0 for r in rows.values()) if WORLD.rank == 0 else True  # rank 0 counts
     assert_all_ranks(counted, f"Python calls per step: {[(k, r['calls']) for k, r in rows.items()]}")
     written = Path(out, "pipeline.md").exists() if WORLD.rank == 0 else True

@@ -3,9 +3,10 @@
 A :class:`Channel` owns a duplicate of a group's communicator, so its messages never
 match anyone else's. Both ends know the shapes and dtypes of what travels (agreed once,
 see ``pipelining.meta``), so a message is raw bytes with no header: a single C-contiguous
-tensor is sent from its own memory, several are packed into one buffer (each at a
-16-byte aligned offset), and a receive lands in one pooled buffer whose slices become the
-received tensors (no copy on the host). bfloat16 and any other dtype travel as bytes.
+tensor is sent from its own memory and received into a pooled tensor of its dtype and
+shape; several are packed into one buffer (each at a 16-byte aligned offset), and their
+receive lands in one pooled buffer whose slices become the received tensors (no copy on
+the host). bfloat16 and any other dtype travel as bytes.
 GPU tensors go through :mod:`comm.buffers` like the collectives: handed to MPI where it is
 CUDA-aware, staged through host memory where not.
 
@@ -63,7 +64,7 @@ class _Receiving:
     __slots__ = ("comm", "source", "tag", "nbytes", "action")
 
     def __init__(self, comm: MPI.Intracomm, pending: Pending, action: object) -> None:
-        self.comm, self.source, self.tag, self.nbytes = comm, pending.source, pending.tag, pending.buffer.numel()
+        self.comm, self.source, self.tag, self.nbytes = comm, pending.source, pending.tag, pending.buffer.nbytes
         self.action = action
 
     def __str__(self) -> str:
@@ -82,6 +83,7 @@ class Channel:
         self._notice_buf = bytearray(1)
         self._notice = MPI.REQUEST_NULL
         self._posted: list[Pending] = []
+        self._like: dict[torch.device, torch.Tensor] = {}  # an empty tensor per device: where buffers live
 
     def open(self) -> None:
         """Start a round of messages (a step): post the receive of a failure notice."""
@@ -98,10 +100,17 @@ class Channel:
     # -- receiving ------------------------------------------------------------------------
     def post(self, source: int, tag: int, metas, device: torch.device) -> Pending:
         """Post the receive of one message of tensors ``metas`` (``(shape, dtype)`` each)."""
-        _, nbytes = layout(metas)
-        buffer = buffers.empty((nbytes,), torch.empty(0, dtype=torch.uint8, device=device))
+        device = torch.device(device)
+        like = self._like.get(device)
+        if like is None:
+            like = self._like[device] = torch.empty(0, dtype=torch.uint8, device=device)
+        if len(metas) == 1:  # the tensor itself: no slice or view once it has arrived
+            shape, dtype = metas[0]
+            buffer = buffers.empty(tuple(shape), like, dtype)
+        else:
+            buffer = buffers.empty((layout(metas)[1],), like)
         request = self.comm.Irecv([buffers.as_buffer(buffer), MPI.BYTE], source, tag)
-        pending = Pending(request, buffer, metas, torch.device(device), source, tag)
+        pending = Pending(request, buffer, metas, device, source, tag)
         self._posted.append(pending)
         return pending
 
@@ -111,13 +120,13 @@ class Channel:
         pipeline action ``1F3``) names it in the watchdog's report."""
         self._wait_or_notice([pending.request], "receive", _Receiving(self.comm, pending, action))
         self._posted.remove(pending)
-        offsets, _ = layout(pending.metas)
-        out = []
-        for (shape, dtype), offset in zip(pending.metas, offsets):
-            nbytes = prod(shape) * dtype.itemsize
-            view = pending.buffer[offset:offset + nbytes].view(dtype).view(shape)
-            out.append(view if view.device == pending.device else view.to(pending.device))
-        return out
+        if len(pending.metas) == 1:
+            out = [pending.buffer]
+        else:
+            offsets, _ = layout(pending.metas)
+            out = [pending.buffer[offset:offset + prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                   for (shape, dtype), offset in zip(pending.metas, offsets)]
+        return [t if t.device == pending.device else t.to(pending.device) for t in out]
 
     # -- sending --------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> None:

@@ -5,7 +5,8 @@ Every node of the backward graph that leads to an input runs in ``I`` (the *inpu
 side*). A node of the input side whose other edges lead to parameters (a matrix product:
 one edge to its input, one to its weight) is an *intermediate*: ``I`` runs it computing
 only its input-side gradients (autograd computes only the outputs an edge needs) and
-keeps the gradient it received (a hook before the node runs). ``W`` runs each
+keeps the gradient it received (the same autograd call returns it: the node's output
+edges are among the call's targets, which costs no Python hook). ``W`` runs each
 intermediate again from that gradient, this time computing only the edges into the
 weight side (the nodes that lead to parameters and not to inputs), then the weight side
 itself. No node's work is done twice: for a stack of Linear layers ``I`` does the input
@@ -24,7 +25,7 @@ only on the graph's structure. A stage builds the same graph for every micro-bat
 :class:`Splitter` (one per stage) keeps that plan per *graph shape*: the walk that finds
 the nodes also writes the shape down (each node's type and the walk positions of its
 children, with the positions of roots, inputs and parameters), and a shape met before
-reuses its plan; only the walk, the hooks and the autograd calls run per micro-batch. A
+reuses its plan; only the walk and the autograd calls run per micro-batch. A
 plan holds positions, never nodes, so it keeps no graph alive. (On the benchmark's stage
 of two Linear layers the analysis of a graph took ~120 us and the walk alone ~10 us.)
 
@@ -36,7 +37,7 @@ stage checked their shapes): the argument handling they skip cost 10-25 us per c
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, _engine_run_backward, get_gradient_edge
@@ -80,11 +81,11 @@ class WeightPass:
 class _Plan(NamedTuple):
     """How ``W`` runs for one graph shape, in walk positions: ``entries`` are the
     intermediates as ``(node, first weight-side edges as (child, input_nr), parameters
-    whose gradients its call accumulates)``; ``given`` the roots that lead to parameters
-    and not to inputs, as ``(root, parameters)``."""
+    whose gradients its call accumulates, the node's outputs that receive a gradient)``;
+    ``given`` the roots that lead to parameters and not to inputs, as ``(root, parameters)``."""
 
     mode: str
-    entries: tuple[tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]], ...]
+    entries: tuple[tuple[int, tuple[tuple[int, int], ...], tuple[int, ...], tuple[int, ...]], ...]
     given: tuple[tuple[int, tuple[int, ...]], ...]
 
 
@@ -173,6 +174,10 @@ def _analyse(shape: tuple) -> _Plan:
             below = tuple((c, nr) for c, nr in kids if c >= 0 and c not in input_side and c in weight_bound)
             if below:
                 entries.append((i, below))
+    fed: dict[int, set[int]] = {i: set() for i, _ in entries}  # each intermediate's outputs that edges reach
+    for at, nr in [*root_places, *(kid for _, kids in structure for kid in kids)]:
+        if at in fed:
+            fed[at].add(nr)
     given = [k for k, (at, _) in enumerate(root_places) if at not in input_side and at in weight_bound]
     owner: dict[int, int] = {}  # weight-side position -> the one start (intermediate or root) reaching it
     shared = overlapping = False
@@ -197,7 +202,8 @@ def _analyse(shape: tuple) -> _Plan:
     for j, (at, _) in enumerate(param_places):
         if at in owner:
             owned.setdefault(owner[at], []).append(j)
-    return _Plan(_SHARED if shared else _OWN, tuple((i, below, tuple(owned.get(i, ()))) for i, below in entries),
+    return _Plan(_SHARED if shared else _OWN,
+                 tuple((i, below, tuple(owned.get(i, ())), tuple(sorted(fed[i]))) for i, below in entries),
                  tuple((k, tuple(owned.get(root_places[k][0], ()))) for k in given))
 
 
@@ -240,17 +246,16 @@ class Splitter:
             got = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True)
             return list(got), WeightPass([(roots, root_grads, params, True)], None, [])
         nodes = graph.nodes
-        captured: dict[int, tuple] = {}
-        handles = [nodes[i].register_prehook(_keep(captured, i)) for i, _, _ in plan.entries]
-        try:
-            if root_grads is None or any(g is None for g in root_grads):  # autograd makes a scalar's gradient
-                got = torch.autograd.grad(roots, inputs, root_grads, retain_graph=True, allow_unused=True)
-            else:
-                got = _engine_run_backward(tuple(roots), tuple(root_grads), True, False, tuple(inputs), True, False)
-        finally:
-            for h in handles:
-                h.remove()
-        return list(got), _weight_pass(plan, nodes, captured, roots, root_grads, params)
+        # the gradients the intermediates receive, returned by I's call with the inputs'
+        # (autograd captures them as the node runs: no hook; tensor hooks on an
+        # intermediate's output then apply once, in W, which runs the node)
+        targets = (*inputs, *(GradientEdge(nodes[i], k) for i, _, _, outs in plan.entries for k in outs))
+        if root_grads is None or any(g is None for g in root_grads):  # autograd makes a scalar's gradient
+            got = torch.autograd.grad(roots, targets, root_grads, retain_graph=True, allow_unused=True)
+        else:
+            got = _engine_run_backward(tuple(roots), tuple(root_grads), True, False, targets, True, False)
+        n = len(inputs)
+        return list(got[:n]), _weight_pass(plan, nodes, got[n:], roots, root_grads, params)
 
 
 def backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, inputs: list[torch.Tensor],
@@ -259,22 +264,17 @@ def backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tensor] | N
     return Splitter(capacity=0).backward_input(roots, root_grads, inputs, params)
 
 
-def _keep(captured: dict, position: int) -> Callable[[tuple], None]:
-    def hook(grad_outputs: tuple) -> None:
-        captured[position] = grad_outputs
-    return hook
-
-
-def _weight_pass(plan: _Plan, nodes: list[Node], captured: dict[int, tuple], roots: list,
+def _weight_pass(plan: _Plan, nodes: list[Node], captured: Sequence[torch.Tensor | None], roots: list,
                  root_grads: list | None, params: list[torch.Tensor]) -> WeightPass:
-    """The autograd calls of ``W`` for this micro-batch's graph, following ``plan``."""
+    """The autograd calls of ``W`` for this micro-batch's graph, following ``plan``;
+    ``captured``: the gradient each intermediate's outputs received in ``I``, in the
+    plan's order (``None`` where none came)."""
     calls = []
-    for i, below, mine in plan.entries:
-        grads = captured.get(i)
-        if grads is None:  # did not run in I: nothing reached it
-            continue
-        outs = [(GradientEdge(nodes[i], k), g) for k, g in enumerate(grads) if g is not None]
-        if not outs:
+    at = 0
+    for i, below, mine, fed in plan.entries:
+        grads, at = captured[at:at + len(fed)], at + len(fed)
+        outs = [(GradientEdge(nodes[i], k), g) for k, g in zip(fed, grads) if g is not None]
+        if not outs:  # nothing reached it in I
             continue
         outputs, out_grads = [o for o, _ in outs], [g for _, g in outs]
         if plan.mode == _SHARED:
