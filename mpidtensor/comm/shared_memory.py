@@ -95,7 +95,7 @@ def shared_runner(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype,
     start, length = sum(split_sizes[:rank]), split_sizes[rank]
     pieces = [(r, sum(concat_sizes[:r]), n) for r, n in enumerate(concat_sizes) if n and length]
     out_shape = tuple(out_shape)
-    views: list = [None, None, None]  # the windows' generation, then per window (mine, [(r, theirs)])
+    views: list = [None, None, None]  # the windows' generation, then per window (mine, pieces there)
 
     def laid_out(windows: _Windows) -> list:
         """Per window: this rank's input as laid out in it, and this rank's piece of each
@@ -103,7 +103,7 @@ def shared_runner(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype,
         def typed(part: torch.Tensor, r: int) -> torch.Tensor:
             return part[:prod(shapes[r]) * dtype.itemsize].view(dtype).view(shapes[r])
         return [windows.generation] + [
-            (typed(parts[rank], rank), [(r, offset, n, typed(parts[r], r).narrow(split_dim, start, length))
+            (typed(parts[rank], rank), [(offset, n, typed(parts[r], r).narrow(split_dim, start, length))
                                         for r, offset, n in pieces])
             for parts in windows.parts]
 
@@ -127,7 +127,7 @@ def shared_runner(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype,
         watchdog.call("all_to_all", comm, comm.Barrier)
         window.Sync()
         out = empty(out_shape, send)
-        for r, offset, n, piece in theirs:
+        for offset, n, piece in theirs:
             out.narrow(concat_dim, offset, n).copy_(piece)
         return out
     return run
