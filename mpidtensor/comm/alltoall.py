@@ -6,6 +6,8 @@ Either one ``Alltoallw`` describes each piece by a subarray datatype (one per pe
 packed in rank order for a regular ``Alltoall``/``Alltoallv`` and unpacked after
 (``packing``). The choice reads the global bytes per rank against ``ALLTOALL_PACKED_MIN``
 (``ALLTOALL_PACK_SEND_MIN`` where only the send side is strided), facts every rank shares.
+Where only the send side is strided and the ranks share a node, the packed form goes through
+MPI shared-memory windows instead (``shared_memory``: no packing copy, no MPI message).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from mpi4py import MPI
 
 from ..runtime import caches
-from . import base, guard, recorders
+from . import base, guard, recorders, shared_memory
 from .base import TRACED, Run, Types, beyond, check_dim, check_sizes, enter, leave, limits, piece_counts, resized
 from .buffers import as_buffer, derived, empty, host_buffer, mpi_type, stage, unstage
 from .packing import from_rank_order, into_rank_order, to_rank_order
@@ -149,7 +151,8 @@ def _packed_runner(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype
     as a function of the staged send tensor, its counts and copies worked out once (``host``
     as for :func:`_typed_runner`; a prepared one packs into a send buffer of its own): a copy
     on each side unless the split/concat dim leads, but MPICH's regular all-to-all. Where the
-    concat dim leads, the result itself is received into."""
+    concat dim leads, the result itself is received into; where, besides, the split dim does
+    not, the ranks sharing a node go through ``shared_memory`` (this as its fallback)."""
     buf, datatype = host_buffer if host else as_buffer, mpi_type(dtype)
     send_counts = piece_counts(shape, split_dim, split_sizes)
     recv_counts = piece_counts(resized(shape, split_dim, split_sizes[comm.rank]), concat_dim, concat_sizes)
@@ -163,7 +166,14 @@ def _packed_runner(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype
         total, unpack = out_shape, None
     else:
         unpack = from_rank_order(out_shape, concat_dim, concat_sizes)
-    if host and prod(shape[:split_dim]) != 1:
+    # S(0) -> S(1) (pieces strided in the input only) goes through shared memory where the
+    # ranks share a node (``shared_memory``), packing only where they do not; the choice reads
+    # facts every rank shares (the whole tensor's lengths, every rank's input size)
+    whole = resized(shape, concat_dim, sum(concat_sizes))
+    largest = max(piece_counts(shape, concat_dim, concat_sizes)) * dtype.itemsize
+    shared = (prod(whole[:concat_dim]) == 1 and prod(whole[:split_dim]) > 1
+              and 0 < largest <= shared_memory.LARGEST)
+    if host and prod(shape[:split_dim]) != 1 and not shared:
         # A prepared plan packs into a send buffer of its own, made once and freed with the
         # plan (which ``clear_cache`` drops): no pool look-up, and one strided copy per call.
         into, own = into_rank_order(tuple(shape), split_dim, split_sizes), tracked_empty(prod(shape), dtype)
@@ -176,6 +186,9 @@ def _packed_runner(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype
         flat = empty(total, send)
         exchange([buf(flat_send), sends, datatype], [buf(flat), receives, datatype])
         return flat if unpack is None else unpack(flat)
+    if shared:
+        return shared_memory.shared_runner(comm, shape, dtype, split_dim, concat_dim, split_sizes,
+                                           concat_sizes, out_shape, packed)
     return packed
 
 
