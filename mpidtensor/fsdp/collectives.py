@@ -17,9 +17,7 @@ from typing import Any, Sequence
 import torch
 from mpi4py import MPI
 
-from ..runtime import progress, watchdog
-from ..comm import recorders
-from ..comm.buffers import as_buffer, empty, mpi_type, stage
+from ..runtime import progress
 from ..comm.nonblocking import Handle, iall_gather, iall_reduce, ireduce_scatter
 from ..comm.pool import pool, tracked_empty
 from ..comm.collectives import Prepared, prepare_reduce_scatter
@@ -37,43 +35,6 @@ class _Done:
             self._work.wait()
             self._work = None
         return self._result
-
-
-class _AtWait:
-    """An all-gather that runs, blocking, when it is waited for (into the same ``out``):
-    with MPI progress ``"off"`` a started ``Iallgather`` moves no data before its wait
-    anyway, and MPICH's blocking ``Allgather`` costs less CPU (docs/performance.md, "FSDP
-    step"). ``send`` is read at the wait, as MPI allows for a started collective's buffer."""
-
-    __slots__ = ("_args", "_out")
-
-    def __init__(self, send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor) -> None:
-        self._args: tuple[torch.Tensor, MPI.Intracomm] | None = (send, comm)
-        self._out = out
-
-    def wait(self) -> torch.Tensor:
-        if self._args is not None:
-            send, comm = self._args
-            self._args = None
-            _all_gather(send, comm, self._out)
-        return self._out
-
-
-def _all_gather(send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor) -> None:
-    """The blocking ``Allgather`` of every rank's 1-D ``send`` into ``out`` (back to back in
-    rank order), watched by the watchdog; ``iall_gather``'s staging and checks."""
-    if send.ndim != 1 or not send.is_contiguous() or out.numel() != send.numel() * comm.size \
-            or out.dtype != send.dtype or not out.is_contiguous():
-        raise ValueError(f"an all-gather of {tuple(send.shape)} {send.dtype} into {tuple(out.shape)} {out.dtype}")
-    src = stage(send)
-    dst = out if out.device == src.device else empty((out.numel(),), out)
-    datatype = mpi_type(send.dtype)
-    if recorders.ACTIVE:
-        recorders.record("all_gather", src.nbytes)
-    watchdog.call("all_gather", comm, comm.Allgather, [as_buffer(src), src.numel(), datatype],
-                  [as_buffer(dst), src.numel(), datatype], details={"dtype": send.dtype, "bytes": src.nbytes})
-    if dst is not out:
-        out.copy_(dst)
 
 
 def check_comm(comm: Any, kind: str) -> None:
@@ -95,21 +56,16 @@ def allocate(custom: Any, size: Sequence[int], dtype: torch.dtype, device: torch
     return custom.allocate(tuple(size), dtype=dtype, device=device)
 
 
-def start_all_gather(custom: Any, send: torch.Tensor, comm: MPI.Intracomm,
-                     out: torch.Tensor) -> Handle | _Done | _AtWait:
+def start_all_gather(custom: Any, send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor) -> Handle | _Done:
     """Start gathering every rank's ``send`` into ``out``; ``wait()`` returns ``out``. On a
     one-rank group there is nothing to gather: ``send`` is copied, no collective runs,
-    custom or not (as torch's FSDP, which skips collectives on a one-rank mesh). Without a
-    custom collective and with MPI progress ``"off"`` the gather runs blocking at the wait
-    (``_AtWait``); otherwise an ``Iallgather`` starts now."""
+    custom or not (as torch's FSDP, which skips collectives on a one-rank mesh)."""
     if comm.size == 1:  # copied as MPI writes: the unsharded parameters' version counter (which
         # autograd checks for the tensors a forward saved) stays as it is
         with torch.autograd._unsafe_preserve_version_counter(out):
             out.view(-1).copy_(send.view(-1))
         return _Done(None, out)
     if custom is None:
-        if progress.mode() == "off":
-            return _AtWait(send, comm, out)
         return iall_gather(send, comm, out=out)
     return _Done(custom(output_tensor=out, input_tensor=send, group=comm, async_op=True), out)
 
