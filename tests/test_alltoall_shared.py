@@ -40,8 +40,11 @@ def test_matches_one_process(mesh1d, shared, shape, dtype):
         assert_close(out.to_local(), full.chunk(N, 1)[WORLD.rank] if WORLD.rank < len(full.chunk(N, 1))
                      else full.narrow(1, 0, 0))
         assert_close(out.full_tensor(), full)
-    used = windows_of(mesh1d)
-    assert_all_ranks(N == 1 or (used is not None and used.nbytes > 0), "the windows were not used")
+    # a single leading row splits along dim 1 without packing: MPI's collective, no windows
+    # (asserted only where this call must have made them: the mesh may hold earlier tests' windows)
+    if N > 1 and shape[0] > 1:
+        used = windows_of(mesh1d)
+        assert_all_ranks(used is not None and used.nbytes > 0, "the windows were not used")
 
 
 def test_windows_grow_and_alternate(mesh1d, shared):
