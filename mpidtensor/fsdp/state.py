@@ -139,21 +139,10 @@ class FSDPState:
 
     # --- forward ----------------------------------------------------------------------------------
     # The hooks run eagerly when the module is compiled (``module.compile()`` per block, as
-    # torchtitan does): traced by Dynamo, a hook calls its ``torch.compiler.disable``-d body,
-    # around which Dynamo breaks the graph, as around torch's FSDP2 hooks (traced, the body
-    # would hand fake tensors to MPI); run eagerly, a hook costs one ``is_compiling()`` test,
-    # not the disable wrapper's ~10 Python calls.
+    # torchtitan does): Dynamo breaks the graph around them, as around torch's FSDP2 hooks;
+    # traced, they would hand fake tensors to MPI.
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if _is_compiling():
-            return _before_forward_eagerly(self, module, args, kwargs)
-        return self._before_forward(module, args, kwargs)
-
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if _is_compiling():
-            return _after_forward_eagerly(self, module, args, output)
-        return self._after_forward(module, args, output)
-
-    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.method_depth:  # forward called by a registered forward method: already gathered
             return args, kwargs
         if len(self.modules) > 1:
@@ -199,7 +188,8 @@ class FSDPState:
         order = self.root.forward_order
         return not self.root._recording and index < len(order) and order[index] is self
 
-    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    @torch.compiler.disable
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.method_depth:
             return output
         if len(self.modules) > 1:
@@ -224,7 +214,7 @@ class FSDPState:
             for state in root.states:  # groups whose forward ran some of their modules only
                 if state._to_run and state is not self:
                     state._to_run.clear()
-                    output = state._after_forward(state.module, (), output)
+                    output = state._post_forward(state.module, (), output)
             if root._recording:
                 root._recording = False
                 root.last_call = {id(s): i for i, s in enumerate(root.forward_order)}
@@ -302,9 +292,6 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-# (Function.apply's Python layer is ~6 calls a module; only ``_before_forward`` applies it,
-# which ``_pre_forward`` runs eagerly, out of any trace)
+# (Function.apply's Python layer is ~6 calls a module; only ``_pre_forward`` applies it, which
+# ``torch.compiler.disable`` keeps out of any trace)
 _post_backward = direct_apply(_PostBackward, compiling_checked=True)
-_is_compiling = torch.compiler.is_compiling
-_before_forward_eagerly = torch.compiler.disable(FSDPState._before_forward)
-_after_forward_eagerly = torch.compiler.disable(FSDPState._after_forward)
