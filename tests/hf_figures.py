@@ -12,7 +12,10 @@ from subjob import Result
 def figures(output: str, index: str | None = None) -> dict[str, str]:
     """``LOSS i``, ``CHECKSUM``, ``MISSING``, ``UNEXPECTED`` and ``RELOADED`` lines, by name (those
     marked ``@index`` when ``index`` is given: a reload's figures for its ``index``-th folder)."""
-    found = re.finditer(r"^((?:LOSS \d+)|CHECKSUM|MISSING|UNEXPECTED|RELOADED)(?:@(\d+))? (\S+)", output, re.M)
+    # a line may follow a progress bar that tqdm ends with its newline only later (ranks'
+    # stdout and stderr share the pipe): "100%|...| 3/3 [00:00<00:00, 33.88it/s]LOSS 0 4.19"
+    found = re.finditer(r"^(?:[^\n]*it/s\])?((?:LOSS \d+)|CHECKSUM|MISSING|UNEXPECTED|RELOADED)(?:@(\d+))? (\S+)",
+                        output, re.M)
     return {m.group(1): m.group(3) for m in found if m.group(2) == index}
 
 
