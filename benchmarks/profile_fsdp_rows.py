@@ -98,16 +98,23 @@ class Row:
         return [b - a for a, b in zip(t, t[1:])]
 
 
-def llama_row() -> Row:
-    """The FSDP Llama row of ``record_steps.fsdp_rows``, both steps checked."""
+def demo_reference(dp: int):
+    """The demo's config, run arguments (batch 4 rows per data-parallel rank), tokens, and one
+    process's model and losses over two steps: what both demo-model rows check against."""
     demo = demo_args([])
     cfg = LlamaConfig(vocab_size=demo.vocab, dim=demo.dim, n_layers=demo.layers, n_heads=demo.heads,
                       n_kv_heads=demo.kv_heads, hidden_dim=demo.hidden, max_seq_len=demo.seq)
-    args = argparse.Namespace(seed=0, batch=4 * N, lr=demo.lr, check_steps=2, tol=demo.tol)
+    args = argparse.Namespace(seed=0, batch=4 * dp, lr=demo.lr, check_steps=2, tol=demo.tol)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, demo.seq + 1), generator=torch.Generator().manual_seed(1))
     ref = build_model(cfg, args.seed)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr)
     ref_losses = [train_step(ref, ref_opt, tokens, None) for _ in range(args.check_steps)]
+    return cfg, args, tokens, ref, ref_losses
+
+
+def llama_row() -> Row:
+    """The FSDP Llama row of ``record_steps.fsdp_rows``, both steps checked."""
+    cfg, args, tokens, ref, ref_losses = demo_reference(N)
     run = bench_fsdp.setup("mpidtensor", "fsdp", md.init_device_mesh, cfg, args, tokens, ref_losses,
                            [p.detach() for p in ref.parameters()])
     rs.agreed(run is not None, "fsdp, mpidtensor")
@@ -124,15 +131,8 @@ def tp_row() -> Row:
     checked; the hand-written one is ``record_2d``'s."""
     if N != 4:
         raise SystemExit("the FSDP x TP row runs on 4 ranks (a 2x2 mesh)")
-    demo = demo_args([])
-    cfg = LlamaConfig(vocab_size=demo.vocab, dim=demo.dim, n_layers=demo.layers, n_heads=demo.heads,
-                      n_kv_heads=demo.kv_heads, hidden_dim=demo.hidden, max_seq_len=demo.seq)
     dp = 2
-    args = argparse.Namespace(seed=0, batch=4 * dp, lr=demo.lr, check_steps=2, tol=demo.tol)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, demo.seq + 1), generator=torch.Generator().manual_seed(1))
-    ref = build_model(cfg, args.seed)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr)
-    ref_losses = [train_step(ref, ref_opt, tokens, None) for _ in range(args.check_steps)]
+    cfg, args, tokens, ref, ref_losses = demo_reference(dp)
     run = bench_fsdp.setup("mpidtensor", "fsdp x tp", md.init_device_mesh, cfg, args, tokens, ref_losses,
                            [p.detach() for p in ref.parameters()])
     rs.agreed(run is not None, "fsdp x tp, mpidtensor")
