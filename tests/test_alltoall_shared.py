@@ -53,6 +53,10 @@ def test_windows_grow_and_alternate(mesh1d, shared):
     held = [(full, x.redistribute(mesh1d, [Shard(1)])) for _ in range(3) for full, x in zip((small, large), xs)]
     for full, out in held:
         assert_close(out.full_tensor(), full)
+    # MPI lays the ranks' parts back to back: the even pieces are copied out of all at once
+    if N > 1:
+        assert_all_ranks(all(rows is not None for rows in windows_of(mesh1d).rows),
+                         "the windows' parts do not lie back to back")
 
 
 def test_2d_mesh_dims(mesh2d, shared):
