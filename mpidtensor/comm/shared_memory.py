@@ -14,9 +14,9 @@ three copies of every byte against two here, and no rendezvous per message. Meas
 The barrier is MPI's nonblocking one, tested with ``sched_yield`` between tests: with 4
 ranks on 2 cores a waiting rank hands its core to the rank it waits for at once (MPI's
 ``Barrier`` polls 4096 times before it naps); interleaved A/B of the public S(0) -> S(1) at
-256 KiB, 4 ranks on 2 cores shared with other jobs (load average 16-18), two runs: thread CPU
-per rank 460-494 -> 413-463 µs, the slowest rank's median wall time per call 22.7 and 26.1 ->
-15.0 and 17.8 ms (noise-bound; the quiet figure is `make bench`'s).
+256 KiB, 4 ranks on 2 cores shared with other jobs (load average 14-18), three runs: thread
+CPU per rank 368-494 -> 327-463 µs, the slowest rank's median wall time per call 22.7, 26.1,
+8.9 -> 15.0, 17.8, 6.7 ms (noise-bound; the quiet figure is `make bench`'s).
 
 The windows belong to the communicator (an attribute, freed with it): two of them,
 used in turn, so that one barrier per call suffices (a rank writes a window again only
