@@ -127,3 +127,21 @@ def test_fsdp_profile_rows_check_and_count():
         ok = ok and all(len(reps) == 1 and len(reps[0]) == len(profile_fsdp_rows.PHASES) for reps in phases.values())
         ok = ok and "ParamGroup.finish_unshard" in row["groups"]
     assert_all_ranks(ok, str({name: sorted(row["groups"]) for name, row in results.items()}))
+
+
+@pytest.mark.timeout(300)
+def test_general_profile_checks_and_splits():
+    """``benchmarks/profile_general.py`` at any world size: the TP MLP in DTensor ops and
+    Megatron's step match one process, every step has its phases' CPU, the library steps'
+    all-reduces were timed (mpidtensor's moves nothing on one rank; the local-op steps have
+    none), and mpidtensor's step makes more Python calls than Megatron's."""
+    import profile_general
+
+    results = profile_general.main(["--reps", "1"])
+    ok = sorted(results) == sorted(["mpidtensor", "mpi4py", "local ops of mpidtensor", "local ops of mpi4py"])
+    ok = ok and all(len(r["phases"]) == len(profile_general.PHASES) + 1 and min(r["phases"]) >= 0
+                    for r in results.values())
+    ok = ok and results["mpi4py"]["phases"][-1] > 0 and (results["mpidtensor"]["phases"][-1] > 0) == (WORLD.size > 1)
+    ok = ok and all(results[name]["phases"][-1] == 0 for name in ("local ops of mpidtensor", "local ops of mpi4py"))
+    ok = ok and results["mpidtensor"]["calls"] > results["mpi4py"]["calls"] > 0
+    assert_all_ranks(ok, str(results))
