@@ -149,7 +149,7 @@ class Runtime:
                 if fsdp:
                     fsdp_sync.before_backward(st.submod, last=here == self._last_backward.get(s))
                 input_grads = _call(action, "", st.backward_one_chunk, mb, losses.get(mb) if last else None, grads,
-                                    kind == B)
+                                    full_backward=kind == B)
                 if not first:
                     to = sends[here]
                     if to is None:
