@@ -113,7 +113,7 @@ class Runtime:
                 next_post += 1
             st = self.stages[s]
             first, last, fsdp, kinds = flags[s]
-            if last and kind != F and losses.get(mb) is None:
+            if last and kind in (B, I) and losses.get(mb) is None:
                 raise ValueError(f"stage {s} is the last and has no loss for micro-batch {mb}: "
                                  "a schedule that trains needs loss_fn and step(..., target=...)")
             if kind == F:
