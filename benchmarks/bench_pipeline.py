@@ -42,6 +42,10 @@ which plans the graph's shape once), and split by walking the graph
 twice (``I`` as ``autograd.grad(..., retain_graph=True)``, ``W`` as a second backward
 restricted to the parameters: mdt before the split, the reference).
 
+A third table splits one mdt step's CPU time on each rank by part (:func:`action_cpu`): the
+stage's ``F``, ``B``, ``I`` and ``W``, the channel's receive waits (polling included), posts
+and sends, and the rest (the schedule's own loop): what a rank with two stages pays twice.
+
 A schedule that refuses ``--microbatches`` (DualPipeV needs one per stage, ``2 x ranks``)
 is skipped and named under the table.
 
@@ -200,6 +204,7 @@ def make_runner(impl: str, name: str, args, timeline: Timeline):
         for s in stages:
             s.zero_grad(set_to_none=True)
     step.theory = simulated_bubble(schedule.pipeline_order, num_stages) if impl == "mdt" else None
+    step.schedule, step.stages = schedule, pipe
     return step
 
 
@@ -294,6 +299,48 @@ def backward_seconds(args) -> dict[str, float]:
             for k, v in times.items()}
 
 
+ACTION_PARTS = ("F", "B", "I", "W", "wait", "post", "send", "rest")
+
+
+def action_cpu(runner, steps: int) -> list[dict[str, float]]:
+    """CPU seconds of one mdt step per rank by part (median of ``steps`` steps): the stage's
+    forwards ``F``, whole backwards ``B``, input ``I`` and weight ``W`` backwards, the
+    channel's receive waits (polling included), receive posts and sends (with the step's
+    final wait for them), and ``rest``: the schedule's own work (its runtime loop, the
+    rebuilding of received inputs, the step's set-up and end)."""
+    spent: dict[str, float] = dict.fromkeys(ACTION_PARTS, 0.0)
+    clock = time.process_time
+
+    def timed(obj, method: str, part) -> None:  # an instance attribute over the method: this runner only
+        fn = getattr(obj, method)
+
+        def wrapper(*a, **k):
+            start = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[part if isinstance(part, str) else part(k)] += clock() - start
+        setattr(obj, method, wrapper)
+
+    for stage in runner.stages:
+        timed(stage, "forward_one_chunk", "F")
+        timed(stage, "backward_one_chunk", lambda k: "B" if k.get("full_backward", True) else "I")
+        timed(stage, "backward_weight_one_chunk", "W")
+    channel = runner.schedule._channel
+    for method, part in (("wait", "wait"), ("post", "post"), ("send", "send"), ("finish_sends", "send")):
+        timed(channel, method, part)
+    per_step = []
+    for _ in range(steps):
+        for part in spent:
+            spent[part] = 0.0
+        COMM.Barrier()
+        start = clock()
+        runner()
+        total = clock() - start
+        per_step.append({**spent, "rest": total - sum(spent.values())})
+    return {part: statistics.median(s[part] for s in per_step) for part in ACTION_PARTS}
+
+
 def ideal_seconds(args, timeline: Timeline) -> float:
     """``microbatches`` x one stage's forward + backward of one micro-batch, alone (no
     communication), timed on every rank at once; the slowest rank's median."""
@@ -377,6 +424,8 @@ def _run(args) -> dict:
     for case, runner in runners.items():  # every rank runs the step; rank 0 counts its calls
         calls[case] = python_calls(runner) if RANK == 0 else runner()
     backward_ms = {k: v * 1e3 for k, v in backward_seconds(args).items()}
+    # last: its timers stay on the runners' stages and channels
+    parts = {f"{n}/{i}": COMM.gather(action_cpu(runner, args.steps)) for (n, i), runner in runners.items() if i == "mdt"}
     rows = []
     for case in cases:
         name, impl = case
@@ -388,7 +437,8 @@ def _run(args) -> dict:
                      "bubble_theory": theory, "calls": calls[case], "cpu_ms": statistics.median(cpus[case]) * 1e3})
     return {"ranks": P, "width": args.width, "layers": args.layers, "rows": args.rows,
             "microbatches": args.microbatches, "ideal_ms": ideal_s * 1e3, "rows_out": rows, "skipped": skipped,
-            "backward_ms": backward_ms,
+            "backward_ms": backward_ms, "action_cpu_ms": {case: [{k: v * 1e3 for k, v in r.items()} for r in ranks]
+                                                       for case, ranks in parts.items()} if RANK == 0 else {},
             "spans": {f"{n}/{i}": sp for (n, i), sp in spans.items() if n == "Schedule1F1B"}}
 
 
@@ -455,6 +505,16 @@ def main(argv: list[str] | None = None) -> dict:
                 f"split by walking twice {b['twice']:.2f} ms ({b['twice'] / b['whole']:.2f}x); forward {b['forward']:.2f} ms")
         print(note)
         lines.append(f"\n{note}")
+        part_header = ["schedule (mdt)", *ACTION_PARTS, "step"]
+        part_rows = [[case.split("/")[0].removeprefix("Schedule"),
+                      *(" ".join(f"{r[k]:.1f}" for r in ranks) for k in ACTION_PARTS),
+                      " ".join(f"{sum(r.values()):.1f}" for r in ranks)]
+                     for case, ranks in result["action_cpu_ms"].items()]
+        part_title = "CPU ms of one step by part, rank 0 1 ... (action_cpu: F/B/I/W stage compute, channel waits/posts/sends, rest)"
+        print(part_title)
+        print_table(part_header, part_rows)
+        lines += ["", part_title, "", "| " + " | ".join(part_header) + " |", "|" + "|".join("---" for _ in part_header) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in part_rows]
         for case, why in result["skipped"].items():
             print(f"skipped {case}: {why}")
             lines.append(f"\nskipped {case}: {why}")

@@ -91,6 +91,13 @@ def test_pipeline_bench_runs_every_schedule(tmp_path):
     assert_all_ranks(counted, f"Python calls per step: {[(k, r['calls']) for k, r in rows.items()]}")
     written = Path(out, "pipeline.md").exists() if WORLD.rank == 0 else True
     assert_all_ranks(written, "no pipeline.md")
+    parts = result["action_cpu_ms"]  # rank 0: each mdt schedule's CPU per step by part, every rank
+    split_ok = WORLD.rank != 0 or (
+        set(parts) == {f"{n}/mdt" for n in names} and all(len(ranks) == WORLD.size for ranks in parts.values())
+        and all(r["F"] > 0 and min(r.values()) >= -1e-3 for ranks in parts.values() for r in ranks)
+        and all(r["I"] > 0 and r["W"] > 0 for r in parts["ScheduleZBVZeroBubble/mdt"])
+        and all(r["B"] > 0 and r["I"] == 0 for r in parts["Schedule1F1B/mdt"]))
+    assert_all_ranks(split_ok, f"CPU by part: {parts}")
 
 
 @pytest.mark.timeout(600)

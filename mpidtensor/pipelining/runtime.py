@@ -47,6 +47,7 @@ class Runtime:
         self.num_stages = next(iter(stages.values())).num_stages
         self.tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._plan: list[tuple[int, int, int, list]] | None = None
+        self._send_plan: list[tuple[int, int] | None] | None = None
         # each stage's last whole backward of the step: FSDP reduces its gradients there; a
         # stage with a split backward (I, W; DualPipeV mixes them with B) reduces at the
         # step's end instead (fsdp_sync)
@@ -72,79 +73,115 @@ class Runtime:
             self._plan = plan
         return self._plan
 
+    def _sends(self) -> list[tuple[int, int] | None]:
+        """``(destination rank, tag)`` of the message each action sends (``None``: it sends
+        nothing, or hands over in memory), in order (once)."""
+        if self._send_plan is None:
+            plan: list[tuple[int, int] | None] = []
+            for s, kind, mb in self.order:
+                to = s + 1 if kind == F else s - 1 if kind in (B, I) else -1
+                if 0 <= to < self.num_stages and self.stage_rank[to] != self.rank:
+                    plan.append((self.stage_rank[to], self._tag(s, _FWD if kind == F else _BWD, mb)))
+                else:
+                    plan.append(None)
+            self._send_plan = plan
+        return self._send_plan
+
     def run(self, channel: Channel, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
             loss_fn: Callable | None, loss_kwargs: dict | None, has_backward: bool, save_outputs: bool) -> dict[int, Any]:
         """Execute the list once; the losses of the last stage's micro-batches (if here).
         Raises :class:`PeerFailed` when another rank failed, :class:`StageFailed` (after
         notifying the others) when a stage here did."""
         plan = self._receives() if has_backward else [r for r in self._receives() if self.order[r[0]].kind == F]
+        sends = self._sends()
+        # per stage, looked up once a step: first, last, FSDP-managed (its switches set
+        # before each backward), and how its received inputs are rebuilt
+        flags = {s: (st.is_first, st.is_last, isinstance(st.submod, fsdp_sync.FSDPModule),
+                     _input_kinds(st, has_backward)) for s, st in self.stages.items()}
         posted: dict[int, Any] = {}
         handoff: dict[tuple[int, str, int], list] = {}
         losses: dict[int, Any] = {}
         next_post = 0
+        kwargs = loss_kwargs or {}
         for here, action in enumerate(self.order):
-            if not has_backward and action.kind != F:
+            s, kind, mb = action
+            if not has_backward and kind != F:
                 continue
             while next_post < len(plan) and plan[next_post][0] < here + RECV_AHEAD:
                 i, source, tag, metas = plan[next_post]
                 posted[i] = channel.post(source, tag, metas, self.stages[self.order[i].stage_index].device)
                 next_post += 1
-            s, kind, mb = action
             st = self.stages[s]
+            first, last, fsdp, kinds = flags[s]
+            if last and kind in (B, I) and losses.get(mb) is None:
+                raise ValueError(f"stage {s} is the last and has no loss for micro-batch {mb}: "
+                                 "a schedule that trains needs loss_fn and step(..., target=...)")
             if kind == F:
-                if st.is_first:
+                if first:
                     args = arg_mbs[mb]
-                elif (s, F, mb) in handoff:
-                    args = handoff.pop((s, F, mb))
                 else:
-                    args = _as_inputs(channel.wait(posted.pop(here), action), st, has_backward)
-                out = _guarded(action, lambda: st.forward_one_chunk(mb, args, kwarg_mbs[mb], save_outputs))
-                if st.is_last:
+                    args = handoff.pop((s, F, mb), None)
+                    if args is None:
+                        args = _rebuilt(channel.wait(posted.pop(here), action), kinds)
+                out = _call(action, "", st.forward_one_chunk, mb, args, kwarg_mbs[mb], save_outputs)
+                if last:
                     if loss_fn is not None and target_mbs is not None:
-                        losses[mb] = _guarded(action, lambda: loss_fn(out, target_mbs[mb], **(loss_kwargs or {})),
-                                              "its loss_fn")
+                        losses[mb] = _call(action, "its loss_fn", loss_fn, out, target_mbs[mb], **kwargs)
                     continue
                 outs = as_tuple(out)
                 st.check_outputs(outs)
                 sent = [local_of(o) for o in outs]
-                if self.stage_rank[s + 1] == self.rank:
-                    handoff[(s + 1, F, mb)] = _as_inputs(sent, self.stages[s + 1], has_backward)
+                to = sends[here]
+                if to is None:
+                    handoff[(s + 1, F, mb)] = _rebuilt(sent, flags[s + 1][3])
                 else:
-                    channel.send(sent, self.stage_rank[s + 1], self._tag(s, _FWD, mb))
-            elif kind in (B, I):
+                    channel.send(sent, *to)
+            elif kind == W:
+                if fsdp:
+                    fsdp_sync.before_backward(st.submod, last=False)
+                _call(action, "", st.backward_weight_one_chunk, mb)
+            else:  # B or I
                 grads = None
-                if not st.is_last:
-                    grads = handoff.pop((s, B, mb)) if (s, B, mb) in handoff else channel.wait(posted.pop(here), action)
-                loss = losses.get(mb) if st.is_last else None
-                if st.is_last and loss is None:
-                    raise ValueError(f"stage {s} is the last and has no loss for micro-batch {mb}: "
-                                     "a schedule that trains needs loss_fn and step(..., target=...)")
-                fsdp_sync.before_backward(st.submod, last=here == self._last_backward.get(s))
-                input_grads = _guarded(action, lambda: st.backward_one_chunk(mb, loss, grads, full_backward=kind == B))
-                if not st.is_first:
-                    if self.stage_rank[s - 1] == self.rank:
+                if not last:
+                    grads = handoff.pop((s, B, mb), None)
+                    if grads is None:
+                        grads = channel.wait(posted.pop(here), action)
+                if fsdp:
+                    fsdp_sync.before_backward(st.submod, last=here == self._last_backward.get(s))
+                input_grads = _call(action, "", st.backward_one_chunk, mb, losses.get(mb) if last else None, grads,
+                                    full_backward=kind == B)
+                if not first:
+                    to = sends[here]
+                    if to is None:
                         handoff[(s - 1, B, mb)] = input_grads
                     else:
-                        channel.send(input_grads, self.stage_rank[s - 1], self._tag(s, _BWD, mb))
-            elif kind == W:
-                fsdp_sync.before_backward(st.submod, last=False)
-                _guarded(action, lambda: st.backward_weight_one_chunk(mb))
+                        channel.send(input_grads, *to)
         channel.finish_sends()
         return losses
 
 
-def _as_inputs(tensors: list[torch.Tensor], stage, has_backward: bool) -> tuple:
-    """Received or handed-over activations (local tensors) as ``stage``'s inputs: new
+def _input_kinds(stage, has_backward: bool) -> list[tuple]:
+    """How each received input of ``stage`` is rebuilt: ``(DistMeta or None, mesh,
+    requires_grad)`` (:func:`_rebuilt`)."""
+    if stage.inputs_meta is None:
+        return []
+    return [(m.dist, mesh, has_backward and grad_carrying(m)) for m, mesh in zip(stage.inputs_meta, stage.input_meshes)]
+
+
+def _rebuilt(tensors: list[torch.Tensor], kinds: list[tuple]) -> tuple:
+    """Received or handed-over activations (local tensors) as a stage's inputs: new
     leaves, DTensors again where they were sent as such, requiring gradients where one
     flows back."""
-    return tuple(rebuild(t.detach(), m.dist, mesh).requires_grad_(has_backward and grad_carrying(m))
-                 for t, m, mesh in zip(tensors, stage.inputs_meta, stage.input_meshes))
+    return tuple([(t.detach() if dist is None else rebuild(t.detach(), dist, mesh)).requires_grad_(grad)
+                  for t, (dist, mesh, grad) in zip(tensors, kinds)])
 
 
-def _guarded(action: Action, fn: Callable[[], Any], what: str = "") -> Any:
-    """``fn()``; a failure of the stage's own code becomes :class:`StageFailed` naming it."""
+def _call(action: Action, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, the stage's own code; its failure becomes :class:`StageFailed`
+    naming the stage, the action and the micro-batch (``what``: the code, when not the
+    action's own)."""
     try:
-        return fn()
+        return fn(*args, **kwargs)
     except PeerFailed:
         raise
     except Exception as err:  # noqa: BLE001  (named and raised on every rank by the schedule)

@@ -134,8 +134,8 @@ def _walk(roots: list[torch.Tensor], inputs: list[torch.Tensor], params: list[to
         # not reached (unused), or a leaf seen under another Python object
         return index.get(get_gradient_edge(t).node, -1), 0
 
-    places = (tuple((index[e.node], e.output_nr) for e in root_edges), tuple(where(x) for x in inputs),
-              tuple(where(p) for p in params))
+    places = (tuple([(index[e.node], e.output_nr) for e in root_edges]), tuple([where(x) for x in inputs]),
+              tuple([where(p) for p in params]))
     return _Graph(nodes, (tuple(shape), places))
 
 
@@ -249,8 +249,8 @@ class Splitter:
         # the gradients the intermediates receive, returned by I's call with the inputs'
         # (autograd captures them as the node runs: no hook; tensor hooks on an
         # intermediate's output then apply once, in W, which runs the node)
-        targets = (*inputs, *(GradientEdge(nodes[i], k) for i, _, _, outs in plan.entries for k in outs))
-        if root_grads is None or any(g is None for g in root_grads):  # autograd makes a scalar's gradient
+        targets = (*inputs, *[GradientEdge(nodes[i], k) for i, _, _, outs in plan.entries for k in outs])
+        if root_grads is None or any([g is None for g in root_grads]):  # autograd makes a scalar's gradient
             got = torch.autograd.grad(roots, targets, root_grads, retain_graph=True, allow_unused=True)
         else:
             got = _engine_run_backward(tuple(roots), tuple(root_grads), True, False, targets, True, False)
@@ -272,11 +272,15 @@ def _weight_pass(plan: _Plan, nodes: list[Node], captured: Sequence[torch.Tensor
     calls = []
     at = 0
     for i, below, mine, fed in plan.entries:
-        grads, at = captured[at:at + len(fed)], at + len(fed)
-        outs = [(GradientEdge(nodes[i], k), g) for k, g in zip(fed, grads) if g is not None]
-        if not outs:  # nothing reached it in I
+        outputs, out_grads = [], []
+        for k in fed:
+            g = captured[at]
+            at += 1
+            if g is not None:
+                outputs.append(GradientEdge(nodes[i], k))
+                out_grads.append(g)
+        if not outputs:  # nothing reached it in I
             continue
-        outputs, out_grads = [o for o, _ in outs], [g for _, g in outs]
         if plan.mode == _SHARED:
             calls.append((outputs, out_grads, [GradientEdge(nodes[c], nr) for c, nr in below], False))
         elif mine:

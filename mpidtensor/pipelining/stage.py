@@ -148,9 +148,12 @@ class PipelineStage:
             if loss is None:
                 raise RuntimeError(f"stage {self.stage_index} is the last: its backward needs a loss (loss_fn)")
             return [loss], None, inputs
-        carrying = [o for o, m in zip(outputs, self.outputs_meta) if grad_carrying(m)]
-        pairs = [(o, crossing.grad_received(g, o)) for o, g in zip(carrying, grads) if o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs], inputs
+        roots, root_grads = [], []
+        for o, g in zip([o for o, m in zip(outputs, self.outputs_meta) if grad_carrying(m)], grads):
+            if o.requires_grad:  # one gradient came for each output that carries one
+                roots.append(o)
+                root_grads.append(crossing.grad_received(g, o))
+        return roots, root_grads, inputs
 
     def backward_one_chunk(self, mb: int, loss: torch.Tensor | None = None,
                            grads: list[torch.Tensor] | None = None, full_backward: bool = True) -> list[torch.Tensor]:
