@@ -222,10 +222,11 @@ class LocalLinearForward:
         self.checked: tuple = ()  # the rules' generation and the parameter specs ``plans`` were decided for
         self.plans: dict[tuple, tuple | None] = {}  # by input ndim and dtype (``_decide``)
         self.out_specs: dict[tuple, DTensorSpec] = {}  # by input shape and dtype (``_out_spec``)
+        self.moves: dict[DTensorSpec, bool] = {}  # a DTensor input's spec -> whether it moves to ``desired``
 
     def __deepcopy__(self, memo: dict) -> "LocalLinearForward":
         twin = copy.copy(self)  # the mesh and the style's conversions are shared, as the DTensors' specs are
-        twin.checked, twin.plans, twin.out_specs = (), {}, {}
+        twin.checked, twin.plans, twin.out_specs, twin.moves = (), {}, {}, {}
         return twin
 
     def __call__(self, module: nn.Linear, args: tuple, kwargs: dict) -> Any:
@@ -243,7 +244,11 @@ class LocalLinearForward:
         given, wanted, desired, natural, moves_given, moves_natural = plan
         gather = None
         if type(x) is DTensor or isinstance(x, DTensor):
-            if x._spec.placements != (desired,):
+            try:  # (a subscript by the interned spec: ``Placement.__eq__`` is a Python call)
+                moves = self.moves[x._spec]
+            except KeyError:
+                moves = self.moves[x._spec] = x._spec.placements != (desired,)
+            if moves:
                 x, gather = self._move(x, desired)
         elif moves_given or x.shape[-1] != weight._local_tensor.shape[-1]:
             x = self.prepare_input(module, (x,), self.mesh)[0]
@@ -287,7 +292,7 @@ class LocalLinearForward:
         except AttributeError:  # a parameter that is not a DTensor: the general path
             return None
         if specs != self.checked:  # other parameters, or the rules changed (caches.clear_all)
-            self.checked, self.plans = specs, {}
+            self.checked, self.plans, self.moves = specs, {}, {}
         key = (x.ndim, x.dtype)
         plan = self.plans.get(key, False)
         if plan is False:
