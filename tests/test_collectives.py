@@ -302,6 +302,32 @@ def test_prepared_all_reduce_resolves_conj_and_neg_views():
         assert_equal(real_sum(full.conj().imag), -full.imag * SIZE)
 
 
+@pytest.mark.parametrize("name", ["MAX_COUNT", "ALLGATHER_PADDED_MIN", "ALLTOALL_PACKED_MIN",
+                                  "ALLTOALL_PACK_SEND_MIN", "GATHER_TYPED_MAX"])
+def test_prepared_collective_takes_general_path_after_a_tunable_changes(name):
+    """A prepared collective compares every tunable of ``base.limits()`` (read inline) with
+    those it was made under: one changed sends its calls to the general function, with the
+    same result; restored, the prepared call runs again."""
+    full = make((SIZE * 2, 3))
+    prepared = collectives.prepare_all_gather((2, 3), torch.float32, WORLD, dim=0, sizes=[2] * SIZE)
+    taken = []
+    fast, general = prepared.fast, prepared.general
+    prepared.fast = lambda t: (taken.append("fast"), fast(t))[1]
+    prepared.general = lambda t: (taken.append("general"), general(t))[1]
+    mine = full[2 * RANK:2 * RANK + 2].clone()
+    saved = getattr(base, name)
+    try:
+        assert_equal(prepared(mine), full)
+        changed = {"MAX_COUNT": 1 << 20, "GATHER_TYPED_MAX": base.GATHER_TYPED_MAX + 1}
+        setattr(base, name, changed.get(name, ((SIZE + 1, 1 << 40),)))  # (thresholds no call reaches)
+        assert_all_ranks(base.limits() != prepared.limits)
+        assert_equal(prepared(mine), full)
+    finally:
+        setattr(base, name, saved)
+    assert_equal(prepared(mine), full)
+    assert_all_ranks(taken == ["fast", "general", "fast"], f"{taken}")
+
+
 def test_bad_sizes_raise_before_communicating():
     calls = []
 

@@ -61,7 +61,8 @@ _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAN
 
 def limits() -> tuple:
     """The tunables the cached layouts depend on, to key them by (tests and tuning may
-    change them; a prepared collective compares them on each call)."""
+    change them; a prepared collective compares them on each call, reading the same
+    names inline: ``prepared.Prepared.__call__``, tests/test_collectives.py checks each)."""
     return MAX_COUNT, ALLGATHER_PADDED_MIN, ALLTOALL_PACKED_MIN, ALLTOALL_PACK_SEND_MIN, GATHER_TYPED_MAX
 
 

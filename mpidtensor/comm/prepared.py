@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 from mpi4py import MPI
 
-from . import guard, recorders
+from . import base, guard, recorders
 from ..runtime import watchdog
 from .base import Types, limits
 from .buffers import stage
@@ -52,7 +52,9 @@ class Prepared:
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         if (type(tensor) is torch.Tensor and tensor.shape == self.shape and tensor.dtype is self.dtype
                 and self.fast is not None and not tensor.is_cuda and not guard.ENABLED
-                and limits() == self.limits):
+                # ``limits()`` inline (attribute reads, not a Python call per collective)
+                and (base.MAX_COUNT, base.ALLGATHER_PADDED_MIN, base.ALLTOALL_PACKED_MIN, base.ALLTOALL_PACK_SEND_MIN,
+                     base.GATHER_TYPED_MAX) == self.limits):
             if recorders.ACTIVE:
                 recorders.record(self.kind, self.nbytes)
             if (tensor.requires_grad or not tensor.is_contiguous() or tensor.is_neg()

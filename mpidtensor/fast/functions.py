@@ -14,17 +14,24 @@ this) the public ``apply`` runs, and so it does everywhere if this torch's
 outside ``torch.compile`` (it asked ``torch.compiler.is_compiling()`` itself, as the
 tensor-parallel Linears, norms, embeddings and gathers do) says so
 (``compiling_checked=True``) and the apply does not ask again (two Python calls a Function).
+
+:func:`once_differentiable_backward` is torch's ``once_differentiable`` for such a
+Function's backward without its cost where it has nothing to do: in a backward that builds
+no graph (grad mode off, as the engine runs it unless ``create_graph=True``) its
+``no_grad`` block and output check are about seven Python calls that change nothing.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 _C_APPLY = torch._C._FunctionBase.__dict__.get("apply")  # the classmethod ``Function.apply`` ends in
 _transforms_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 
 
 def direct_apply(cls: type[torch.autograd.Function], compiling_checked: bool = False) -> Callable[..., Any]:
@@ -50,3 +57,19 @@ def direct_apply(cls: type[torch.autograd.Function], compiling_checked: bool = F
 
     apply.__doc__ = f"``{cls.__name__}.apply`` (see :func:`direct_apply`)."
     return apply
+
+
+def once_differentiable_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """``once_differentiable(backward)`` where the backward runs in grad mode (a backward with
+    ``create_graph=True``: its outputs then refuse a second backward, as torch's decorator
+    makes them), else ``backward`` itself (grad mode is off: no graph is built, the decorator
+    would only enter ``no_grad`` and return the outputs). A ``staticmethod``'s function."""
+    guarded = once_differentiable(backward)
+
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        if _grad_enabled():
+            return guarded(ctx, *grads)
+        return backward(ctx, *grads)
+
+    wrapper.__doc__, wrapper.__name__, wrapper.__qualname__ = backward.__doc__, backward.__name__, backward.__qualname__
+    return wrapper

@@ -139,9 +139,11 @@ class _ColwiseLinear(torch.autograd.Function):
         ctx.comm, ctx.gather = comm, gather
         ctx.x_spec = _grad_spec(x, True) if distributed and gather is None else None
         ctx.bias, ctx.out_spec = bias, out_spec
-        ctx.save_for_backward(local, weight)
+        ctx.to_save = (local, weight)  # what ctx.save_for_backward sets (torch's is this assignment: a call spared)
         y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
-        return wrap_output(y, out_spec)
+        if out_spec is None:  # (``wrap_output`` inline)
+            return y
+        return DTensor(y if y.is_contiguous() else y.contiguous(), out_spec)
 
     @staticmethod
     def backward(ctx, gy):
@@ -170,11 +172,13 @@ class _RowwiseLinear(torch.autograd.Function):
         local = x._local_tensor if distributed else x
         ctx.bias, ctx.out_spec = bias, out_spec
         ctx.x_spec = _grad_spec(x, False) if distributed else None
-        ctx.save_for_backward(local, weight)
+        ctx.to_save = (local, weight)  # as ctx.save_for_backward sets it
         y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, route)
         if bias is not None:
             y += bias._local_tensor
-        return wrap_output(y, out_spec)
+        if out_spec is None:  # (``wrap_output`` inline)
+            return y
+        return DTensor(y if y.is_contiguous() else y.contiguous(), out_spec)
 
     @staticmethod
     def backward(ctx, gy):
@@ -218,10 +222,11 @@ class LocalLinearForward:
         self.checked: tuple = ()  # the rules' generation and the parameter specs ``plans`` were decided for
         self.plans: dict[tuple, tuple | None] = {}  # by input ndim and dtype (``_decide``)
         self.out_specs: dict[tuple, DTensorSpec] = {}  # by input shape and dtype (``_out_spec``)
+        self.moves: dict[DTensorSpec, bool] = {}  # a DTensor input's spec -> whether it moves to ``desired``
 
     def __deepcopy__(self, memo: dict) -> "LocalLinearForward":
         twin = copy.copy(self)  # the mesh and the style's conversions are shared, as the DTensors' specs are
-        twin.checked, twin.plans, twin.out_specs = (), {}, {}
+        twin.checked, twin.plans, twin.out_specs, twin.moves = (), {}, {}, {}
         return twin
 
     def __call__(self, module: nn.Linear, args: tuple, kwargs: dict) -> Any:
@@ -239,7 +244,11 @@ class LocalLinearForward:
         given, wanted, desired, natural, moves_given, moves_natural = plan
         gather = None
         if type(x) is DTensor or isinstance(x, DTensor):
-            if x._spec.placements != (desired,):
+            try:  # (a subscript by the interned spec: ``Placement.__eq__`` is a Python call)
+                moves = self.moves[x._spec]
+            except KeyError:
+                moves = self.moves[x._spec] = x._spec.placements != (desired,)
+            if moves:
                 x, gather = self._move(x, desired)
         elif moves_given or x.shape[-1] != weight._local_tensor.shape[-1]:
             x = self.prepare_input(module, (x,), self.mesh)[0]
@@ -283,7 +292,7 @@ class LocalLinearForward:
         except AttributeError:  # a parameter that is not a DTensor: the general path
             return None
         if specs != self.checked:  # other parameters, or the rules changed (caches.clear_all)
-            self.checked, self.plans = specs, {}
+            self.checked, self.plans, self.moves = specs, {}, {}
         key = (x.ndim, x.dtype)
         plan = self.plans.get(key, False)
         if plan is False:

@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ..tensor.layout import contiguous_strides
 from ..tensor.dtensor import DTensor
@@ -34,7 +33,7 @@ from ..comm import collectives
 from ..tensor.placements import Shard
 from ..runtime import caches
 from ..tensor.spec import DTensorSpec
-from .functions import direct_apply
+from .functions import direct_apply, once_differentiable_backward
 from .linear import local_grad
 from .registry import register
 from ..runtime.settings import settings
@@ -61,11 +60,11 @@ class _LocalRMSNorm(torch.autograd.Function):
         local = x._local_tensor
         y, rstd = torch.ops.aten._fused_rms_norm(local, shape, None if weight is None else weight._local_tensor, eps)
         ctx.x_spec, ctx.comm, ctx.ndims, ctx.weight = x._spec, comm, len(shape), weight
-        ctx.save_for_backward(local, rstd)
+        ctx.to_save = (local, rstd)  # what ctx.save_for_backward sets (its Python call spared)
         return DTensor(y, x._spec)
 
     @staticmethod
-    @once_differentiable  # the gradients are built on local tensors: no double backward
+    @once_differentiable_backward  # the gradients are built on local tensors: no double backward
     def backward(ctx, gy):
         x, rstd = ctx.saved_tensors
         gy = local_grad(gy, ctx.x_spec)
@@ -100,11 +99,11 @@ class _LocalLayerNorm(torch.autograd.Function):
         w, b = (None if p is None else p._local_tensor for p in (weight, bias))
         y, mean, rstd = torch.ops.aten.native_layer_norm(local, shape, w, b, eps)
         ctx.x_spec, ctx.comm, ctx.shape, ctx.params = x._spec, comm, shape, (weight, bias)
-        ctx.save_for_backward(local, mean, rstd)
+        ctx.to_save = (local, mean, rstd)  # as ctx.save_for_backward sets it
         return DTensor(y, x._spec)
 
     @staticmethod
-    @once_differentiable  # the gradients are built on local tensors: no double backward
+    @once_differentiable_backward  # the gradients are built on local tensors: no double backward
     def backward(ctx, gy):
         x, mean, rstd = ctx.saved_tensors
         weight, bias = ctx.params

@@ -42,6 +42,7 @@ FUSED = register(
                "replicated total (every row on every rank), C-contiguous logits (the gradient takes their spec)",
 )
 _FUSED: dict = cache("parallel.loss.fused", maxsize=256)  # (mesh, placements, ndim, class mesh dim) -> verdict
+_LAYOUTS: dict = cache("parallel.loss.layouts", maxsize=256)  # logits spec -> _logits_layout's tuple
 
 
 @contextlib.contextmanager
@@ -202,7 +203,11 @@ def _cross_entropy(
             f"loss_parallel needs DTensor logits sharded on the class dim, got a {type(input).__name__} "
             f"(keep the output projection's output a DTensor: use_local_output=False)"
         )
-    mesh_dim = _class_mesh_dim(input)
+    spec = input._spec
+    layout = _LAYOUTS.get(spec)
+    if layout is None:
+        layout = _LAYOUTS[spec] = _logits_layout(input)
+    mesh_dim, rows, offset, group, fusable, out_spec = layout
     if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
         raise ValueError("loss_parallel supports class-index targets only (an integer tensor), not probabilities")
     if size_average is not None or reduce is not None:
@@ -210,8 +215,7 @@ def _cross_entropy(
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     class_dim = 1 if input.ndim >= 2 else 0
-    mesh, spec = input.device_mesh, input._spec
-    rows = _row_placements(input.placements, class_dim, mesh_dim)
+    mesh = spec.mesh
     row_shape = input.shape[:class_dim] + input.shape[class_dim + 1:]
     if tuple(target.shape) != tuple(row_shape):
         raise ValueError(f"loss_parallel: target shape {tuple(target.shape)} does not match the logits' "
@@ -220,12 +224,9 @@ def _cross_entropy(
     if isinstance(weight, DTensor):
         weight = weight.full_tensor()
     n_classes = input.shape[class_dim]
-    offset = spec.local_shape_and_offset()[1][class_dim]
-    group = mesh.comm_for((mesh_dim,))
-    if (reduction != "none" and plain_target and class_dim == input.ndim - 1 and enabled()
+    if (reduction != "none" and plain_target and fusable and enabled()
             and not torch.compiler.is_compiling() and _rows_whole(spec, mesh_dim, rows)):
         FUSED.hits += 1
-        out_spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, (), (), spec.dtype)
         return _vocab_parallel_cross_entropy(input, target, offset, n_classes, weight, ignore_index,
                                              float(label_smoothing), group, reduction == "mean", out_spec)
     if plain_target:
@@ -233,7 +234,7 @@ def _cross_entropy(
                                        shape=target.shape, stride=global_strides(target.shape, target))
     else:
         target_dt = target
-    local_target = target_dt.redistribute(mesh, rows).to_local() if target_dt.placements != tuple(rows) \
+    local_target = target_dt.redistribute(mesh, rows).to_local() if target_dt.placements != rows \
         else target_dt.to_local()
     x = input.to_local().movedim(class_dim, -1)
     local = _vocab_parallel_cross_entropy(x, local_target, offset, n_classes, weight, ignore_index,
@@ -249,13 +250,27 @@ def _cross_entropy(
                                  None if plain_target else (mesh, rows))
 
 
-def _rows_whole(spec: DTensorSpec, mesh_dim: int, rows: list[Placement]) -> bool:
-    """Whether the logits' local tensor holds every row and is laid out as the global one
-    (C-contiguous: its gradient takes the spec): the rule for ``aten.sum`` of the per-row
+def _logits_layout(logits: DTensor) -> tuple:
+    """What a loss reads of its logits' spec, cached by that (interned) spec: the class mesh
+    dim (or the ValueError of a layout loss_parallel cannot take), the per-row losses'
+    placements, this rank's first class, the class dim's communicator, whether the fused
+    path may take the logits (the class dim last, laid out C-contiguously: the gradient
+    takes their spec; :func:`_rows_whole` decides the rest), and its loss spec.
+    (Worked out per call, the placement checks and the span arithmetic were ~40 Python calls.)"""
+    spec, mesh = logits._spec, logits._spec.mesh
+    mesh_dim = _class_mesh_dim(logits)
+    class_dim = 1 if len(spec.shape) >= 2 else 0
+    rows = tuple(_row_placements(spec.placements, class_dim, mesh_dim))
+    offset = spec.local_shape_and_offset()[1][class_dim]
+    fusable = class_dim == len(spec.shape) - 1 and spec.stride == contiguous_strides(spec.shape)
+    out_spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, (), (), spec.dtype)
+    return mesh_dim, rows, offset, mesh.comm_for((mesh_dim,)), fusable, out_spec
+
+
+def _rows_whole(spec: DTensorSpec, mesh_dim: int, rows: Sequence[Placement]) -> bool:
+    """Whether the logits' local tensor holds every row: the rule for ``aten.sum`` of the per-row
     losses (``rows``) sums them where they lie to a replicated total. The rule is asked once
     per layout, for rows of the mesh's size (its verdict depends on placements, not sizes)."""
-    if spec.stride != contiguous_strides(spec.shape):
-        return False
     key = (spec.mesh, spec.placements, len(spec.shape), mesh_dim)
     whole = _FUSED.get(key)
     if whole is None:

@@ -366,10 +366,10 @@ class PrepareModuleInput(_OnAnyModule):
                 f"PrepareModuleInput: the module got {len(inputs)} positional inputs but input_layouts "
                 f"has {len(self.input_layouts)} entries"
             )
-        return tuple(
+        return tuple([  # (a list comprehension: a generator is a Python call per item)
             _prepare(x, mesh, given, desired, self.use_local_output, f"PrepareModuleInput input {i}")
             for i, (x, given, desired) in enumerate(zip(inputs, self.input_layouts, self.desired_input_layouts))
-        )
+        ])
 
     def _prepare_kwargs(self, kwargs: dict, mesh: DeviceMesh) -> dict:
         return {
