@@ -35,26 +35,28 @@ def track_buffer(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def track_resize(tensor: torch.Tensor) -> None:
-    """Re-read the size of ``tensor``'s storage after an in-place ``resize_``, registering
-    it if new, and update the peaks."""
+def track_resize(tensor: torch.Tensor, storage: torch.UntypedStorage | None = None) -> None:
+    """Re-read the size of ``tensor``'s storage (``storage``, if the caller holds it) after
+    an in-place ``resize_``, registering it if new, and update the peaks."""
     if type(tensor) not in _HOST_TYPES or tensor.device.type != "cpu":  # ``is_host_tensor``, inline: FSDP
         return  # resizes its unsharded buffers twice a step
-    storage = tensor.untyped_storage()
+    if storage is None:
+        storage = tensor.untyped_storage()
     key = id(storage)
     entry = _storages.get(key)
     if entry is None:
         _register(storage, "library")
+        update_peaks()
+        return
+    ref, old, kind = entry
+    new = storage.nbytes()
+    _storages[key] = (ref, new, kind)
+    current[kind] += new - old
+    if new > old:
+        counts["allocated_bytes"] += new - old
+        update_peaks()  # (only a growth can raise them)
     else:
-        ref, old, kind = entry
-        new = storage.nbytes()
-        _storages[key] = (ref, new, kind)
-        current[kind] += new - old
-        if new > old:
-            counts["allocated_bytes"] += new - old
-        else:
-            counts["freed_bytes"] += old - new
-    update_peaks()
+        counts["freed_bytes"] += old - new
 
 
 def pool_handed_out(nbytes: int) -> None:

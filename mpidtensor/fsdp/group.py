@@ -147,6 +147,7 @@ class ParamGroup:
         self._scatters: dict[tuple[int, torch.dtype], Prepared] = {}  # see collectives.start_reduce_scatter
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced (summed)
         self._slots: tuple[int, list[int]] = (-1, [])  # shard_flat's address, the plain shards' addresses in it
+        self._storage: tuple[torch.Tensor | None, torch.UntypedStorage | None] = (None, None)  # _storage_of
 
     # --- sharded storage -----------------------------------------------------------------------
     def sync(self) -> None:
@@ -165,7 +166,7 @@ class ParamGroup:
             if self.offload_to is None:
                 self.device = device
             self.shard_flat = accounting.track_buffer(torch.zeros(self.shard_flat.numel(), dtype=torch.uint8, device=device))
-            self.unsharded_flat = None
+            self.unsharded_flat, self._storage = None, (None, None)
             for p in self.params:
                 p.forget_gathered()
         base = self.shard_flat.data_ptr()
@@ -193,11 +194,14 @@ class ParamGroup:
             self._start_gather(kept, self.post_forward_comm)
             return
         self.sync()
-        inputs, error = attempt(self._pre_all_gather)
-        if self.pieces is None:  # the first gather: the subclasses' hooks ran alike on all ranks, or all raise
-            self._make_layout(inputs, error)
-        elif error is not None:
-            raise error
+        if self._extensions or self.pieces is None:
+            inputs, error = attempt(self._pre_all_gather)
+            if self.pieces is None:  # the first gather: the subclasses' hooks ran alike on all ranks, or all raise
+                self._make_layout(inputs, error)
+            elif error is not None:
+                raise error
+        else:  # no extension, layout made: no all-gather inputs to make (no call)
+            inputs = _NO_INPUTS
         if not self.gathered:
             self._gather, self.sharded_state = (_NO_GATHER, False), UNSHARDING
             return
@@ -239,18 +243,28 @@ class ParamGroup:
         if flat is None:
             self.unsharded_flat = tracked_empty(self.unsharded_nbytes, torch.uint8, self.device)
             return
-        storage = flat.untyped_storage()
+        storage = self._storage_of(flat)
         if not storage.nbytes():
             storage.resize_(self.unsharded_nbytes)  # new memory: advise it again
-            accounting.track_resize(advise_huge_pages(flat))
+            accounting.track_resize(advise_huge_pages(flat), storage)
 
     def _free_unsharded_storage(self) -> None:
         flat = self.unsharded_flat
         if flat is not None:
-            storage = flat.untyped_storage()
+            storage = self._storage_of(flat)
             if storage.nbytes():
                 storage.resize_(0)
-                accounting.track_resize(flat)
+                accounting.track_resize(flat, storage)
+
+    def _storage_of(self, flat: torch.Tensor) -> torch.UntypedStorage:
+        """``flat``'s storage object, asked for once per ``unsharded_flat`` (a resize keeps
+        the object; each ``untyped_storage()`` call makes a new one, and accounting keys
+        storages by object id, which stays valid since the object lives as long as ``flat``)."""
+        held, storage = self._storage
+        if held is not flat:
+            storage = flat.untyped_storage()
+            self._storage = (flat, storage)
+        return storage
 
     # --- all-gather extensions (fsdp_pre_all_gather / fsdp_post_all_gather) ---------------------------
     def _pre_all_gather(self) -> dict[int, tuple[torch.Tensor, ...]]:
@@ -574,3 +588,4 @@ class _NoGather:
 
 
 _NO_GATHER = _NoGather()
+_NO_INPUTS: dict[int, tuple[torch.Tensor, ...]] = {}  # the all-gather inputs of a group without extensions
