@@ -9,8 +9,8 @@ each batch of calls), checked against the bare call's result first:
 * ``pack + Alltoall``: the same with this rank's strided pack copied on every call;
 * ``pack + persistent``: the pack, then ``Start``/``Wait`` of an ``Alltoall_init`` request;
 * ``prepared runner``: the prepared collective's runner: where the ranks share a node, the
-  all-to-all through shared-memory windows (``comm/shared_memory.py``: a copy in, a barrier
-  that yields the core between polls, one strided copy out of every rank's window into a pooled
+  all-to-all through shared-memory windows (``comm/shared_memory.py``: a copy in, a barrier,
+  one strided copy out of every rank's window into a pooled
   output), else the pack into its own buffer and ``Alltoall``;
 * ``Prepared call``: the same through ``Prepared.__call__`` (signature checks, watchdog);
 * ``redistribute_local``: the plan cache's look-up before it;

@@ -11,12 +11,10 @@ three copies of every byte against two here, and no rendezvous per message. Meas
 "The all-to-all cell"); MPI's derived datatypes, which would skip the packing copy, were
 4-7x slower there.
 
-The barrier is MPI's nonblocking one, tested with ``sched_yield`` between tests: with 4
-ranks on 2 cores a waiting rank hands its core to the rank it waits for at once (MPI's
-``Barrier`` polls 4096 times before it naps); interleaved A/B of the public S(0) -> S(1) at
-256 KiB, 4 ranks on 2 cores shared with other jobs (load average 14-18), three runs: thread
-CPU per rank 368-494 -> 327-463 µs, the slowest rank's median wall time per call 22.7, 26.1,
-8.9 -> 15.0, 17.8, 6.7 ms (noise-bound; the quiet figure is `make bench`'s).
+The barrier is MPI's own. A nonblocking barrier tested with ``sched_yield`` between tests
+(a waiting rank handing its core to the rank it waits for) cut CPU per rank by ~10% on
+loaded cores but was slower on idle ones: ``record_general``'s row, 4 ranks on 2 idle cores,
+alternated in one shell, 1.77 and 1.87x the bare call against 1.45 and 1.42x with ``Barrier``.
 
 The windows belong to the communicator (an attribute, freed with it): two of them,
 used in turn, so that one barrier per call suffices (a rank writes a window again only
@@ -26,7 +24,6 @@ every rank of it does at the same call: the sizes read facts all ranks share.
 """
 from __future__ import annotations
 
-import os
 from math import prod
 from typing import Sequence
 
@@ -85,18 +82,6 @@ def _free_windows(comm: MPI.Comm, keyval: int, windows: _Windows) -> None:
 
 _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_windows)
 _ONE_NODE = MPI.Comm.Create_keyval()
-
-
-def _meet(comm: MPI.Intracomm) -> None:
-    """Every rank of ``comm`` here (a barrier), this rank's core handed on between polls:
-    where ranks outnumber cores, the rank awaited is often one descheduled on this core,
-    which MPI's own barrier keeps waiting through thousands of polls before it sleeps."""
-    arrived = comm.Ibarrier()
-    while not arrived.Test():
-        _yield()
-
-
-_yield = getattr(os, "sched_yield", lambda: None)
 
 
 def one_node(comm: MPI.Intracomm) -> bool:
@@ -164,7 +149,7 @@ def shared_runner(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype,
         mine.copy_(send)
         window = windows.windows[turn]
         window.Sync()  # this rank's writes visible, then every rank's (MPI's shared-memory model)
-        watchdog.call("all_to_all", comm, _meet, comm)
+        watchdog.call("all_to_all", comm, comm.Barrier)
         window.Sync()
         out = empty(out_shape, send)
         if type(theirs) is torch.Tensor:  # every rank's piece at once: the result as one run per rank
