@@ -65,7 +65,7 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         else:
             y = w.new_zeros((*tokens.shape, w.shape[1]))
         ctx.out_spec, ctx.weight, ctx.padding = out_spec, weight, padding
-        ctx.to_save = (rel, outside)  # as ctx.save_for_backward sets it (its Python call spared)
+        ctx.save_for_backward(rel, outside)
         y = reduce_partial(ctx, y, comm, route)
         return wrap_output(y, out_spec)
 

@@ -139,11 +139,9 @@ class _ColwiseLinear(torch.autograd.Function):
         ctx.comm, ctx.gather = comm, gather
         ctx.x_spec = _grad_spec(x, True) if distributed and gather is None else None
         ctx.bias, ctx.out_spec = bias, out_spec
-        ctx.to_save = (local, weight)  # what ctx.save_for_backward sets (torch's is this assignment: a call spared)
+        ctx.save_for_backward(local, weight)
         y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
-        if out_spec is None:  # (``wrap_output`` inline)
-            return y
-        return DTensor(y if y.is_contiguous() else y.contiguous(), out_spec)
+        return wrap_output(y, out_spec)
 
     @staticmethod
     def backward(ctx, gy):
@@ -172,13 +170,11 @@ class _RowwiseLinear(torch.autograd.Function):
         local = x._local_tensor if distributed else x
         ctx.bias, ctx.out_spec = bias, out_spec
         ctx.x_spec = _grad_spec(x, False) if distributed else None
-        ctx.to_save = (local, weight)  # as ctx.save_for_backward sets it
+        ctx.save_for_backward(local, weight)
         y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, route)
         if bias is not None:
             y += bias._local_tensor
-        if out_spec is None:  # (``wrap_output`` inline)
-            return y
-        return DTensor(y if y.is_contiguous() else y.contiguous(), out_spec)
+        return wrap_output(y, out_spec)
 
     @staticmethod
     def backward(ctx, gy):

@@ -60,7 +60,7 @@ class _LocalRMSNorm(torch.autograd.Function):
         local = x._local_tensor
         y, rstd = torch.ops.aten._fused_rms_norm(local, shape, None if weight is None else weight._local_tensor, eps)
         ctx.x_spec, ctx.comm, ctx.ndims, ctx.weight = x._spec, comm, len(shape), weight
-        ctx.to_save = (local, rstd)  # what ctx.save_for_backward sets (its Python call spared)
+        ctx.save_for_backward(local, rstd)
         return DTensor(y, x._spec)
 
     @staticmethod
@@ -99,7 +99,7 @@ class _LocalLayerNorm(torch.autograd.Function):
         w, b = (None if p is None else p._local_tensor for p in (weight, bias))
         y, mean, rstd = torch.ops.aten.native_layer_norm(local, shape, w, b, eps)
         ctx.x_spec, ctx.comm, ctx.shape, ctx.params = x._spec, comm, shape, (weight, bias)
-        ctx.to_save = (local, mean, rstd)  # as ctx.save_for_backward sets it
+        ctx.save_for_backward(local, mean, rstd)
         return DTensor(y, x._spec)
 
     @staticmethod

@@ -172,7 +172,7 @@ def _rebuilt(tensors: list[torch.Tensor], kinds: list[tuple]) -> tuple:
     """Received or handed-over activations (local tensors) as a stage's inputs: new
     leaves, DTensors again where they were sent as such, requiring gradients where one
     flows back."""
-    return tuple([(t.detach() if dist is None else rebuild(t.detach(), dist, mesh)).requires_grad_(grad)
+    return tuple([rebuild(t.detach(), dist, mesh).requires_grad_(grad)
                   for t, (dist, mesh, grad) in zip(tensors, kinds)])
 
 
