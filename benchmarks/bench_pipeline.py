@@ -44,7 +44,10 @@ restricted to the parameters: mdt before the split, the reference).
 
 A third table splits one mdt step's CPU time on each rank by part (:func:`action_cpu`): the
 stage's ``F``, ``B``, ``I`` and ``W``, the channel's receive waits (polling included), posts
-and sends, and the rest (the schedule's own loop): what a rank with two stages pays twice.
+and sends, and the rest (the schedule's own loop): what a rank with two stages pays twice;
+beside it each rank's minor page faults per step (``getrusage``): memory the allocator gave
+back to the kernel and takes again (glibc trims its heap when a freed block of a gradient's
+size leaves enough free at its top), which moves a rank's backward CPU from run to run.
 
 A schedule that refuses ``--microbatches`` (DualPipeV needs one per stage, ``2 x ranks``)
 is skipped and named under the table.
@@ -58,6 +61,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -302,12 +306,13 @@ def backward_seconds(args) -> dict[str, float]:
 ACTION_PARTS = ("F", "B", "I", "W", "wait", "post", "send", "rest")
 
 
-def action_cpu(runner, steps: int) -> list[dict[str, float]]:
+def action_cpu(runner, steps: int) -> tuple[dict[str, float], float]:
     """CPU seconds of one mdt step per rank by part (median of ``steps`` steps): the stage's
     forwards ``F``, whole backwards ``B``, input ``I`` and weight ``W`` backwards, the
     channel's receive waits (polling included), receive posts and sends (with the step's
     final wait for them), and ``rest``: the schedule's own work (its runtime loop, the
-    rebuilding of received inputs, the step's set-up and end)."""
+    rebuilding of received inputs, the step's set-up and end); and the step's minor page
+    faults (median)."""
     spent: dict[str, float] = dict.fromkeys(ACTION_PARTS, 0.0)
     clock = time.process_time
 
@@ -329,16 +334,18 @@ def action_cpu(runner, steps: int) -> list[dict[str, float]]:
     channel = runner.schedule._channel
     for method, part in (("wait", "wait"), ("post", "post"), ("send", "send"), ("finish_sends", "send")):
         timed(channel, method, part)
-    per_step = []
+    per_step, faults = [], []
     for _ in range(steps):
         for part in spent:
             spent[part] = 0.0
         COMM.Barrier()
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = clock()
         runner()
         total = clock() - start
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
         per_step.append({**spent, "rest": total - sum(spent.values())})
-    return {part: statistics.median(s[part] for s in per_step) for part in ACTION_PARTS}
+    return {part: statistics.median(s[part] for s in per_step) for part in ACTION_PARTS}, statistics.median(faults)
 
 
 def ideal_seconds(args, timeline: Timeline) -> float:
@@ -426,6 +433,8 @@ def _run(args) -> dict:
     backward_ms = {k: v * 1e3 for k, v in backward_seconds(args).items()}
     # last: its timers stay on the runners' stages and channels
     parts = {f"{n}/{i}": COMM.gather(action_cpu(runner, args.steps)) for (n, i), runner in runners.items() if i == "mdt"}
+    faults = {case: [f for _, f in ranks] for case, ranks in parts.items()} if RANK == 0 else {}
+    parts = {case: [p for p, _ in ranks] for case, ranks in parts.items()} if RANK == 0 else {}
     rows = []
     for case in cases:
         name, impl = case
@@ -439,6 +448,7 @@ def _run(args) -> dict:
             "microbatches": args.microbatches, "ideal_ms": ideal_s * 1e3, "rows_out": rows, "skipped": skipped,
             "backward_ms": backward_ms, "action_cpu_ms": {case: [{k: v * 1e3 for k, v in r.items()} for r in ranks]
                                                        for case, ranks in parts.items()} if RANK == 0 else {},
+            "page_faults": faults,
             "spans": {f"{n}/{i}": sp for (n, i), sp in spans.items() if n == "Schedule1F1B"}}
 
 
@@ -505,12 +515,14 @@ def main(argv: list[str] | None = None) -> dict:
                 f"split by walking twice {b['twice']:.2f} ms ({b['twice'] / b['whole']:.2f}x); forward {b['forward']:.2f} ms")
         print(note)
         lines.append(f"\n{note}")
-        part_header = ["schedule (mdt)", *ACTION_PARTS, "step"]
+        part_header = ["schedule (mdt)", *ACTION_PARTS, "step", "page faults"]
         part_rows = [[case.split("/")[0].removeprefix("Schedule"),
                       *(" ".join(f"{r[k]:.1f}" for r in ranks) for k in ACTION_PARTS),
-                      " ".join(f"{sum(r.values()):.1f}" for r in ranks)]
+                      " ".join(f"{sum(r.values()):.1f}" for r in ranks),
+                      " ".join(f"{f:.0f}" for f in result["page_faults"][case])]
                      for case, ranks in result["action_cpu_ms"].items()]
-        part_title = "CPU ms of one step by part, rank 0 1 ... (action_cpu: F/B/I/W stage compute, channel waits/posts/sends, rest)"
+        part_title = ("CPU ms of one step by part, rank 0 1 ... (action_cpu: F/B/I/W stage compute, channel "
+                      "waits/posts/sends, rest), and minor page faults per step")
         print(part_title)
         print_table(part_header, part_rows)
         lines += ["", part_title, "", "| " + " | ".join(part_header) + " |", "|" + "|".join("---" for _ in part_header) + "|"]
