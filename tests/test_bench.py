@@ -98,6 +98,10 @@ def test_pipeline_bench_runs_every_schedule(tmp_path):
         and all(r["I"] > 0 and r["W"] > 0 for r in parts["ScheduleZBVZeroBubble/mdt"])
         and all(r["B"] > 0 and r["I"] == 0 for r in parts["Schedule1F1B/mdt"]))
     assert_all_ranks(split_ok, f"CPU by part: {parts}")
+    faults = result["page_faults"]  # rank 0: each mdt schedule's minor page faults per step, every rank
+    faults_ok = WORLD.rank != 0 or (set(faults) == set(parts)
+                                    and all(len(f) == WORLD.size and min(f) >= 0 for f in faults.values()))
+    assert_all_ranks(faults_ok, f"page faults per step: {faults}")
 
 
 @pytest.mark.timeout(600)
