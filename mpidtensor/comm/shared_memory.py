@@ -123,6 +123,9 @@ def shared_runner(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype,
     # rank order as equal runs of the result: one strided copy out of all the windows'
     # parts at once (viewed as one tensor) instead of a copy per rank.
     together = len(pieces) == comm.size and len(set(concat_sizes)) == 1
+    # the result viewed as those runs, as Python ints: ``view`` parses a ``torch.Size`` ~1.5 µs
+    # slower than ints (2.4 vs 0.9 µs a call)
+    runs = (comm.size, *map(int, resized(shape, split_dim, length)))
     views: list = [None, None, None]  # the windows' generation, then per window (mine, pieces there)
     kept: list = [None]  # ``comm``'s windows once known to share a node (else False): no look-up per call
 
@@ -167,7 +170,7 @@ def shared_runner(comm: MPI.Intracomm, shape: Sequence[int], dtype: torch.dtype,
         window.Sync()
         out = empty(out_shape, send)
         if type(theirs) is torch.Tensor:  # every rank's piece at once: the result as one run per rank
-            out.view(theirs.shape).copy_(theirs)
+            out.view(*runs).copy_(theirs)
             return out
         for offset, n, piece in theirs:
             out.narrow(concat_dim, offset, n).copy_(piece)
