@@ -129,10 +129,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per row")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--check-only", action="store_true", help="check every implementation, time nothing")
+    parser.add_argument("--row", choices=("all", "tp-mlp", "alltoall"), default="all",
+                        help="time one row only (the TP MLP in DTensor ops, or the all-to-all cell)")
     args = parser.parse_args(argv)
     gloo = None if args.no_torch else init_gloo()
     rows = []
-    for row in general_rows(gloo):
+    chosen = {"all": general_rows, "tp-mlp": lambda g: [tp_mlp_ops_row(g)], "alltoall": lambda g: [alltoall_row(g)]}
+    for row in chosen[args.row](gloo):
         times = bench_record.interleaved(row.fns, None if args.check_only else args.budget)
         rows.append({"step": row.name, **times, "checked": [k for k, f in row.fns.items() if f]})
         if RANK == 0 and not args.check_only:

@@ -56,7 +56,7 @@ def into_rank_order(shape: tuple[int, ...], dim: int,
     source_strides = (piece * inner, n * piece * inner, inner, 1)
 
     def strided(t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        flat.view(packed).copy_(t.as_strided(packed, source_strides))
+        flat.view(*packed).copy_(t.as_strided(packed, source_strides))  # ints: view parses them fastest
         return flat
     return strided
 
@@ -92,7 +92,7 @@ def from_rank_order(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) ->
 
     def strided(flat: torch.Tensor) -> torch.Tensor:
         out = empty(shape, flat)
-        out.view(blocks).copy_(flat.view(packed).transpose(0, 1))
+        out.view(*blocks).copy_(flat.view(*packed).transpose(0, 1))  # ints: view parses them fastest
         return out
     return strided
 
