@@ -181,7 +181,8 @@ def _interleave(flat: torch.Tensor, lay: _Gather, size: int, out: torch.Tensor) 
     ``lay.shape``), from its pieces back to back in rank order (padded to ``lay.width`` each
     in "padded" mode): one copy into it."""
     if lay.mode == "even":  # (views of any size, an empty one included: no division)
-        out.view(lay.rows, size, lay.columns[0]).copy_(flat.view(size, lay.rows, lay.columns[0]).transpose(0, 1))
+        rows, columns = lay.rows, lay.columns[0]  # the pieces [size, rows, columns] read as [rows, size, columns]
+        out.view(rows, size, columns).copy_(flat.as_strided((rows, size, columns), (columns, rows * columns, 1)))
         return out
     if not out.numel():
         return out

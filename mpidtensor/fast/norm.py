@@ -177,7 +177,7 @@ class LocalNormForward:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self.prepare_input is not None:
             args = self.prepare_input(module, args, self.mesh)
-        x = args[0] if len(args) == 1 and not kwargs else None
+        x = args[0] if args and not args[1:] and not kwargs else None  # one argument (``len`` is a call)
         params = self._params(module)
         if x is None or not settings.fast_paths or not self._applies(module, x, params):
             out = self.inner(module, *args, **kwargs)
@@ -211,10 +211,11 @@ class LocalNormForward:
         weight, bias = params
         key = (x._spec, weight._spec if isinstance(weight, DTensor) else weight is None,
                bias._spec if isinstance(bias, DTensor) else bias is None)
-        fits = self.decided.get(key)
-        if fits is None:
+        try:  # (a subscript: ``dict.get`` is a call)
+            return self.decided[key]
+        except KeyError:
             fits = self.decided[key] = self._fits(module, x._spec, params)
-        return fits
+            return fits
 
     def _fits(self, module: nn.Module, spec: DTensorSpec, params: tuple) -> bool:
         """Whether an input of ``spec`` and these parameters take the local path: the input
