@@ -167,7 +167,12 @@ def test_reuse_hands_its_buffer_out_again_only_when_idle():
     fifth, fifth_mpi = reuse.take()
     if reuse.buffer is None or not reuse.buffer.pooled or fifth_mpi.address != fifth.data_ptr():
         problems.append("after the pool dropped its buffer the Reuse did not take a pooled one")
-    pool.limit_bytes = 0  # pooling off: fresh buffers each time
+    fifth_ptr = fifth.data_ptr()
+    del fifth, fifth_mpi
+    pool.limit_bytes = 0  # pooling off: fresh buffers each time, the idle pooled one not handed out again
+    sixth, _ = reuse.take()
+    if sixth.data_ptr() == fifth_ptr:
+        problems.append("with pooling off the last pooled buffer was handed out again")
     off = Reuse(pool, (10,), torch.float32, host_buffer)
     a, a_mpi = off.take()
     b, _ = off.take()

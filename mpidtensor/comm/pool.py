@@ -210,7 +210,7 @@ class Reuse:
     def take(self):
         """``(tensor, its MPI buffer)``: a C-contiguous host tensor no other tensor refers to."""
         buffer, pool = self.buffer, self.pool
-        if buffer is not None:
+        if buffer is not None and pool.limit_bytes:  # (pooling turned off since: fresh buffers)
             with pool._lock:
                 if buffer.pooled and _use_count(buffer.cdata) <= buffer.idle:  # as ``take`` does
                     pool._requests += 1
