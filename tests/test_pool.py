@@ -129,3 +129,82 @@ def test_pool_off_buffers_ask_for_huge_pages(monkeypatch):
     buffers.empty((16,), like)
     end = big.data_ptr() + big.nbytes
     assert_all_ranks(len(calls) == 1 and calls[0][0] + calls[0][1] == end, f"madvise calls {calls}")
+
+
+def test_reuse_hands_its_buffer_out_again_only_when_idle():
+    """``Reuse`` (a prepared collective's outputs) hands the buffer it gave last out again,
+    with the MPI buffer of its address, once nothing refers to it; never while a tensor still
+    does, and never one the pool has dropped; with pooling off it gives fresh buffers."""
+    from mpidtensor.comm.buffers import host_buffer
+    from mpidtensor.comm.pool import Reuse
+
+    pool = BufferPool(limit_bytes=4000)
+    reuse = Reuse(pool, (100,), torch.float32, host_buffer)
+    first, first_mpi = reuse.take()
+    ptr = first.data_ptr()
+    problems = []
+    if first_mpi.address != ptr or first_mpi.nbytes != first.nbytes:
+        problems.append("the MPI buffer is not the tensor's memory")
+    first.fill_(1.0)
+    held_view = first[10:]  # a view keeps the buffer in use
+    del first
+    second, second_mpi = reuse.take()
+    if second.data_ptr() == ptr or second_mpi.address != second.data_ptr():
+        problems.append("a buffer still referred to by a view was handed out again")
+    if not torch.all(held_view == 1.0):
+        problems.append("the held view was overwritten")
+    del held_view
+    third, third_mpi = reuse.take()  # the last hand-out (second) is still held
+    if third.data_ptr() in (second.data_ptr(),):
+        problems.append("a held buffer was handed out again")
+    third_ptr = third.data_ptr()
+    del third, third_mpi
+    fourth, _ = reuse.take()
+    if fourth.data_ptr() != third_ptr:
+        problems.append("an idle last buffer was not handed out again")
+    del fourth
+    pool.clear()  # the pool drops every buffer: the Reuse must not keep using one
+    fifth, fifth_mpi = reuse.take()
+    if reuse.buffer is None or not reuse.buffer.pooled or fifth_mpi.address != fifth.data_ptr():
+        problems.append("after the pool dropped its buffer the Reuse did not take a pooled one")
+    fifth_ptr = fifth.data_ptr()
+    del fifth, fifth_mpi
+    pool.limit_bytes = 0  # pooling off: fresh buffers each time, the idle pooled one not handed out again
+    sixth, _ = reuse.take()
+    if sixth.data_ptr() == fifth_ptr:
+        problems.append("with pooling off the last pooled buffer was handed out again")
+    off = Reuse(pool, (10,), torch.float32, host_buffer)
+    a, a_mpi = off.take()
+    b, _ = off.take()
+    if a.data_ptr() == b.data_ptr() or a_mpi.address != a.data_ptr() or off.buffer is not None:
+        problems.append("with pooling off a buffer was reused")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
+@pytest.mark.parametrize("kind", ["all_gather_dim0", "all_gather_dim1", "reduce_scatter"])
+def test_prepared_results_held_are_never_overwritten(kind):
+    """A prepared collective reuses its output buffer from call to call only once nothing
+    refers to it: results held (more than the pool keeps of one size) keep their values,
+    a dropped one's buffer is handed out again, and all are the general function's results."""
+    size = WORLD.size
+    if kind == "reduce_scatter":
+        shape = (2 * size, 3)
+        prepared = collectives.prepare_reduce_scatter(shape, torch.float32, WORLD, "sum", dim=0, sizes=[2] * size)
+        general = lambda t: collectives.reduce_scatter(t, WORLD, "sum", dim=0, sizes=[2] * size)  # noqa: E731
+    else:
+        dim = 0 if kind == "all_gather_dim0" else 1
+        shape = (3, 2) if dim else (2, 3)
+        prepared = collectives.prepare_all_gather(shape, torch.float32, WORLD, dim=dim, sizes=[2] * size)
+        general = lambda t: collectives.all_gather(t, WORLD, dim=dim, sizes=[2] * size)  # noqa: E731
+    inputs = [global_tensor(shape, seed=i) + WORLD.rank for i in range(7)]
+    want = [general(x).clone() for x in inputs]
+    first = prepared(inputs[0])
+    last = first.data_ptr()
+    del first
+    again = prepared(inputs[1])  # the first result was dropped: its buffer comes back
+    reused = again.data_ptr() == last
+    ok = torch.equal(again, want[1])
+    held = [again] + [prepared(x) for x in inputs[2:]]
+    ok = ok and all(torch.equal(h, w) for h, w in zip(held, want[1:]))
+    ok = ok and len({h.data_ptr() for h in held}) == len(held)
+    assert_all_ranks(ok and (size == 1 or reused), f"{kind}: results {ok}, last buffer reused {reused}")

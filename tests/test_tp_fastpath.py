@@ -89,6 +89,77 @@ def test_direct_apply_without_plain_tensors_matches_apply(tp_mesh):
     y.sum().backward()
     assert_all_ranks(torch.equal(x.grad.full_tensor(), torch.full((6,), 3.0)), "gradient differs")
 
+def _cube_class():
+    """A fresh Function (x ** 3, a backward that is itself differentiable)."""
+    class _Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x ** 3
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, = ctx.saved_tensors
+            return grad * 3 * x * x
+    return _Cube
+
+
+def test_direct_backward_runs_the_backward_as_torch_does():
+    """``direct_apply`` makes the node class's ``apply`` the Function's ``backward`` (the
+    engine's entry, torch's ``BackwardCFunction.apply`` chose it per call): gradients,
+    a direct ``grad_fn.apply`` and a double backward (``create_graph=True``) are bit-equal
+    to the same Function left as torch made it."""
+    fast_cls, plain_cls = _cube_class(), _cube_class()
+    cube = direct_apply(fast_cls)
+    assert fast_cls._backward_cls.__dict__["apply"] is fast_cls.backward
+    assert "apply" not in plain_cls._backward_cls.__dict__
+    x = torch.randn(7, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    ys = [cube(xs[0]), plain_cls.apply(xs[1])]
+    g = torch.randn(7, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    assert torch.equal(ys[0].grad_fn.apply(g), ys[1].grad_fn.apply(g))
+    firsts = [torch.autograd.grad(y, t, g, create_graph=True)[0] for y, t in zip(ys, xs)]
+    seconds = [torch.autograd.grad(f.sum(), t)[0] for f, t in zip(firsts, xs)]
+    assert torch.equal(firsts[0], firsts[1]) and torch.equal(seconds[0], seconds[1])
+    assert torch.allclose(seconds[0], 6 * x * g)
+
+
+def test_direct_backward_leaves_what_torch_decides_per_call():
+    """A Function with both ``backward`` and ``vjp`` keeps torch's node ``apply`` (and its
+    error); so does one that boxes its gradients."""
+    class _Both(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+        @staticmethod
+        def vjp(ctx, grad):
+            return grad * 2
+
+    class _Boxed(torch.autograd.Function):
+        boxed_grads_call = True
+
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grads):
+            return grads[0] * 2
+
+    both, boxed = direct_apply(_Both), direct_apply(_Boxed)
+    assert "apply" not in _Both._backward_cls.__dict__ and "apply" not in _Boxed._backward_cls.__dict__
+    with pytest.raises(RuntimeError, match="both 'backward' and 'vjp'"):
+        both(torch.ones(2, requires_grad=True)).sum().backward()
+    x = torch.ones(3, requires_grad=True)
+    boxed(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
 def test_direct_apply_refuses_setup_context():
     with pytest.raises(TypeError, match="setup_context"):
         direct_apply(_WithSetup)

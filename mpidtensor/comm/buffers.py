@@ -21,7 +21,7 @@ import torch
 from mpi4py import MPI
 
 from ..runtime.mpi_library import query_cuda_support
-from .pool import pool, tracked_empty
+from .pool import Reuse, pool, tracked_empty
 from ..runtime.settings import settings
 
 _MPI_TYPES: dict[torch.dtype, MPI.Datatype] = {
@@ -141,7 +141,7 @@ def unstage(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return result.to(like.device, like.dtype, memory_format=torch.contiguous_format).contiguous()
 
 
-_from_address = MPI.buffer.fromaddress
+from_address = MPI.buffer.fromaddress  # (address, bytes): what ``host_buffer`` makes
 
 
 def as_buffer(tensor: torch.Tensor) -> Any:
@@ -152,7 +152,7 @@ def as_buffer(tensor: torch.Tensor) -> Any:
     if not tensor.is_contiguous():
         raise ValueError("only C-contiguous tensors may be handed to MPI")
     if not tensor.is_cuda:
-        return _from_address(tensor.data_ptr(), tensor.nbytes)
+        return from_address(tensor.data_ptr(), tensor.nbytes)
     # bytes (NumPy/CuPy lack some torch dtypes); as_strided, since a contiguous tensor of
     # 0 or 1 element may carry any stride, which reshape would keep and view refuse
     data = tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8)
@@ -166,4 +166,11 @@ def as_buffer(tensor: torch.Tensor) -> Any:
 def host_buffer(tensor: torch.Tensor) -> Any:
     """``as_buffer`` of a tensor its caller knows to be a C-contiguous host tensor, without
     checking it: for the prepared collectives, whose calls check their inputs once."""
-    return _from_address(tensor.data_ptr(), tensor.nbytes)
+    return from_address(tensor.data_ptr(), tensor.nbytes)
+
+
+def reuse(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> Reuse:
+    """Host outputs of ``shape`` and ``dtype`` for a caller that asks again and again (a
+    prepared collective's runner): ``take()`` gives ``(tensor, its host_buffer)``, the
+    buffer it gave last again when nothing else refers to it."""
+    return Reuse(pool, shape, dtype, host_buffer)

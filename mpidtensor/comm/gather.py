@@ -20,7 +20,7 @@ from mpi4py import MPI
 from ..runtime import caches
 from . import base, guard, recorders, self_gathering
 from .base import TRACED, Run, Types, beyond, check_dim, check_sizes, enter, leave, limits, piece_counts, resized
-from .buffers import as_buffer, derived, empty, host_buffer, mpi_type, stage, unstage
+from .buffers import as_buffer, derived, empty, from_address, host_buffer, mpi_type, reuse, stage, unstage
 from .prepared import Prepared, owned_types
 from .rounds import all_gather_rounds, offsets
 
@@ -129,11 +129,19 @@ def _runner(lay: _Gather, comm: MPI.Intracomm, dtype: torch.dtype, types: Types,
         runs, size, mine = lay.runs, comm.size, lay.counts[comm.rank]
         flat_shape = shape if runs else (sum(lay.counts),)
         gather, recv = (comm.Allgather, count) if mode == "even" else (comm.Allgatherv, (lay.counts, lay.offsets))
+        if host:  # its buffers reused from call to call: a Python call each (``buffers.reuse``)
+            flats, outs = reuse(flat_shape, dtype), None if runs else reuse(shape, dtype)
+
+            def direct_host(send: torch.Tensor) -> torch.Tensor:
+                flat, flat_buffer = flats.take()
+                gather([from_address(send.data_ptr(), send.nbytes), mine, datatype], [flat_buffer, recv, datatype])
+                return flat if runs else _interleave(flat, lay, size, outs.take()[0])
+            return direct_host
 
         def direct(send: torch.Tensor) -> torch.Tensor:
             flat = empty(flat_shape, send)
             gather([buf(send), mine, datatype], [buf(flat), recv, datatype])
-            return flat if runs else _interleave(flat, lay, size, send)
+            return flat if runs else _interleave(flat, lay, size, empty(shape, send))
         return direct
     max_count = base.MAX_COUNT
     return lambda send: _padded_or_rounds(lay, send, comm, max_count)
@@ -156,7 +164,7 @@ def _padded_or_rounds(lay: _Gather, send: torch.Tensor, comm: MPI.Intracomm, max
         all_gather_rounds(send.view(-1), flat, lay.counts, comm, datatype, max_count)
         if lay.runs:
             return flat.view(lay.shape)
-    return _interleave(flat, lay, comm.size, send)
+    return _interleave(flat, lay, comm.size, empty(lay.shape, send))
 
 
 def _column_blocks(datatype: MPI.Datatype, rows: int, columns: int, width: int) -> MPI.Datatype:
@@ -168,16 +176,17 @@ def _column_blocks(datatype: MPI.Datatype, rows: int, columns: int, width: int) 
     return resized_type
 
 
-def _interleave(flat: torch.Tensor, lay: _Gather, size: int, like: torch.Tensor) -> torch.Tensor:
-    """The result of an all-gather along a non-leading dim from its pieces back to back in
-    rank order (padded to ``lay.width`` each in "padded" mode): one copy into the result."""
-    out = empty(lay.shape, like)
+def _interleave(flat: torch.Tensor, lay: _Gather, size: int, out: torch.Tensor) -> torch.Tensor:
+    """``out``, the result of an all-gather along a non-leading dim (a C-contiguous tensor of
+    ``lay.shape``), from its pieces back to back in rank order (padded to ``lay.width`` each
+    in "padded" mode): one copy into it."""
+    if lay.mode == "even":  # (views of any size, an empty one included: no division)
+        rows, columns = lay.rows, lay.columns[0]  # the pieces [size, rows, columns] read as [rows, size, columns]
+        out.view(rows, size, columns).copy_(flat.as_strided((rows, size, columns), (columns, rows * columns, 1)))
+        return out
     if not out.numel():
         return out
     rows = out.view(lay.rows, out.numel() // lay.rows)
-    if lay.mode == "even":
-        rows.view(lay.rows, size, lay.columns[0]).copy_(flat.view(size, lay.rows, lay.columns[0]).transpose(0, 1))
-        return out
     stride = lay.width if lay.mode == "padded" else None
     start = column = 0
     for count, width in zip(lay.counts, lay.columns):

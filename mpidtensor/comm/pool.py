@@ -50,7 +50,7 @@ _storage_address = torch._C._storage_address
 
 
 class _Buffer:
-    __slots__ = ("tensor", "storage", "cdata", "idle", "nbytes", "out")
+    __slots__ = ("tensor", "storage", "cdata", "idle", "nbytes", "out", "pooled", "address")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
@@ -60,6 +60,8 @@ class _Buffer:
         self.idle = _use_count(self.cdata)
         self.nbytes = tensor.nbytes
         self.out = False  # handed out and not yet seen back
+        self.pooled = True  # False once the pool has dropped it
+        self.address = None  # its MPI buffer, made by the first ``Reuse`` that hands it out
 
 
 class BufferPool:
@@ -72,7 +74,7 @@ class BufferPool:
         # (A stamp is a subscript store; ``OrderedDict.move_to_end`` was a call per hand-out.)
         self._used: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}
         self._requests = 0
-        self._addresses: set[int] = set()  # storage addresses of the pooled buffers
+        self._addresses: dict[int, _Buffer] = {}  # the pooled buffers by storage address
         self._bytes = 0  # all pooled buffers
         self._out_bytes = 0  # those handed out and not yet seen back
         self._lock = threading.Lock()  # a check and its hand-out must not interleave
@@ -107,7 +109,7 @@ class BufferPool:
                 buffer = _Buffer(host_empty(shape, dtype))
                 self._sizes.setdefault(key, []).append(buffer)
                 self._used[key] = self._requests
-                self._addresses.add(buffer.cdata)
+                self._addresses[buffer.cdata] = buffer
                 self._bytes += buffer.nbytes
                 self._hand_out(buffer)
                 return buffer.tensor.detach()
@@ -137,6 +139,7 @@ class BufferPool:
                 for buffer in buffers:
                     if buffer.out:
                         self._returned(buffer)  # its holders' own from now on
+                    _dropped(buffer)
             self._sizes.clear()
             self._used.clear()
             self._addresses.clear()
@@ -171,14 +174,63 @@ class BufferPool:
                     kept.append(buffer)
                     continue
                 self._bytes -= buffer.nbytes
-                self._addresses.discard(buffer.cdata)
+                del self._addresses[buffer.cdata]
                 if buffer.out:
                     self._returned(buffer)
+                _dropped(buffer)
             if kept:
                 self._sizes[key] = kept
             else:
                 del self._sizes[key], self._used[key]
         return self._bytes + nbytes <= self.limit_bytes and len(self._sizes) < MAX_SIZES
+
+
+def _dropped(buffer: _Buffer) -> None:
+    """The pool lets go of ``buffer``: a ``Reuse`` that still names it holds no memory."""
+    buffer.pooled = False
+    buffer.tensor = buffer.storage = buffer.address = None
+
+
+class Reuse:
+    """Hand-outs of one shape and dtype to one caller that asks again and again (a prepared
+    collective's output, whose calls ``buffers.empty`` and ``host_buffer`` took four Python
+    calls): ``take()`` hands the pool buffer it got last out again when nothing else refers to
+    it (the pool's own check, under its lock), with the MPI buffer made for it once; otherwise
+    a hand-out as :meth:`BufferPool.take`'s (or, pooling off, a fresh tracked buffer).
+    ``as_mpi`` makes a tensor's MPI buffer (``buffers.host_buffer``). The pool never resizes
+    a buffer's storage, so the address it was made for stays its own."""
+
+    __slots__ = ("pool", "key", "shape", "dtype", "as_mpi", "buffer")
+
+    def __init__(self, pool: BufferPool, shape: tuple[int, ...], dtype: torch.dtype, as_mpi) -> None:
+        self.pool, self.shape, self.dtype, self.as_mpi = pool, tuple(shape), dtype, as_mpi
+        self.key = (dtype, self.shape)
+        self.buffer: _Buffer | None = None  # the pooled buffer handed out last
+
+    def take(self):
+        """``(tensor, its MPI buffer)``: a C-contiguous host tensor no other tensor refers to."""
+        buffer, pool = self.buffer, self.pool
+        if buffer is not None and pool.limit_bytes:  # (pooling turned off since: fresh buffers)
+            with pool._lock:
+                if buffer.pooled and _use_count(buffer.cdata) <= buffer.idle:  # as ``take`` does
+                    pool._requests += 1
+                    pool._used[self.key] = pool._requests
+                    if buffer.out:
+                        pool._reused += 1
+                        pool._reused_bytes += buffer.nbytes
+                    else:
+                        pool._hand_out(buffer)
+                    return buffer.tensor.detach(), buffer.address
+        if not pool.limit_bytes:
+            tensor = tracked_empty(self.shape, self.dtype)
+            return tensor, self.as_mpi(tensor)
+        tensor = pool.take(self.shape, self.dtype)
+        buffer = self.buffer = pool._addresses.get(_storage_address(tensor))  # None: not pooled
+        if buffer is None:
+            return tensor, self.as_mpi(tensor)
+        if buffer.address is None:
+            buffer.address = self.as_mpi(buffer.tensor)
+        return tensor, buffer.address
 
 
 def _libc_madvise():

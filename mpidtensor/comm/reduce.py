@@ -28,7 +28,7 @@ from .base import (
     reduction,
     resized,
 )
-from .buffers import as_buffer, empty, host_buffer, mpi_type, stage, unstage
+from .buffers import as_buffer, empty, from_address, host_buffer, mpi_type, reuse, stage, unstage
 from .prepared import Prepared
 from .rounds import reduce_scatter_rounds, span, spans
 
@@ -130,7 +130,7 @@ def prepare_reduce_scatter(shape: Sequence[int], dtype: torch.dtype, comm: MPI.I
         torch.Size(shape), dtype, op, dim, sizes, comm.size, comm.rank)
     fast = None
     if dim == 0 and reduce_dtype == dtype:  # otherwise staging moves or converts
-        fast = _reduce_scatter_runner(comm, datatype, mpi_op, op, counts, out_shape, host=True)
+        fast = _reduce_scatter_runner(comm, datatype, mpi_op, op, counts, out_shape, host=True, dtype=dtype)
     return Prepared("reduce_scatter", comm, shape, dtype, fast,
                     lambda t: reduce_scatter(t, comm, op, dim=dim, sizes=sizes))
 
@@ -151,11 +151,20 @@ caches.on_clear("reduce-scatter layouts", _reduce_scatter_layout.cache_clear, ho
 
 
 def _reduce_scatter_runner(comm: MPI.Intracomm, datatype: MPI.Datatype, mpi_op: MPI.Op, op: str, counts: list[int],
-                           out_shape: tuple[int, ...], host: bool = False) -> Run:
+                           out_shape: tuple[int, ...], host: bool = False, dtype: torch.dtype | None = None) -> Run:
     """The reduce-scatter into a new buffer as a function of the staged send tensor (its
-    scattered dim leading; ``host`` as for :func:`_all_reduce_runner`)."""
+    scattered dim leading; ``host`` as for :func:`_all_reduce_runner`, its sends of ``dtype``)."""
     buf, avg, size, max_count = host_buffer if host else as_buffer, op == "avg", comm.size, base.MAX_COUNT
     total, mine = sum(counts), counts[comm.rank]
+    if host and not avg and (max_count is None or total <= max_count):  # the common prepared case:
+        outs = reuse(out_shape, dtype)  # its output reused from call to call
+
+        def reduce_scatter_host(send: torch.Tensor) -> torch.Tensor:
+            out, out_buffer = outs.take()
+            comm.Reduce_scatter([from_address(send.data_ptr(), send.nbytes), total, datatype],
+                                [out_buffer, mine, datatype], counts, mpi_op)
+            return out
+        return reduce_scatter_host
 
     def reduce_scatter(send: torch.Tensor) -> torch.Tensor:
         out = empty(out_shape, send)

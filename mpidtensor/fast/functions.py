@@ -19,6 +19,8 @@ tensor-parallel Linears, norms, embeddings and gathers do) says so
 Function's backward without its cost where it has nothing to do: in a backward that builds
 no graph (grad mode off, as the engine runs it unless ``create_graph=True``) its
 ``no_grad`` block and output check are about seven Python calls that change nothing.
+The engine runs such a Function's backward node straight into its ``backward``
+(:func:`_direct_backward`), not through ``BackwardCFunction.apply``'s choice each time.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def direct_apply(cls: type[torch.autograd.Function], compiling_checked: bool = F
     ``compiling_checked``, every caller has ruled out ``torch.compile`` before calling."""
     if torch.autograd.function._is_setup_context_defined(cls.setup_context):
         raise TypeError(f"{cls.__name__} defines setup_context: use its apply")
+    _direct_backward(cls)
     if _C_APPLY is None:
         return cls.apply
     c_apply, public = _C_APPLY.__get__(None, cls), cls.apply
@@ -57,6 +60,25 @@ def direct_apply(cls: type[torch.autograd.Function], compiling_checked: bool = F
 
     apply.__doc__ = f"``{cls.__name__}.apply`` (see :func:`direct_apply`)."
     return apply
+
+
+def _direct_backward(cls: type[torch.autograd.Function]) -> None:
+    """The autograd engine runs ``cls``'s node by its ``apply`` attribute: torch's
+    ``BackwardCFunction.apply`` picks ``backward`` (or ``vjp``) through ``_get_user_fn`` and a
+    ``getattr`` each time (three Python calls a node). The same choice is made here once and
+    the node class's ``apply`` is that function, called as torch's calls it (``fn(ctx, *grads)``).
+    Left as torch's for a class that implements both, or boxes its gradients
+    (``boxed_grads_call``), or where this torch's node class has no such ``apply``."""
+    backward_cls = getattr(cls, "_backward_cls", None)
+    base = torch.autograd.function.BackwardCFunction
+    if (backward_cls is None or "apply" not in base.__dict__ or getattr(cls, "boxed_grads_call", False)
+            or "apply" in backward_cls.__dict__):
+        return
+    plain = torch.autograd.Function
+    backward, vjp = cls.backward, cls.vjp
+    if backward is not plain.backward and vjp is not plain.vjp:
+        return  # torch's apply raises its error for this
+    backward_cls.apply = vjp if vjp is not plain.vjp else backward
 
 
 def once_differentiable_backward(backward: Callable[..., Any]) -> Callable[..., Any]:

@@ -106,8 +106,9 @@ def shard_route(spec: DTensorSpec) -> Route | None:
     planner turns it into ``Replicate`` by one all-gather (``Shard(d)``; on one rank, by
     nothing); None for any other spec. A row-parallel Linear's reduce-scatter is its ``reduce``, the gradient's
     all-gather its ``gather``."""
-    route = _ROUTES.get(spec, False)
-    if route is False:
+    try:  # (a subscript: ``dict.get`` is a call)
+        return _ROUTES[spec]
+    except KeyError:
         route = None
         mesh = spec.mesh
         if mesh.ndim == 1 and mesh.get_coordinate() is not None and spec.stride == contiguous_strides(spec.shape):

@@ -67,8 +67,9 @@ def _grad_spec(x: DTensor, partial: bool) -> DTensorSpec:
     """The spec of a C-contiguous gradient of ``x`` on its 1-D mesh: ``Partial`` or in ``x``'s
     placements (cached by ``x``'s interned spec: a call is one dict look-up)."""
     key = (x._spec, partial)
-    spec = _GRAD_SPECS.get(key)
-    if spec is None:
+    try:  # (a subscript: ``dict.get`` is a call)
+        return _GRAD_SPECS[key]
+    except KeyError:
         s = x._spec
         placements = (Partial(),) if partial else s.placements
         spec = _GRAD_SPECS[key] = DTensorSpec(s.mesh, placements, s.shape, contiguous_strides(s.shape), s.dtype)
@@ -226,7 +227,7 @@ class LocalLinearForward:
         return twin
 
     def __call__(self, module: nn.Linear, args: tuple, kwargs: dict) -> Any:
-        x = args[0] if len(args) == 1 and not kwargs else None
+        x = args[0] if args and not args[1:] and not kwargs else None  # one argument (``len`` is a call)
         params = module._parameters
         try:  # (subscripts, not ``module.weight``: ``nn.Module.__getattr__`` is a Python call each)
             weight, bias = params["weight"], params["bias"]
@@ -290,10 +291,11 @@ class LocalLinearForward:
         if specs != self.checked:  # other parameters, or the rules changed (caches.clear_all)
             self.checked, self.plans, self.moves = specs, {}, {}
         key = (x.ndim, x.dtype)
-        plan = self.plans.get(key, False)
-        if plan is False:
+        try:  # (a subscript: ``dict.get`` is a call)
+            return self.plans[key]
+        except KeyError:
             plan = self.plans[key] = self._decide(weight, bias, x.ndim, x.dtype)
-        return plan
+            return plan
 
     def _decide(self, weight: Any, bias: Any, ndim: int, dtype: torch.dtype) -> tuple | None:
         """(given, wanted, desired, natural, given != desired, wanted != natural) for an input

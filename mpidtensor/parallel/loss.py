@@ -97,14 +97,24 @@ def _row_placements(placements: Sequence[Placement], class_dim: int, mesh_dim: i
     return rows
 
 
+_ALL_REDUCES = cache("parallel.loss.all_reduces")  # (id(group), shape, dtype, op) -> prepared in-place all-reduce
+
+
 def _all_reduce(local: torch.Tensor, group, op: str) -> torch.Tensor:
     """``local`` (row statistics this call made) reduced by ``op`` over ``group``, the
     class-sharding mesh dim's communicator: one in-place all-reduce, the collective a
     ``Partial`` to ``Replicate`` there is; the other mesh dims shard or replicate the rows,
-    nothing moves there."""
+    nothing moves there. Prepared once per signature (the general function checks, stages
+    and lays out each call: ~20 Python calls against ~10); the prepared collective holds
+    ``group``, so its id keys no other communicator while the entry lives."""
     if group.size == 1:
         return local
-    return collectives.all_reduce(local, group, op, inplace=True)
+    key = (id(group), local.shape, local.dtype, op)
+    prepared = _ALL_REDUCES.get(key)
+    if prepared is None:
+        prepared = _ALL_REDUCES[key] = collectives.prepare_all_reduce(local.shape, local.dtype, group, op,
+                                                                      inplace=True)
+    return prepared(local)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
