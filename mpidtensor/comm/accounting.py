@@ -35,9 +35,10 @@ def track_buffer(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def track_resize(tensor: torch.Tensor, storage: torch.UntypedStorage | None = None) -> None:
-    """Re-read the size of ``tensor``'s storage (``storage``, if the caller holds it) after
-    an in-place ``resize_``, registering it if new, and update the peaks."""
+def track_resize(tensor: torch.Tensor, storage: torch.UntypedStorage | None = None, nbytes: int | None = None) -> None:
+    """Re-read the size of ``tensor``'s storage (``storage``, if the caller holds it; ``nbytes``,
+    its size, if the caller knows it) after an in-place ``resize_``, registering it if new,
+    and update the peaks."""
     if type(tensor) not in _HOST_TYPES or tensor.device.type != "cpu":  # ``is_host_tensor``, inline: FSDP
         return  # resizes its unsharded buffers twice a step
     if storage is None:
@@ -49,7 +50,7 @@ def track_resize(tensor: torch.Tensor, storage: torch.UntypedStorage | None = No
         update_peaks()
         return
     ref, old, kind = entry
-    new = storage.nbytes()
+    new = storage.nbytes() if nbytes is None else nbytes
     _storages[key] = (ref, new, kind)
     current[kind] += new - old
     if new > old:

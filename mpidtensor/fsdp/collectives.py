@@ -130,3 +130,15 @@ def divide_factors(dp_size: int, factor: float | None, reduce_dtype: torch.dtype
 def divide(tensor: torch.Tensor, factor: float | None) -> None:
     if factor is not None and factor != 1:
         tensor.div_(factor)
+
+
+class NoGather:
+    """The all-gather of a group with nothing to gather (only replicated parameters)."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+NO_GATHER = NoGather()
+NO_INPUTS: dict[int, tuple[torch.Tensor, ...]] = {}  # the all-gather inputs of a group without extensions

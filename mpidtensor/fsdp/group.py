@@ -39,12 +39,12 @@ resize reported), so ``memory_allocated()`` shows sharded + currently gathered b
 from __future__ import annotations
 
 from enum import Enum, auto
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_, itemgetter
 from typing import Callable
 
 import torch
 from mpi4py import MPI
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..tensor.dtensor import DTensor
 from ..comm import accounting
@@ -70,6 +70,10 @@ class ShardedState(Enum):
 
 
 _data_ptr, _local_of, _sharded_of = torch.Tensor.data_ptr, attrgetter("_local_tensor"), attrgetter("sharded")
+_grad_acc_of, _unsharded_of, _version_of = attrgetter("grad_acc"), attrgetter("unsharded"), attrgetter("_version")
+_unsharded_grad_of, _requires_grad_of = attrgetter("unsharded.grad"), attrgetter("requires_grad")
+_PLAIN = {torch.Tensor}
+_first, _shard_numel_of = itemgetter(0), attrgetter("shard_numel")
 _grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 
 # The members as module constants: reading an Enum member off its class costs ~10x a
@@ -139,7 +143,7 @@ class ParamGroup:
         self._from_ranks: FromRanks | None = None
         self._input_kinds: dict[int, list[tuple[torch.dtype, tuple[int, ...]]]] = {}  # first extension inputs
         # UNSHARDING: the all-gather and whether it writes into unsharded_flat itself
-        self._gather: tuple[Handle | _NoGather, bool] | None = None
+        self._gather: tuple[Handle | collectives.NoGather, bool] | None = None
         self._meta: dict[int, object] = {}  # extensions' fsdp_pre_all_gather metadata, for the post hook
         self._kept: torch.Tensor | None = None  # SHARDED_POST_FORWARD: this rank's rows of a gather
         self._kept_meta: dict[int, object] = {}
@@ -201,9 +205,9 @@ class ParamGroup:
             elif error is not None:
                 raise error
         else:  # no extension, layout made: no all-gather inputs to make (no call)
-            inputs = _NO_INPUTS
+            inputs = collectives.NO_INPUTS
         if not self.gathered:
-            self._gather, self.sharded_state = (_NO_GATHER, False), UNSHARDING
+            self._gather, self.sharded_state = (collectives.NO_GATHER, False), UNSHARDING
             return
         if self._placeable():  # the unsharded parameter is the ranks' shards back to back
             self._ensure_unsharded_storage()
@@ -246,7 +250,7 @@ class ParamGroup:
         storage = self._storage_of(flat)
         if not storage.nbytes():
             storage.resize_(self.unsharded_nbytes)  # new memory: advise it again
-            accounting.track_resize(advise_huge_pages(flat), storage)
+            accounting.track_resize(advise_huge_pages(flat), storage, self.unsharded_nbytes)
 
     def _free_unsharded_storage(self) -> None:
         flat = self.unsharded_flat
@@ -254,7 +258,7 @@ class ParamGroup:
             storage = self._storage_of(flat)
             if storage.nbytes():
                 storage.resize_(0)
-                accounting.track_resize(flat, storage)
+                accounting.track_resize(flat, storage, 0)
 
     def _storage_of(self, flat: torch.Tensor) -> torch.UntypedStorage:
         """``flat``'s storage object, asked for once per ``unsharded_flat`` (a resize keeps
@@ -323,10 +327,17 @@ class ParamGroup:
         out = handle.wait()
         self._gather = None
         self._ensure_unsharded_storage()
-        existing = [p.unsharded for p in self.params if p.unsharded is not None]
-        versions = [t._version for t in existing]
-        enabled = _grad_enabled()
-        _set_grad_enabled(False)  # ``torch.no_grad()`` without its ~14 Python calls (here and in _start_reduce)
+        try:  # every parameter unsharded before (the common case: C-level maps, no call per parameter)
+            existing = list(map(_unsharded_of, self.params))
+            versions, wrapped = list(map(_version_of, existing)), True
+        except AttributeError:  # some not yet (None has no _version)
+            existing = [p.unsharded for p in self.params if p.unsharded is not None]
+            versions, wrapped = [t._version for t in existing], False
+        # the copies between plain tensors that need no gradient record nothing in grad mode; grad
+        # mode is turned off only for what may (the first wrap, replicated blocks, extensions' hooks)
+        enabled = (not wrapped or bool(self._replicated or self._extensions)) and _grad_enabled()
+        if enabled:
+            _set_grad_enabled(False)  # ``torch.no_grad()`` without its ~14 Python calls (here and in _start_reduce)
         try:
             if not placed and out is not None:  # (placed: the all-gather wrote the parameters in place)
                 rows_of_ranks = out.view(self.info.shard_size, self.gather_nbytes)
@@ -343,7 +354,8 @@ class ParamGroup:
             for p in self._replicated:
                 self._unshard_replica(p)
         finally:
-            _set_grad_enabled(enabled)
+            if enabled:
+                _set_grad_enabled(True)
         torch._C._autograd._unsafe_set_version_counter(existing, versions)
         self.sharded_state = UNSHARDED
         self._install(unsharded=True)
@@ -420,6 +432,35 @@ class ParamGroup:
     def post_backward(self) -> None:
         """Start reduce-scattering the unsharded gradients (or keep them while gradient
         sync is off); reshard if ``reshard_after_backward``."""
+        params = self.params
+        try:  # the common case without a Python call per parameter (C-level maps): every parameter
+            # trainable with a plain gradient, none held from earlier backwards, nothing replicated
+            grads = list(map(_unsharded_grad_of, params))
+        except AttributeError:  # a parameter not unsharded
+            grads = None
+        if (grads is not None and set(map(type, grads)) == _PLAIN and not self._replicated
+                and all(map(_requires_grad_of, params)) and all(map(is_, map(_grad_acc_of, params), repeat(None)))):
+            for p in params:
+                p.unsharded.grad = None
+        else:
+            params, grads = self._take_grads()
+        # HSDP without the all-reduce: replicated parameters' gradients wait unreduced
+        skip_all_reduce = not self.requires_all_reduce and self.info.replicate_comm is not None
+        hold = not self.requires_gradient_sync or skip_all_reduce
+        if hold:
+            for p, g in zip(params, grads):
+                if p.replicated or not self.requires_gradient_sync:
+                    p.grad_acc = g
+        if self.requires_gradient_sync and params:
+            self.finish_reduce()  # a reduction left running (set_is_last_backward(False)) ends first
+            self._start_reduce([(p, g) for p, g in zip(params, grads) if not (p.replicated and hold)]
+                               if hold and self._replicated else list(zip(params, grads)))
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _take_grads(self) -> tuple[list[FSDPParam], list[torch.Tensor]]:
+        """The parameters with a gradient to reduce and their plain gradients (this backward's,
+        plus what earlier ones held), taken off the unsharded parameters."""
         params, grads = [], []
         for p in self.params:
             unsharded = p.unsharded
@@ -438,22 +479,11 @@ class ParamGroup:
                     if type(g) is DTensor or isinstance(g, DTensor):
                         g = g._local_tensor if g._spec.placements == p.unsharded_spec.placements else p.local_grad(g)
                     if type(g) is not torch.Tensor:
-                        g = _plain_grad(g, p)
+                        g = p.plain_grad(g)
                 if p.grad_acc is not None:
                     g, p.grad_acc = g + p.grad_acc, None
             grads.append(g)
-        # HSDP without the all-reduce: replicated parameters' gradients wait unreduced
-        skip_all_reduce = not self.requires_all_reduce and self.info.replicate_comm is not None
-        hold = not self.requires_gradient_sync or skip_all_reduce
-        if hold:
-            for p, g in zip(params, grads):
-                if p.replicated or not self.requires_gradient_sync:
-                    p.grad_acc = g
-        if self.requires_gradient_sync and params:
-            self.finish_reduce()  # a reduction left running (set_is_last_backward(False)) ends first
-            self._start_reduce([(p, g) for p, g in zip(params, grads) if not (p.replicated and hold)])
-        if self.reshard_after_backward:
-            self.reshard()
+        return params, grads
 
     def _start_reduce(self, params: list[tuple[FSDPParam, torch.Tensor]]) -> None:
         """One reduce-scatter for the sharded parameters' gradients, one all-reduce for
@@ -469,7 +499,7 @@ class ParamGroup:
         _set_grad_enabled(False)
         try:
             if sharded:
-                total = sum([p.shard_numel for p, _ in sharded])
+                total = sum(map(_shard_numel_of, map(_first, sharded)))
                 device = sharded[0][1].device
                 send = collectives.allocate(self.custom_reduce_scatter, (world * total,), self.reduce_dtype, device,
                                             reusable=True)
@@ -483,7 +513,7 @@ class ParamGroup:
                 reduce = collectives.start_all_reduce(flat, self.info.mesh.comm_for(tuple(range(self.info.mesh.ndim))))
         finally:
             _set_grad_enabled(enabled)
-        self._pending = (scatter, [p for p, _ in sharded], reduce, [p for p, _ in replicated])
+        self._pending = (scatter, list(map(_first, sharded)), reduce, list(map(_first, replicated)))
 
     def use_separate_reduce_scatter(self, enable: bool) -> None:
         """Reduce-scatter over a duplicate of the shard communicator (``enable``) or the
@@ -565,27 +595,3 @@ class ParamGroup:
     def has_pending_grads(self) -> bool:
         """Some unsharded gradients arrived that ``post_backward`` has not taken yet."""
         return any([p.unsharded is not None and p.unsharded.grad is not None for p in self.params])
-
-
-def _plain_grad(grad: torch.Tensor, p: FSDPParam) -> torch.Tensor:
-    """``grad``, not a plain tensor, as one: a gradient that came back as a tensor subclass
-    (a quantized weight's autograd may return its own type) is dequantized, or unwrapped
-    if it is a plain tensor underneath; the reduce-scatter packs plain values."""
-    if hasattr(grad, "dequantize"):
-        return grad.dequantize()
-    if not is_traceable_wrapper_subclass(grad):
-        return grad.as_subclass(torch.Tensor)
-    raise TypeError(f"the gradient of {p.users[0][1]!r} is a {type(grad).__name__} without dequantize(): "
-                    "FSDP cannot reduce-scatter it; return a plain gradient from the subclass's backward")
-
-
-class _NoGather:
-    """The all-gather of a group with nothing to gather (only replicated parameters)."""
-
-    @staticmethod
-    def wait() -> None:
-        return None
-
-
-_NO_GATHER = _NoGather()
-_NO_INPUTS: dict[int, tuple[torch.Tensor, ...]] = {}  # the all-gather inputs of a group without extensions

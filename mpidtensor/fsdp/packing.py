@@ -28,8 +28,9 @@ All sizes and offsets come from global shapes, so every rank agrees on them.
 from __future__ import annotations
 
 import functools
-from itertools import accumulate
+from itertools import accumulate, repeat
 from math import prod
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
@@ -38,6 +39,8 @@ from ..runtime import caches
 from .param import FSDPParam
 
 ALIGN = 16  # bytes: every segment may be viewed as any dtype
+_pre_of, _dtype_of, _shard_numel_of = attrgetter("pre"), attrgetter("dtype"), attrgetter("shard_numel")
+_reshape, _ONE = torch.Tensor.reshape, {1}
 
 
 def align(nbytes: int) -> int:
@@ -205,8 +208,11 @@ def pack_ranks(per_rank: torch.Tensor, grads: list[tuple[FSDPParam, torch.Tensor
     of every gradient's chunks (``chunk_layout``) and one ``_foreach_zero_`` of the padding."""
     world = per_rank.size(0)
     if all([p.rows == p.pad_rows * world for p, _ in grads]):  # (lists, not generators: one call, not one per item)
-        if all([p.pre == 1 and g.dtype == per_rank.dtype for p, g in grads]):
-            torch.cat([g.reshape(world, p.shard_numel) for p, g in grads], dim=1, out=per_rank)
+        params, tensors = zip(*grads)
+        if set(map(_pre_of, params)) == _ONE and set(map(_dtype_of, tensors)) == {per_rank.dtype}:
+            # (C-level maps: no Python call per gradient)
+            torch.cat(list(map(_reshape, tensors, zip(repeat(world), map(_shard_numel_of, params)))), dim=1,
+                      out=per_rank)
             return
         # sharded on a later dim (FSDP x TP's dim-1 shards) or cast: gradient i seen as (pre, world, pad, post)
         # is its ranks' pieces; one _foreach_copy_ into the rows, two views per gradient

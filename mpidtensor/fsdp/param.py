@@ -20,6 +20,7 @@ from math import prod
 import torch
 from mpi4py import MPI
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..tensor.layout import chunk_span, contiguous_strides
 from ..tensor.dtensor import DTensor
@@ -162,6 +163,17 @@ class FSDPParam:
             spec = DTensorSpec(tp.mesh, tp.placements, tp.shape, tp.stride, tensor.dtype)
             tensor = DTensor(tensor, spec, requires_grad=False)
         return nn.Parameter(tensor, requires_grad=self.requires_grad)
+
+    def plain_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad``, not a plain tensor, as one: a gradient that came back as a tensor subclass
+        (a quantized weight's autograd may return its own type) is dequantized, or unwrapped
+        if it is a plain tensor underneath; the reduce-scatter packs plain values."""
+        if hasattr(grad, "dequantize"):
+            return grad.dequantize()
+        if not is_traceable_wrapper_subclass(grad):
+            return grad.as_subclass(torch.Tensor)
+        raise TypeError(f"the gradient of {self.users[0][1]!r} is a {type(grad).__name__} without dequantize(): "
+                        "FSDP cannot reduce-scatter it; return a plain gradient from the subclass's backward")
 
     def local_grad(self, grad: DTensor) -> torch.Tensor:
         """The local block of an unsharded DTensor gradient in the parameter's layout. Under

@@ -16,8 +16,8 @@ need no gradient), waits for every reduce-scatter (unless ``set_is_last_backward
 and reshards. A registered forward method (``register_fsdp_forward_method``) runs the
 pre/post-forward hooks around itself; the module's own forward calls inside it are
 nested (``method_depth``) and leave the parameters gathered. Every hook ends with
-``runtime.progress.poke()`` (an ``MPI_Test`` on an in-flight collective in the ``hooks``
-progress mode; nothing in the default ``off``).
+``runtime.progress.poke()`` (an ``MPI_Test`` on an in-flight collective) when
+``progress.poking`` (the ``hooks`` progress mode; not called in the default ``off``).
 """
 from __future__ import annotations
 
@@ -180,7 +180,8 @@ class FSDPState:
             implicit = order[index + 1:index + 2] if self._in_order(index) else []
             for target in self._next(self.forward_prefetch, implicit):
                 target.group.start_unshard()
-        progress.poke()
+        if progress.poking:
+            progress.poke()
         return args, kwargs
 
     def _in_order(self, index: int) -> bool:
@@ -196,7 +197,8 @@ class FSDPState:
             self._to_run.discard(id(module))
             if self._to_run:  # more modules of the group to run: keep the parameters gathered
                 return cast_floats(output, self.mp.output_dtype)
-        progress.poke()
+        if progress.poking:
+            progress.poke()
         root = self.root
         grad = torch.is_grad_enabled()
         if self.group is not None and self.group.reshard_after_forward and not (self.is_root and grad):
@@ -251,7 +253,8 @@ class FSDPState:
         self._uses -= 1
         if self._uses <= 0:
             self._reduce()
-        progress.poke()
+        if progress.poking:
+            progress.poke()
 
     def _reduce(self) -> None:
         """Start reducing the group's gradients (summed over every call), reshard."""
@@ -270,7 +273,8 @@ class FSDPState:
         for target in self._next(self.backward_prefetch, root.post_forward_order[i - 1:i] if i > 0 else []):
             if target.group.unshard_in_backward:
                 target.group.start_unshard()
-        progress.poke()
+        if progress.poking:
+            progress.poke()
 
 
 def state_of(module: nn.Module) -> FSDPState | None:

@@ -38,6 +38,7 @@ class _Testable(Protocol):
 # started, not yet waited for, by id (a dict keeps the start order)
 _in_flight: dict[int, _Testable] = {}
 _mode = "off"
+poking = False  # mode "hooks": callers test this before calling poke() (no call per hook otherwise)
 _wake = threading.Event()
 _stopping = threading.Event()
 _thread: threading.Thread | None = None
@@ -53,12 +54,12 @@ def set_mode(mode: str) -> None:
 
 def _apply(mode: str) -> None:
     """The listener of ``settings.progress``: check the mode, start the thread it needs."""
-    global _mode, _thread
+    global _mode, _thread, poking
     if mode not in MODES:
         raise ValueError(f"progress mode must be one of {MODES}, got {mode!r}")
     if mode == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise ValueError("progress mode 'thread' needs MPI_THREAD_MULTIPLE")
-    _mode = mode
+    _mode, poking = mode, mode == "hooks"
     if mode == "thread" and _thread is None:
         _thread = threading.Thread(target=_run, name="mpidtensor-progress", daemon=True)
         _thread.start()
