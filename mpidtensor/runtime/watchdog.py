@@ -97,16 +97,16 @@ class _Slot:
         self.thread = thread
 
 
-LOCAL = threading.local()  # ``LOCAL.slot``: this thread's slot (read inline by the hot paths, see ``call``)
+_local = threading.local()
 _slots: list[_Slot] = []  # every thread's that has waited (the watcher drops finished threads')
 _lock = threading.Lock()
 _watcher: threading.Thread | None = None
 
 
-def new_slot() -> _Slot:
+def _new_slot() -> _Slot:
     """A slot for this thread, which has not waited before (the first one starts the
-    watcher). :func:`enter` reads ``LOCAL.slot`` inline: a call less on the hot path."""
-    slot = LOCAL.slot = _Slot(threading.current_thread())
+    watcher). :func:`enter` reads ``_local.slot`` inline: a call less on the hot path."""
+    slot = _local.slot = _Slot(threading.current_thread())
     with _lock:
         _slots.append(slot)
     _start()
@@ -117,16 +117,16 @@ def enter(kind: str, where: Any, details: Any = None) -> None:
     """This thread now blocks in ``kind`` on ``where`` (a communicator, or words naming the
     peer); ``details`` (sizes, a dict or any printable object) is formatted only in a report."""
     try:
-        slot = LOCAL.slot
+        slot = _local.slot
     except AttributeError:
-        slot = new_slot()
+        slot = _new_slot()
     slot.what = (kind, where, details)
 
 
 def leave() -> None:
     """The wait :func:`enter` announced has returned (or raised)."""
     try:
-        slot = LOCAL.slot
+        slot = _local.slot
     except AttributeError:  # the watchdog was turned on during the wait
         return
     slot.last, slot.what = slot.what, None
@@ -138,9 +138,9 @@ def call(kind: str, where: Any, fn: Callable[..., Any], *args: Any, details: Any
     if not ENABLED:
         return fn(*args)
     try:  # ``enter`` and ``leave`` inline: two Python calls less per watched wait (the
-        slot = LOCAL.slot  # prepared collectives come here once per collective)
+        slot = _local.slot  # prepared collectives come here once per collective)
     except AttributeError:
-        slot = new_slot()
+        slot = _new_slot()
     slot.what = (kind, where, details)
     try:
         return fn(*args)
