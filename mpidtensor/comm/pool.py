@@ -90,21 +90,17 @@ class BufferPool:
         refers to."""
         key = (dtype, shape)
         with self._lock:
-            self._requests += 1
             try:
                 buffers = self._sizes[key]
             except KeyError:
                 buffers = None
             else:
-                self._used[key] = self._requests
                 for buffer in buffers:
                     if _use_count(buffer.cdata) <= buffer.idle:
-                        if buffer.out:  # back since its last hand-out: a free and an allocation,
-                            self._reused += 1  # reported by the next scan (as cheap as can be:
-                            self._reused_bytes += buffer.nbytes  # 4 KiB collectives come here)
-                        else:
-                            self._hand_out(buffer)
-                        return buffer.tensor.detach()
+                        return self._hand_out_again(key, buffer)
+            self._requests += 1
+            if buffers is not None:
+                self._used[key] = self._requests
             if (buffers is None or len(buffers) < PER_SIZE) and self._make_room(prod(shape) * dtype.itemsize):
                 buffer = _Buffer(host_empty(shape, dtype))
                 self._sizes.setdefault(key, []).append(buffer)
@@ -150,6 +146,18 @@ class BufferPool:
         with self._lock:
             self.limit_bytes = limit_bytes
             self._make_room(0)
+
+    def _hand_out_again(self, key: tuple[torch.dtype, tuple[int, ...]], buffer: _Buffer) -> torch.Tensor:
+        """Hand the idle pooled ``buffer`` of size ``key`` out again (the lock held): a new
+        alias of it, its size stamped as just used."""
+        self._requests += 1
+        self._used[key] = self._requests
+        if buffer.out:  # back since its last hand-out: a free and an allocation, reported by
+            self._reused += 1  # the next scan (as cheap as can be: 4 KiB collectives come here)
+            self._reused_bytes += buffer.nbytes
+        else:
+            self._hand_out(buffer)
+        return buffer.tensor.detach()
 
     def _hand_out(self, buffer: _Buffer) -> None:
         buffer.out = True
@@ -212,15 +220,8 @@ class Reuse:
         buffer, pool = self.buffer, self.pool
         if buffer is not None and pool.limit_bytes:  # (pooling turned off since: fresh buffers)
             with pool._lock:
-                if buffer.pooled and _use_count(buffer.cdata) <= buffer.idle:  # as ``take`` does
-                    pool._requests += 1
-                    pool._used[self.key] = pool._requests
-                    if buffer.out:
-                        pool._reused += 1
-                        pool._reused_bytes += buffer.nbytes
-                    else:
-                        pool._hand_out(buffer)
-                    return buffer.tensor.detach(), buffer.address
+                if buffer.pooled and _use_count(buffer.cdata) <= buffer.idle:
+                    return pool._hand_out_again(self.key, buffer), buffer.address
         if not pool.limit_bytes:
             tensor = tracked_empty(self.shape, self.dtype)
             return tensor, self.as_mpi(tensor)
