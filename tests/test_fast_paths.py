@@ -41,7 +41,7 @@ WORLD = MPI.COMM_WORLD
 STEPS = 2
 ATOL = 1e-6
 # every module path registered in mpidtensor.fast (and loss_parallel's); the cases together cover them
-MODULE_PATHS = {"tp.linear", "tp.embedding", "tp.gather", "sp.norm", "loss.cross_entropy"}
+MODULE_PATHS = {"tp.linear", "tp.embedding", "tp.gather", "sp.norm", "loss.cross_entropy", "autograd.param_grad"}
 
 
 def hits() -> dict[str, int]:
@@ -109,10 +109,10 @@ def zoo_step(dp_rank: int = 0, dp_size: int = 1):
 
 
 ZOO_CASES = {  # (model, plan): the paths it takes, and whether the first step is bit-equal
-    ("llama", "tp"): ({"tp.linear", "tp.embedding"}, True),
-    ("llama", "tp+sp"): ({"tp.linear", "tp.embedding", "tp.gather"}, True),
-    ("qwen2", "tp"): ({"tp.linear", "tp.embedding"}, False),  # q/k/v biases; the embedding's padding_idx
-    ("bert", "tp+sp"): ({"tp.linear", "tp.gather", "sp.norm"}, False),
+    ("llama", "tp"): ({"tp.linear", "tp.embedding", "autograd.param_grad"}, True),
+    ("llama", "tp+sp"): ({"tp.linear", "tp.embedding", "tp.gather", "autograd.param_grad"}, True),
+    ("qwen2", "tp"): ({"tp.linear", "tp.embedding", "autograd.param_grad"}, False),  # q/k/v biases; padding_idx
+    ("bert", "tp+sp"): ({"tp.linear", "tp.gather", "sp.norm", "autograd.param_grad"}, False),
 }
 
 
@@ -143,7 +143,8 @@ def test_zoo_fsdp_tp():
         zoo.sequence_parallel(model, mesh["tp"])
         return fully_shard_zoo(model, zoo, mesh["dp"])
 
-    compare(zoo.build, build_parallel, zoo_step(dp.rank, dp.size), zoo.batches(STEPS), {"tp.linear", "tp.embedding"})
+    compare(zoo.build, build_parallel, zoo_step(dp.rank, dp.size), zoo.batches(STEPS),
+            {"tp.linear", "tp.embedding", "autograd.param_grad"})
 
 
 def test_zoo_moe_expert_parallel(mesh1d):
@@ -171,7 +172,7 @@ def test_llama_tp_sp_block(mesh1d):
             loss.backward()
         return loss.full_tensor().item()
 
-    paths = {"tp.linear", "tp.gather", "sp.norm", "loss.cross_entropy"}
+    paths = {"tp.linear", "tp.gather", "sp.norm", "loss.cross_entropy", "autograd.param_grad"}
     compare(lambda: build_model(cfg, seed=3), lambda m: parallelize_llama(m, mesh1d), step, batches, paths,
             exact=False)
 

@@ -52,6 +52,7 @@ from ..tensor.placements import Partial, Placement, Replicate, Shard, normalize_
 from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
 from .gather import Route, shard_route
+from .grads import param_grad
 from ..runtime import caches
 from .registry import register
 from ..runtime.settings import settings
@@ -114,14 +115,16 @@ def wrap_output(y: torch.Tensor, out_spec: DTensorSpec | None) -> Any:
 
 
 def _weight_grads(ctx, gy: torch.Tensor, x: torch.Tensor, weight: DTensor, bias: DTensor | None):
-    """(weight grad, bias grad) as DTensors of the parameters' specs, or None where unneeded."""
+    """(weight grad, bias grad) as DTensors of the parameters' specs, or None where unneeded
+    or already on the parameter's ``.grad`` (``fast.grads``; the weight and bias are the
+    Function's tensor inputs 1 and 2)."""
     rows = prod(gy.shape[:-1])  # not -1: a rank's block may be empty
     gy2 = gy.reshape(rows, gy.shape[-1])
     gw = gb = None
     if ctx.needs_input_grad[1]:
-        gw = DTensor(gy2.t().mm(x.reshape(rows, x.shape[-1])), weight._spec)
+        gw = param_grad(ctx, 1, weight, gy2.t().mm(x.reshape(rows, x.shape[-1])), weight._spec)
     if bias is not None and ctx.needs_input_grad[2]:
-        gb = DTensor(gy2.sum(0), bias._spec)
+        gb = param_grad(ctx, 2, bias, gy2.sum(0), bias._spec)
     return gw, gb
 
 
