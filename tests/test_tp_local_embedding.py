@@ -1,6 +1,7 @@
 """The local path of a vocabulary-parallel ``RowwiseParallel`` ``nn.Embedding``
 (fast/embedding.py): a step does Megatron's work only (no aten op through DTensor
-dispatch but AccumulateGrad's ``detach``; one reduction forward, one all-gather backward
+dispatch; the weight's first gradient goes on ``.grad`` without AccumulateGrad's ``detach``,
+``fast.grads``); one reduction forward, one all-gather backward
 for a sharded output), equals one process (13 rows and 7 tokens: uneven shards at 2-4
 ranks), takes any gradient layout, and hands over to the general path where it does not
 apply (``max_norm``, tokens read as sharded); ``padding_idx`` stays local (its row gets no
@@ -72,6 +73,30 @@ def test_step_is_megatrons_work(tp_mesh, monkeypatch, output, local):
         compare(ref, model, out, output if local else None)
     if tp_mesh.size() > 1 and sharded and not local:  # the gradient's all-gather comes first
         assert_all_ranks(comms.calls[-2:] == ["all_gather", "all_gather"], str(comms.calls))
+
+
+@pytest.mark.parametrize("case", ["plain", "accumulate", "hook"])
+def test_param_grad_on_and_off(tp_mesh, case):
+    """``fast.grads`` from the embedding's backward: the weight's gradient equals the one
+    autograd's AccumulateGrad leaves (fast paths off); a second backward and a tensor hook
+    take autograd's way."""
+    from mpidtensor.fast.grads import PARAM_GRAD
+    from mpidtensor.runtime.settings import settings
+    results, hooked = [], []
+    for fast in (True, False):
+        model = parallelize_module(embedding(), tp_mesh, RowwiseParallel(input_layouts=Replicate(),
+                                                                         output_layouts=Shard(1)))
+        if case == "hook":
+            model.weight.register_hook(lambda g: hooked.append(fast) or g * 2)
+        before = PARAM_GRAD.hits
+        with settings.override(fast_paths=fast):
+            for _ in range(2 if case == "accumulate" else 1):
+                (model(tokens()) ** 2).sum().backward()
+        results.append((model.weight.grad.full_tensor(), PARAM_GRAD.hits - before))
+    (on, hits_on), (off, hits_off) = results
+    assert_close(on, off, **TOL)
+    assert_all_ranks(hits_on == (0 if case == "hook" else 1) and hits_off == 0, f"hits on {hits_on}, off {hits_off}")
+    assert_all_ranks(hooked == ([True, False] if case == "hook" else []), str(hooked))
 
 
 def test_gradient_in_another_layout(tp_mesh):

@@ -37,6 +37,7 @@ from ..mesh import DeviceMesh
 from ..tensor.placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..tensor.spec import DTensorSpec
 from .functions import direct_apply
+from .grads import param_grad
 from .gather import Route, shard_route
 from .linear import gather_reduced_grad, local_grad, reduce_partial, wrap_output
 from .registry import register
@@ -80,7 +81,7 @@ class _VocabParallelEmbedding(torch.autograd.Function):
             gy = gy.masked_fill(outside.unsqueeze(-1), 0)
             local = torch.ops.aten.embedding_dense_backward(gy, rel, weight._local_tensor.shape[0], ctx.padding,
                                                             False)
-            gw = DTensor(local.to(weight.dtype), weight._spec)
+            gw = param_grad(ctx, 1, weight, local.to(weight.dtype), weight._spec)  # (on .grad: None)
         return None, gw, None, None, None, None, None
 
 
