@@ -183,7 +183,7 @@ class Run:
             else:
                 for p in self.params:
                     state[p][key] = v
-        if self.scalars and all(key in new for key in self.scalars):  # each now holds the run's value
+        if self.scalars and self.scalars.keys() <= new.keys():  # each now holds the run's value
             self.agreed = self._versions()
 
 

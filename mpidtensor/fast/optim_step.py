@@ -47,8 +47,8 @@ mesh.
 from __future__ import annotations
 
 from collections import defaultdict
-from itertools import chain
-from operator import attrgetter, is_, itemgetter, methodcaller
+from itertools import chain, repeat
+from operator import attrgetter, is_, is_not, itemgetter, methodcaller
 
 import torch
 from torch.optim.optimizer import (
@@ -246,7 +246,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if (not registry.enabled() or not settings.local_optim_step or type(optimizer) not in ELEMENTWISE
             or torch.compiler.is_compiling()):
         return
-    if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: the optimizer
+    if any(map(is_not, args[1:], repeat(None))) or kwargs.get("closure") is not None:  # args[0]: the optimizer
         return  # a closure makes the gradients inside the step, on the DTensor parameters
     if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
             or next(reversed(_global_pre_hooks.values())) is not _before_step):
