@@ -158,13 +158,14 @@ def test_fsdp_flat_run_apart_in_the_group_equals_the_general_path(mesh1d):
     _check(run, {"optim.local_step", "optim.flat_runs", "optim.foreach"})
 
 
-@pytest.mark.parametrize("change", ["step_in_place", "state_replaced", "param_replaced"])
+@pytest.mark.parametrize("change", ["step_in_place", "state_replaced", "param_replaced", "grad_dropped"])
 def test_fsdp_flat_runs_after_the_user_changes_the_state(mesh1d, change):
     """Between flat steps the user changes what the cached layouts were checked against:
     one parameter's step count set in place (the run's counts differ: it steps one
     parameter at a time), one state tensor replaced by a new DTensor (the state snapshot
-    differs: the layouts are checked again, the states rehomed) or one local shard replaced
-    (the parameter check fails). Each step equals the per-parameter DTensor step bit for bit."""
+    differs: the layouts are checked again, the states rehomed), one local shard replaced
+    (the parameter check fails) or, for one step, one gradient dropped (the run's other
+    members step one at a time). Each step equals the per-parameter DTensor step bit for bit."""
     cls, kwargs = OPTIMIZERS["adamw"]
 
     def run():
@@ -173,6 +174,8 @@ def test_fsdp_flat_runs_after_the_user_changes_the_state(mesh1d, change):
         opt = cls(params, **kwargs)
         for step in range(5):
             model(global_tensor((5, 12), seed=40 + step)).square().sum().backward()
+            if change == "grad_dropped" and step == 3:
+                params[1].grad = None
             opt.step()
             opt.zero_grad()
             if step != 2:
@@ -182,7 +185,7 @@ def test_fsdp_flat_runs_after_the_user_changes_the_state(mesh1d, change):
                 entry["step"].fill_(7.0)
             elif change == "state_replaced":
                 entry["exp_avg"] = entry["exp_avg"] * 0.5
-            else:
+            elif change == "param_replaced":
                 with torch.no_grad():
                     params[1]._local_tensor = params[1]._local_tensor.clone()
         return [p.detach() for p in params] + [v for p in params for v in opt.state[p].values()]

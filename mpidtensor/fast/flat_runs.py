@@ -25,7 +25,7 @@ parameters) and equal scalar states, nothing about placements.
 from __future__ import annotations
 
 from itertools import chain as chained, repeat
-from operator import attrgetter, sub
+from operator import attrgetter, is_, sub
 from typing import Sequence
 
 import torch
@@ -43,7 +43,7 @@ PATH = registry.register(
                "nothing), the elementwise update, and the tensors' memory layout (Run.make, Run.grad)")
 
 _storage_address = torch._C._storage_address  # an address, without making a storage object
-_grad_of, _local_of, _version_of = attrgetter("grad"), attrgetter("_local_tensor"), attrgetter("_version")
+_version_of = attrgetter("_version")
 _data_ptr, _is_contiguous = torch.Tensor.data_ptr, torch.Tensor.is_contiguous
 
 
@@ -154,14 +154,13 @@ class Run:
     def _versions(self) -> tuple[int, ...]:
         return tuple(map(_version_of, chained.from_iterable(self.scalars.values())))
 
-    def grad(self) -> torch.Tensor | None:
-        """The parameters' gradients as one tensor, if they are all there and laid out as
+    def grad(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+        """The parameters' gradients as one tensor, given their local tensors ``grads`` (in the
+        order of ``params``, None for a missing one), if they are all there and laid out as
         the parameters are: contiguous, each at its parameter's byte offset from the first
         (same dtype and shape: a gradient has its parameter's spec), the first and the last
         in one storage, so the flat view stays inside it."""
-        try:  # (C-level loops: a run has dozens of parameters; a missing gradient, None, has no local tensor)
-            grads = list(map(_local_of, map(_grad_of, self.params)))
-        except AttributeError:
+        if any(map(is_, grads, repeat(None))):  # (C-level loops: a run has dozens of parameters)
             return None
         first, last = grads[0], grads[-1]
         if (_storage_address(first) != _storage_address(last) or not all(map(_is_contiguous, grads))
@@ -184,7 +183,7 @@ class Run:
             else:
                 for p in self.params:
                     state[p][key] = v
-        if self.scalars and all(key in new for key in self.scalars):  # each now holds the run's value
+        if self.scalars and self.scalars.keys() <= new.keys():  # each now holds the run's value
             self.agreed = self._versions()
 
 

@@ -47,8 +47,8 @@ mesh.
 from __future__ import annotations
 
 from collections import defaultdict
-from itertools import chain
-from operator import attrgetter, is_, methodcaller
+from itertools import chain, repeat
+from operator import attrgetter, is_, is_not, itemgetter, methodcaller
 
 import torch
 from torch.optim.optimizer import (
@@ -87,18 +87,22 @@ _SWAP = "_mpidtensor_local_step"  # optimizer attribute: the _Swap in place
 _HOOKED = "_mpidtensor_local_step_hooks"  # optimizer attribute: its state_dict hooks are registered
 _LAYOUTS = "_mpidtensor_local_step_layouts"  # optimizer attribute: id(group) -> _Layout or None
 _CHECKED = "_mpidtensor_local_step_checked"  # optimizer attribute: _snapshot of the state the layouts hold for
-_local_of = attrgetter("_local_tensor")
+_local_of, _grad_of, _spec_of = attrgetter("_local_tensor"), attrgetter("grad"), attrgetter("_spec")
+_DTENSOR = {DTensor}
 _keys, _values = methodcaller("keys"), methodcaller("values")
 
 
 class _Layout:
     """How one parameter group steps on local tensors, built once and kept while its
     parameters, their local tensors and their state objects stay the same (checked each
-    step): ``locals`` (None for a plain parameter), ``runs`` (a run's first group index ->
-    (its group indices, Run)) and the chains whose states are to be put back to back after
-    the step (``rehome``, group indices)."""
+    step): ``locals`` (None for a plain parameter), ``order`` (what the step runs on, one
+    item per run or parameter outside a run, so that a step's bookkeeping goes by runs, not
+    parameters: ``(group index, index in dtensors or None for a plain parameter, run)``, a run
+    as (its members as (group index, index in dtensors) pairs, Run, getter of its gradients
+    from the dtensors' ones) or None) and the chains whose states are to be put back to
+    back after the step (``rehome``, group indices)."""
 
-    __slots__ = ("params", "locals", "dtensors", "dlocals", "values", "runs", "rehome")
+    __slots__ = ("params", "locals", "dtensors", "dlocals", "values", "order", "rehome")
 
     def __init__(self, params: list, state) -> None:
         self.params = tuple(params)
@@ -107,13 +111,16 @@ class _Layout:
         self.dlocals = tuple(local for local in self.locals if local is not None)
         entries = [state.get(p) if type(p) is DTensor else None for p in params]
         self.values = _state_values(params, self.locals, state)
-        self.runs, self.rehome = {}, []
+        at = dict(zip((i for i, local in enumerate(self.locals) if local is not None), range(len(self.dtensors))))
+        runs, self.rehome = {}, []
         for members in candidate_runs(params, self.locals) if COALESCE else ():
             run = Run.make([params[i] for i in members], [entries[i] for i in members])
             if run is None:
                 self.rehome.append(members)
             else:
-                self.runs[min(members)] = (members, run)
+                runs[min(members)] = (tuple((i, at[i]) for i in members), run, itemgetter(*(at[i] for i in members)))
+        covered = {i for members, _, _ in runs.values() for i, _ in members}
+        self.order = tuple((i, at.get(i), runs.get(i)) for i in range(len(params)) if i in runs or i not in covered)
 
     def holds(self, params: list, state) -> bool:
         """Whether the group still has these parameters, local tensors and state objects."""
@@ -188,15 +195,24 @@ def _static_ok(group: dict, state) -> bool:
     return found
 
 
-def _grads_ok(params: list) -> bool:
-    """Every DTensor parameter's gradient is None or a DTensor of its spec, the spec
-    :func:`_steps_locally` vouched for (checked each step)."""
-    for p in params:
-        if type(p) is DTensor:
-            g = p.grad
+def _grad_locals(layout: _Layout) -> list | None:
+    """The local tensors of the DTensor parameters' gradients (None for a missing one), in
+    the order of ``layout.dtensors``; None unless each gradient is None or a DTensor of its
+    parameter's spec, the spec :func:`_steps_locally` vouched for (checked each step)."""
+    params = layout.dtensors
+    grads = list(map(_grad_of, params))
+    try:  # the common case, every gradient a DTensor: C-level maps, no Python call per parameter
+        specs = list(map(_spec_of, grads))
+    except AttributeError:  # a missing or plain gradient
+        out = []
+        for p, g in zip(params, grads):
             if g is not None and (type(g) is not DTensor or g._spec is not p._spec):
-                return False
-    return True
+                return None
+            out.append(None if g is None else g._local_tensor)
+        return out
+    if set(map(type, grads)) != _DTENSOR or not all(map(is_, specs, map(_spec_of, params))):
+        return None
+    return list(map(_local_of, grads))
 
 
 class _Shadow(dict):
@@ -230,7 +246,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if (not registry.enabled() or not settings.local_optim_step or type(optimizer) not in ELEMENTWISE
             or torch.compiler.is_compiling()):
         return
-    if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: the optimizer
+    if any(map(is_not, args[1:], repeat(None))) or kwargs.get("closure") is not None:  # args[0]: the optimizer
         return  # a closure makes the gradients inside the step, on the DTensor parameters
     if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
             or next(reversed(_global_pre_hooks.values())) is not _before_step):
@@ -248,12 +264,13 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         layout = layouts.get(id(group))
         if layout is None or not (layout.holds_params(params) if same_state else layout.holds(params, state)):
             layout = layouts[id(group)] = _Layout(params, state) if _static_ok(group, state) else None
-        if layout is None or not _grads_ok(params):
+        grads = None if layout is None else _grad_locals(layout)
+        if grads is None:
             continue
         if shadow is None:
             shadow = _Shadow(state)
         swap.groups.append((group, params))
-        group["params"] = _swap_group(layout, params, state, shadow, swap)
+        group["params"] = _swap_group(layout, params, grads, state, shadow, swap)
         PATH.hits += 1
     optimizer.__dict__[_CHECKED] = (state, snapshot)  # every layout above holds for this state
     if shadow is None:
@@ -266,17 +283,14 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     setattr(optimizer, _SWAP, swap)
 
 
-def _swap_group(layout: _Layout, params: list, state, shadow: _Shadow, swap: _Swap) -> list:
-    """The tensors one group's step runs on (filling ``shadow`` and ``swap``)."""
+def _swap_group(layout: _Layout, params: list, grads: list, state, shadow: _Shadow, swap: _Swap) -> list:
+    """The tensors one group's step runs on (filling ``shadow`` and ``swap``); ``grads``:
+    :func:`_grad_locals`."""
     out = []
-    covered: set[int] = set()  # the members of runs stepped flat
-    for i, p in enumerate(params):
-        if covered and i in covered:
-            continue
-        found = layout.runs.get(i)
+    for i, at, found in layout.order:
         if found is not None:
-            members, run = found
-            grad = run.grad()
+            members, run, pick = found
+            grad = run.grad(pick(grads))
             entry = None if grad is None else run.entry()
             if entry is not None:
                 run.flat.grad = grad
@@ -284,20 +298,24 @@ def _swap_group(layout: _Layout, params: list, state, shadow: _Shadow, swap: _Sw
                 swap.flat.append(run)
                 flat_runs.PATH.hits += 1
                 out.append(run.flat)
-                covered.update(members)
-                continue
-        local = layout.locals[i]
-        if local is None:
-            out.append(p)
+            else:  # the run's members one at a time
+                out += [_swap_one(params[m], layout.locals[m], grads[a], state, shadow, swap) for m, a in members]
+        elif at is None:
+            out.append(params[i])
         else:
-            g = p.grad
-            local.grad = None if g is None else g._local_tensor
-            entry = state.get(p)
-            shadow[local] = {k: v._local_tensor if type(v) is DTensor else v for k, v in entry.items()} if entry else {}
-            swap.pairs.append((p, local))
-            out.append(local)
+            out.append(_swap_one(params[i], layout.locals[i], grads[at], state, shadow, swap))
     swap.rehome.extend([params[i] for i in members] for members in layout.rehome)
     return out
+
+
+def _swap_one(p: DTensor, local: torch.Tensor, grad: torch.Tensor | None, state, shadow: _Shadow,
+              swap: _Swap) -> torch.Tensor:
+    """Step DTensor parameter ``p`` alone, on its local tensor (its gradient's: ``grad``)."""
+    local.grad = grad
+    entry = state.get(p)
+    shadow[local] = {k: v._local_tensor if type(v) is DTensor else v for k, v in entry.items()} if entry else {}
+    swap.pairs.append((p, local))
+    return local
 
 
 def restore(optimizer: torch.optim.Optimizer, *_) -> None:
