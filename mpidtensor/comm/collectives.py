@@ -38,7 +38,7 @@ from ..runtime.effects import effect
 from .alltoall import all_to_all, prepare_all_to_all
 from .base import ReduceOp
 from .gather import all_gather, prepare_all_gather
-from .prepared import Prepared
+from .prepared import BySignature, Prepared
 from .reduce import all_reduce, prepare_all_reduce, prepare_reduce_scatter, reduce_scatter
 from .rooted import broadcast, scatter
 
@@ -51,6 +51,6 @@ def _register_traced_ops() -> None:
 
 
 __all__ = [
-    "Prepared", "ReduceOp", "all_gather", "all_reduce", "all_to_all", "broadcast", "prepare_all_gather",
+    "BySignature", "Prepared", "ReduceOp", "all_gather", "all_reduce", "all_to_all", "broadcast", "prepare_all_gather",
     "prepare_all_reduce", "prepare_all_to_all", "prepare_reduce_scatter", "reduce_scatter", "scatter",
 ]

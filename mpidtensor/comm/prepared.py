@@ -70,6 +70,29 @@ class Prepared:
         return f"prepared for shape {tuple(self.shape)}, dtype {self.dtype} ({self.nbytes} bytes)"
 
 
+class BySignature:
+    """One collective of one kind on ``comm``, prepared the first time each input shape and
+    dtype comes (``prepare(shape, dtype, comm, **options)``: a kind's ``prepare_*``); a call
+    runs that prepared collective. For callers that repeat a collective on tensors of a few
+    signatures (a norm's parameter gradients, a loss's row statistics, FSDP's
+    reduce-scatters), where the general function would check, stage and lay out each call
+    (~20 Python calls against ~10). It holds ``comm``: keep it no longer than the mesh."""
+
+    __slots__ = ("prepare", "comm", "options", "runs")
+
+    def __init__(self, prepare: Callable[..., Prepared], comm: MPI.Intracomm, **options) -> None:
+        self.prepare, self.comm, self.options = prepare, comm, options
+        self.runs: dict[tuple[torch.Size, torch.dtype], Prepared] = {}
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = (tensor.shape, tensor.dtype)
+        try:
+            run = self.runs[key]
+        except KeyError:
+            run = self.runs[key] = self.prepare(tensor.shape, tensor.dtype, self.comm, **self.options)
+        return run(tensor)
+
+
 def owned_types() -> tuple[list[MPI.Datatype], Types]:
     """``(owned, own)``: ``own(key, make)`` commits a datatype of a prepared collective's own
     (the ``types`` a kind's runner takes), listed in ``owned`` to be freed with it: the

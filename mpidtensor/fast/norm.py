@@ -42,29 +42,7 @@ from .rules import keeps_layout
 aten = torch.ops.aten
 
 
-
-class PartialSums:
-    """In-place sums over ``comm`` of the parameters' partial gradients, one prepared
-    all-reduce per gradient shape and dtype (the general ``all_reduce`` checked, staged and
-    laid out each call: ~20 Python calls against ~10); a prepared call stages a
-    non-contiguous gradient as the general function does."""
-
-    __slots__ = ("comm", "prepared")
-
-    def __init__(self, comm) -> None:
-        self.comm, self.prepared = comm, {}
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        key = (grad.shape, grad.dtype)
-        try:
-            prepared = self.prepared[key]
-        except KeyError:
-            prepared = self.prepared[key] = collectives.prepare_all_reduce(grad.shape, grad.dtype, self.comm, "sum",
-                                                                           inplace=True)
-        return prepared(grad)
-
-
-def _reduce_partial(grad: torch.Tensor | None, param: DTensor | None, sums: PartialSums) -> DTensor | None:
+def _reduce_partial(grad: torch.Tensor | None, param: DTensor | None, sums: collectives.BySignature) -> DTensor | None:
     """This rank's partial sum of a parameter's gradient, all-reduced in place, as a DTensor."""
     if grad is None or param is None:
         return None
@@ -78,7 +56,7 @@ class _LocalRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: DTensor, weight: DTensor | None, shape: tuple[int, ...], eps: float | None,
-                sums: PartialSums) -> DTensor:
+                sums: collectives.BySignature) -> DTensor:
         local = x._local_tensor
         y, rstd = torch.ops.aten._fused_rms_norm(local, shape, None if weight is None else weight._local_tensor, eps)
         ctx.x_spec, ctx.sums, ctx.ndims, ctx.weight = x._spec, sums, len(shape), weight
@@ -116,7 +94,7 @@ class _LocalLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: DTensor, weight: DTensor | None, bias: DTensor | None, shape: tuple[int, ...], eps: float,
-                sums: PartialSums) -> DTensor:
+                sums: collectives.BySignature) -> DTensor:
         local = x._local_tensor
         w, b = (None if p is None else p._local_tensor for p in (weight, bias))
         y, mean, rstd = torch.ops.aten.native_layer_norm(local, shape, w, b, eps)
@@ -164,14 +142,16 @@ class LocalNormForward:
                  prepare_output: Callable | None = None) -> None:
         self.mesh, self.inner = mesh, inner
         self.prepare_input, self.prepare_output = prepare_input, prepare_output
-        self.sums = PartialSums(mesh.comm_for((0,)))  # the parameters' gradients summed over the mesh
+        # the parameters' partial gradients summed in place over the mesh (a prepared all-reduce per
+        # gradient shape and dtype; a non-contiguous gradient is staged as the general function does)
+        self.sums = collectives.BySignature(collectives.prepare_all_reduce, mesh.comm_for((0,)), op="sum", inplace=True)
         self.decided: dict[tuple, bool] = {}  # by the input's and the parameters' specs (``_applies``)
         self.rules: dict[tuple, bool] = {}  # the norm rule's verdict, by layout (``_rule_agrees``)
         self.generation = caches.GENERATION  # of the rules both tables were decided under
 
     def __deepcopy__(self, memo: dict) -> "LocalNormForward":
         twin = copy.copy(self)  # the mesh and the style's conversions are shared, as the DTensors' specs are
-        twin.decided, twin.rules, twin.sums = {}, {}, PartialSums(self.sums.comm)
+        twin.decided, twin.rules = {}, {}  # (the prepared sums are the mesh's, shared as it is)
         return twin
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:

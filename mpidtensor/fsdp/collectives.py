@@ -20,7 +20,7 @@ from mpi4py import MPI
 from ..runtime import progress
 from ..comm.nonblocking import Handle, iall_gather, iall_reduce, ireduce_scatter
 from ..comm.pool import pool, tracked_empty
-from ..comm.collectives import Prepared, prepare_reduce_scatter
+from ..comm.collectives import BySignature, prepare_reduce_scatter
 
 
 class _Done:
@@ -70,25 +70,27 @@ def start_all_gather(custom: Any, send: torch.Tensor, comm: MPI.Intracomm, out: 
     return _Done(custom(output_tensor=out, input_tensor=send, group=comm, async_op=True), out)
 
 
-def start_reduce_scatter(custom: Any, send: torch.Tensor, comm: MPI.Intracomm,
-                         prepared: dict[tuple[int, torch.dtype], Prepared]) -> Handle | _Done:
-    """Start summing the 1-D ``send`` over ``comm``; ``wait()`` returns this rank's piece.
+def reduce_scatters(comm: MPI.Intracomm) -> BySignature:
+    """FSDP's reduce-scatters over ``comm`` (``start_reduce_scatter``'s), prepared by signature."""
+    return BySignature(prepare_reduce_scatter, comm, op="sum", dim=0, sizes=(1,) * comm.size)
+
+
+def start_reduce_scatter(custom: Any, send: torch.Tensor, scatters: BySignature) -> Handle | _Done:
+    """Start summing the 1-D ``send`` over ``scatters``' communicator; ``wait()`` returns this
+    rank's piece.
 
     Without a custom collective and with MPI progress ``"off"`` (the default: nothing moves
     a started collective before its wait) this is the blocking ``Reduce_scatter``, done on
     return: MPICH's non-blocking one costs more CPU, and FSDP's wait for it would move all
-    of its data anyway (docs/performance.md, "FSDP step"); prepared once per size and dtype
-    in the caller's ``prepared`` (its checks and layout made once, later calls go to MPI)."""
+    of its data anyway (docs/performance.md, "FSDP step"), prepared once per size and dtype
+    (``scatters``, from :func:`reduce_scatters`: later calls go to MPI)."""
+    comm = scatters.comm
     piece = send.numel() // comm.size
     if comm.size == 1:  # nothing to reduce, custom or not (as torch's FSDP on a one-rank mesh)
         return _Done(None, send)
     if custom is None:
         if progress.mode() == "off":
-            run = prepared.get((piece, send.dtype))
-            if run is None:
-                run = prepared[piece, send.dtype] = prepare_reduce_scatter(
-                    (comm.size, piece), send.dtype, comm, "sum", dim=0, sizes=[1] * comm.size)
-            return _Done(None, run(send.view(comm.size, piece)).view(piece))
+            return _Done(None, scatters(send.view(comm.size, piece)).view(piece))
         return ireduce_scatter(send, comm, "sum", out=allocate(None, (piece,), send.dtype, send.device))
     out = allocate(custom, (piece,), send.dtype, send.device)
     return _Done(custom(output_tensor=out, input_tensor=send, group=comm, op="sum", async_op=True), out)

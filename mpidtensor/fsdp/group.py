@@ -51,7 +51,6 @@ from ..comm import accounting
 from ..runtime.agreement import attempt, exchange
 from ..comm.nonblocking import Handle
 from ..comm.pool import advise_huge_pages, tracked_empty
-from ..comm.prepared import Prepared
 from . import collectives, packing
 from .float8 import whole_weight_scales
 from .packing import FromRanks, Piece
@@ -148,7 +147,7 @@ class ParamGroup:
         self._kept: torch.Tensor | None = None  # SHARDED_POST_FORWARD: this rank's rows of a gather
         self._kept_meta: dict[int, object] = {}
         self._pending: tuple[Handle | None, list[FSDPParam], Handle | None, list[FSDPParam]] | None = None
-        self._scatters: dict[tuple[int, torch.dtype], Prepared] = {}  # see collectives.start_reduce_scatter
+        self._scatters = collectives.reduce_scatters(self.reduce_scatter_comm)
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced (summed)
         self._slots: tuple[int, list[int]] = (-1, [])  # shard_flat's address, the plain shards' addresses in it
         self._storage: tuple[torch.Tensor | None, torch.UntypedStorage | None] = (None, None)  # _storage_of
@@ -505,8 +504,7 @@ class ParamGroup:
                                             reusable=True)
                 packing.pack_ranks(send.view(world, total), sharded)
                 collectives.divide(send, pre)
-                scatter = collectives.start_reduce_scatter(self.custom_reduce_scatter, send, self.reduce_scatter_comm,
-                                                           self._scatters)
+                scatter = collectives.start_reduce_scatter(self.custom_reduce_scatter, send, self._scatters)
             if replicated:
                 flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for _, g in replicated])
                 collectives.divide(flat, pre)
@@ -519,7 +517,7 @@ class ParamGroup:
         """Reduce-scatter over a duplicate of the shard communicator (``enable``) or the
         shard communicator itself. Collective over the shard ranks the first time."""
         self.reduce_scatter_comm = self.info.separate_comm() if enable else self.info.shard_comm
-        self._scatters = {}  # prepared for the other communicator
+        self._scatters = collectives.reduce_scatters(self.reduce_scatter_comm)
 
     def _factors(self) -> tuple[float | None, float | None, float | None]:
         return collectives.divide_factors(self.info.dp_size, self.gradient_divide_factor, self.reduce_dtype,

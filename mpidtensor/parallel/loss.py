@@ -97,7 +97,7 @@ def _row_placements(placements: Sequence[Placement], class_dim: int, mesh_dim: i
     return rows
 
 
-_ALL_REDUCES = cache("parallel.loss.all_reduces")  # (id(group), shape, dtype, op) -> prepared in-place all-reduce
+_ALL_REDUCES = cache("parallel.loss.all_reduces")  # (id(group), op) -> in-place all-reduces by signature
 
 
 def _all_reduce(local: torch.Tensor, group, op: str) -> torch.Tensor:
@@ -109,12 +109,12 @@ def _all_reduce(local: torch.Tensor, group, op: str) -> torch.Tensor:
     ``group``, so its id keys no other communicator while the entry lives."""
     if group.size == 1:
         return local
-    key = (id(group), local.shape, local.dtype, op)
-    prepared = _ALL_REDUCES.get(key)
-    if prepared is None:
-        prepared = _ALL_REDUCES[key] = collectives.prepare_all_reduce(local.shape, local.dtype, group, op,
-                                                                      inplace=True)
-    return prepared(local)
+    key = (id(group), op)
+    reduce = _ALL_REDUCES.get(key)
+    if reduce is None:
+        reduce = _ALL_REDUCES[key] = collectives.BySignature(collectives.prepare_all_reduce, group, op=op,
+                                                             inplace=True)
+    return reduce(local)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
