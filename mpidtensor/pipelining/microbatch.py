@@ -55,8 +55,10 @@ def split_args_kwargs(args: tuple, kwargs: dict, n: int, args_spec: tuple | None
         raise ValueError(f"args_chunk_spec has {len(args_spec)} entries for {len(args)} arguments")
     columns = [_split_value(a, args_spec[i] if args_spec else None, n, f"argument {i}") for i, a in enumerate(args)]
     kw_columns = {k: _split_value(v, (kwargs_spec or {}).get(k), n, f"argument {k!r}") for k, v in kwargs.items()}
-    arg_mbs = [tuple(col[m] for col in columns) for m in range(n)]
-    kwarg_mbs = [{k: col[m] for k, col in kw_columns.items()} for m in range(n)]
+    # by zip, not a comprehension per micro-batch (each a Python call)
+    arg_mbs = list(zip(*columns)) if columns else [()] * n
+    kwarg_mbs = [dict(zip(kw_columns, values)) for values in zip(*kw_columns.values())] if kw_columns \
+        else [{} for _ in range(n)]
     return arg_mbs, kwarg_mbs
 
 

@@ -151,7 +151,7 @@ class Runtime:
                         doing = None
                         continue
                     doing = None
-                    outs = out if type(out) is tuple else as_tuple(out)
+                    outs = (out,) if type(out) is torch.Tensor else as_tuple(out)
                     st.check_outputs(outs)
                     if send is None:
                         handoff[outbox] = _rebuilt([local_of(o) for o in outs], next_kinds)

@@ -126,7 +126,7 @@ class PipelineStage:
         """Run the module on micro-batch ``mb`` (its received or first-stage inputs) and keep
         what its backward needs."""
         output = self.submod(*args, **(kwargs or {}))
-        outputs = output if type(output) is tuple else as_tuple(output)
+        outputs = (output,) if type(output) is torch.Tensor else as_tuple(output)
         if save_forward_output and self.is_last:
             self.output_chunks.append(output)
         if self.has_backward:
