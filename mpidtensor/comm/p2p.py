@@ -136,7 +136,9 @@ class Channel:
                     piece.view(t.dtype).view(t.shape).copy_(t)
         if data.is_cuda:
             torch.cuda.current_stream(data.device).synchronize()
-        request = self.comm.Isend([buffers.as_buffer(data), MPI.BYTE], dest, tag)
+        # C-contiguous either way (stage, or packed): a host tensor's address without a check
+        request = self.comm.Isend([buffers.as_buffer(data) if data.is_cuda else buffers.host_buffer(data), MPI.BYTE],
+                                  dest, tag)
         self._sends.append((request, data))
 
     def finish_sends(self) -> None:

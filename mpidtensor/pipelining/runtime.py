@@ -57,6 +57,7 @@ class _Step(NamedTuple):
     last_backward: bool  # the stage's last whole backward of the step (FSDP reduces there)
     kinds: list  # how its received inputs are rebuilt (_rebuilt)
     next_kinds: list  # how the next stage rebuilds what it hands over
+    plain_out: bool  # the stage's outputs are plain tensors (no DTensor's local tensor to take)
 
 
 class Runtime:
@@ -104,8 +105,9 @@ class Runtime:
                     outbox = (to, kind == F, mb)
                 else:
                     send = (self.stage_rank[to], self._tag(s, _FWD if kind == F else _BWD, mb))
+            plain_out = st.outputs_meta is not None and all(m.dist is None for m in st.outputs_meta)
             steps.append([action, st, kind, mb, receive, inbox, send, outbox, st.is_first, st.is_last,
-                          here == self._last_backward.get(s), kinds[s], kinds.get(s + 1, [])])
+                          here == self._last_backward.get(s), kinds[s], kinds.get(s + 1, []), plain_out])
         plan, posted = [], 0
         for (here, _), (action, st, kind, mb, receive, *rest) in zip(order, steps):
             end = posted
@@ -131,7 +133,7 @@ class Runtime:
         doing, what = None, ""  # the action whose stage code runs (its failure is the stage's)
         try:
             for action, st, kind, mb, posts, receive, inbox, send, outbox, first, last, last_b, kinds, \
-                    next_kinds in plan:
+                    next_kinds, plain_out in plan:
                 for r in posts:
                     channel.post(r)
                 if kind == F:
@@ -142,7 +144,7 @@ class Runtime:
                     else:
                         args = _rebuilt(channel.wait(receive), kinds)
                     doing = action
-                    out = st.forward_one_chunk(mb, args, kwarg_mbs[mb], save_outputs)
+                    out = st.forward_one_chunk(mb, args, kwarg_mbs[mb], save_outputs and last)
                     if last:
                         if loss_fn is not None and target_mbs is not None:
                             what = "its loss_fn after the forward"
@@ -152,11 +154,12 @@ class Runtime:
                         continue
                     doing = None
                     outs = (out,) if type(out) is torch.Tensor else as_tuple(out)
-                    st.check_outputs(outs)
+                    st.check_outputs(outs)  # plain tensors where the fixed shapes say so: sent as they are
+                    sent = outs if plain_out else [local_of(o) for o in outs]
                     if send is None:
-                        handoff[outbox] = _rebuilt([local_of(o) for o in outs], next_kinds)
+                        handoff[outbox] = _rebuilt(sent, next_kinds)
                     else:
-                        channel.send([local_of(o) for o in outs], *send)
+                        channel.send(sent, *send)
                 elif kind == W:
                     if fsdp[action.stage_index]:
                         fsdp_sync.before_backward(st.submod, last=False)
