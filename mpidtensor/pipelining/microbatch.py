@@ -65,6 +65,8 @@ def split_args_kwargs(args: tuple, kwargs: dict, n: int, args_spec: tuple | None
 def merge_chunks(chunks: list[Any], spec: Any = None) -> Any:
     """The micro-batches' outputs as one batch: tensors concatenated along dim 0 (or the
     ``split_dim`` of the matching leaf of ``spec``), other values from the first."""
+    if spec is None and all([type(c) is torch.Tensor and c.dim() > 0 for c in chunks]):
+        return torch.cat(chunks)  # one tensor per micro-batch (the common case): no pytree work
     leaves = [pytree.tree_flatten(c)[0] for c in chunks]
     _, treedef = pytree.tree_flatten(chunks[0])
     specs = pytree.tree_flatten(spec)[0] if spec is not None else [None] * len(leaves[0])

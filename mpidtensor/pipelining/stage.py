@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from . import crossing, fsdp_sync, split_backward
 from .meta import Meta, fmt as _fmt, grad_carrying, metas_of
@@ -128,7 +129,11 @@ class PipelineStage:
         output = self.submod(*args, **(kwargs or {}))
         outputs = (output,) if type(output) is torch.Tensor else as_tuple(output)
         if save_forward_output and self.is_last:
-            self.output_chunks.append(output)
+            # for the merged output; without its graph when the step trains (its backward
+            # consumes the graph, which would otherwise hold until the next step the received
+            # inputs, through their AccumulateGrad nodes, and what a split backward retained)
+            self.output_chunks.append(output if not self.has_backward else output.detach()
+                                      if type(output) is torch.Tensor else _detached(output))
         if self.has_backward:
             if len(args) == 1:  # the common case, without a comprehension
                 x = args[0]
@@ -208,6 +213,13 @@ class PipelineStage:
         are divided by ``grad_scale_factor``."""
         fsdp_sync.reduce_held(self.submod)
         self.scale_grads(grad_scale_factor)
+
+
+def _detached(output: Any) -> Any:
+    """``output`` with each of its tensors detached."""
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, output)
 
 
 def _to_send(grads: list[torch.Tensor | None], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
