@@ -52,13 +52,14 @@ class Receive:
     as a pipeline action ``1F3``) names it in the watchdog's report, which formats it
     only then (it keeps no buffer alive)."""
 
-    __slots__ = ("comm", "source", "tag", "metas", "device", "shape", "dtype", "offsets", "nbytes", "what")
+    __slots__ = ("comm", "source", "tag", "metas", "device", "like", "shape", "dtype", "offsets", "nbytes", "what")
 
     def __init__(self, comm: MPI.Intracomm, source: int, tag: int, metas, device: torch.device | str,
                  what: object = None) -> None:
         self.comm, self.source, self.tag, self.what = comm, source, tag, what
         self.metas = [(tuple(shape), dtype) for shape, dtype in metas]
         self.device = torch.device(device)
+        self.like = torch.empty(0, dtype=torch.uint8, device=self.device)  # where its buffers live
         if len(self.metas) == 1:  # the tensor itself: no slice or view once it has arrived
             (self.shape, self.dtype), self.offsets = self.metas[0], None
             self.nbytes = prod(self.shape) * self.dtype.itemsize
@@ -82,7 +83,6 @@ class Channel:
         self._notice_buf = bytearray(1)
         self._notice = MPI.REQUEST_NULL
         self._posted: dict[Receive, tuple[MPI.Request, torch.Tensor]] = {}  # posted, not yet waited for
-        self._like: dict[torch.device, torch.Tensor] = {}  # an empty tensor per device: where buffers live
 
     def open(self) -> None:
         """Start a round of messages (a step): post the receive of a failure notice."""
@@ -99,10 +99,7 @@ class Channel:
     # -- receiving ------------------------------------------------------------------------
     def post(self, receive: Receive) -> None:
         """Post ``receive`` (until :meth:`wait` for it; once at a time)."""
-        like = self._like.get(receive.device)
-        if like is None:
-            like = self._like[receive.device] = torch.empty(0, dtype=torch.uint8, device=receive.device)
-        buffer = buffers.empty(receive.shape, like, receive.dtype)
+        buffer = buffers.empty(receive.shape, receive.like, receive.dtype)
         data = buffers.as_buffer(buffer) if buffer.is_cuda else buffers.host_buffer(buffer)
         self._posted[receive] = (self.comm.Irecv([data, MPI.BYTE], receive.source, receive.tag), buffer)
 
