@@ -3,6 +3,7 @@ a hand-written loop on mpi4py, and the ideal.
 
     mpiexec -n 4 python benchmarks/bench_pipeline.py [--width 512] [--layers 4] [--rows 32]
         [--microbatches 8] [--steps 5] [--reps 3] [--out benchmarks/results]
+        [--schedules 1F1B,InterleavedZeroBubble] [--impls mdt,hand]
 
 Every rank holds one stage (two for the interleaved, looped and V schedules, each with
 half the layers, so that a rank's compute is the same): ``--layers`` bias-free
@@ -402,8 +403,9 @@ def run(args) -> dict:
 
 def _run(args) -> dict:
     timeline = Timeline()
-    names = [n for n in SCHEDULES if hasattr(mdt_pp, n)]
-    cases = [(n, impl) for n in names for impl in (["hand"] if n in HAND else []) + ["mdt", "torch"]]
+    names = [n for n in SCHEDULES if hasattr(mdt_pp, n) and (not args.schedules or n in args.schedules)]
+    cases = [(n, impl) for n in names for impl in (["hand"] if n in HAND else []) + ["mdt", "torch"]
+             if not args.impls or impl in args.impls]
     runners, skipped = {}, {}
     for case in cases:
         try:  # a schedule refuses too few micro-batches (DualPipeV: one per stage) on every rank
@@ -494,6 +496,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--schedules", type=lambda v: ["Schedule" + n.removeprefix("Schedule") for n in v.split(",")],
+                   help="only these schedules (comma-separated, e.g. 1F1B,ZBVZeroBubble); all by default")
+    p.add_argument("--impls", type=lambda v: v.split(","), help="only these of hand,mdt,torch; all by default")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     result = run(args)

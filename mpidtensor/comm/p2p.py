@@ -45,32 +45,32 @@ def layout(metas: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[i
     return offsets, end
 
 
-class Pending:
-    """A posted receive: its request and the buffer it lands in; ``source`` and ``tag``
-    name it in the watchdog's report."""
+class Receive:
+    """One message's receive, prepared once and posted again each round: from ``source``
+    with ``tag``, tensors ``metas`` (``(shape, dtype)`` each) landing on ``device``; its
+    buffer's shape and the packed layout are computed here, not per post. ``what`` (such
+    as a pipeline action ``1F3``) names it in the watchdog's report, which formats it
+    only then (it keeps no buffer alive)."""
 
-    __slots__ = ("request", "buffer", "metas", "device", "source", "tag")
+    __slots__ = ("comm", "source", "tag", "metas", "device", "like", "shape", "dtype", "offsets", "nbytes", "what")
 
-    def __init__(self, request: MPI.Request, buffer: torch.Tensor, metas, device: torch.device,
-                 source: int, tag: int) -> None:
-        self.request, self.buffer, self.metas, self.device = request, buffer, metas, device
-        self.source, self.tag = source, tag
-
-
-class _Receiving:
-    """A receive in words, for the watchdog's report (formatted only there; it keeps no
-    buffer alive: the watchdog holds the previous wait's description)."""
-
-    __slots__ = ("comm", "source", "tag", "nbytes", "action")
-
-    def __init__(self, comm: MPI.Intracomm, pending: Pending, action: object) -> None:
-        self.comm, self.source, self.tag, self.nbytes = comm, pending.source, pending.tag, pending.buffer.nbytes
-        self.action = action
+    def __init__(self, comm: MPI.Intracomm, source: int, tag: int, metas, device: torch.device | str,
+                 what: object = None) -> None:
+        self.comm, self.source, self.tag, self.what = comm, source, tag, what
+        self.metas = [(tuple(shape), dtype) for shape, dtype in metas]
+        self.device = torch.device(device)
+        self.like = torch.empty(0, dtype=torch.uint8, device=self.device)  # where its buffers live
+        if len(self.metas) == 1:  # the tensor itself: no slice or view once it has arrived
+            (self.shape, self.dtype), self.offsets = self.metas[0], None
+            self.nbytes = prod(self.shape) * self.dtype.itemsize
+        else:
+            self.offsets, self.nbytes = layout(self.metas)
+            self.shape, self.dtype = (self.nbytes,), torch.uint8
 
     def __str__(self) -> str:
         return (f"{self.nbytes} bytes from rank {self.source} (world rank "
                 f"{watchdog.world_rank(self.comm, self.source)}), tag {self.tag}"
-                + (f", for pipeline action {self.action}" if self.action is not None else ""))
+                + (f", for pipeline action {self.what}" if self.what is not None else ""))
 
 
 class Channel:
@@ -82,8 +82,7 @@ class Channel:
         self._sends: list[tuple[MPI.Request, object]] = []  # requests and what they read
         self._notice_buf = bytearray(1)
         self._notice = MPI.REQUEST_NULL
-        self._posted: list[Pending] = []
-        self._like: dict[torch.device, torch.Tensor] = {}  # an empty tensor per device: where buffers live
+        self._posted: dict[Receive, tuple[MPI.Request, torch.Tensor]] = {}  # posted, not yet waited for
 
     def open(self) -> None:
         """Start a round of messages (a step): post the receive of a failure notice."""
@@ -98,35 +97,26 @@ class Channel:
                               "the close of a round of messages (a step's; a message to itself)", self.comm)
 
     # -- receiving ------------------------------------------------------------------------
-    def post(self, source: int, tag: int, metas, device: torch.device) -> Pending:
-        """Post the receive of one message of tensors ``metas`` (``(shape, dtype)`` each)."""
-        device = torch.device(device)
-        like = self._like.get(device)
-        if like is None:
-            like = self._like[device] = torch.empty(0, dtype=torch.uint8, device=device)
-        if len(metas) == 1:  # the tensor itself: no slice or view once it has arrived
-            shape, dtype = metas[0]
-            buffer = buffers.empty(tuple(shape), like, dtype)
-        else:
-            buffer = buffers.empty((layout(metas)[1],), like)
-        request = self.comm.Irecv([buffers.as_buffer(buffer), MPI.BYTE], source, tag)
-        pending = Pending(request, buffer, metas, device, source, tag)
-        self._posted.append(pending)
-        return pending
+    def post(self, receive: Receive) -> None:
+        """Post ``receive`` (until :meth:`wait` for it; once at a time)."""
+        buffer = buffers.empty(receive.shape, receive.like, receive.dtype)
+        data = buffers.as_buffer(buffer) if buffer.is_cuda else buffers.host_buffer(buffer)
+        self._posted[receive] = (self.comm.Irecv([data, MPI.BYTE], receive.source, receive.tag), buffer)
 
-    def wait(self, pending: Pending, action: object = None) -> list[torch.Tensor]:
+    def wait(self, receive: Receive) -> list[torch.Tensor]:
         """The tensors of a posted receive, once it has arrived; :class:`PeerFailed` if a
-        peer's failure notice comes first. ``action`` (what the receive is for, such as a
-        pipeline action ``1F3``) names it in the watchdog's report."""
-        self._wait_or_notice([pending.request], "receive", _Receiving(self.comm, pending, action))
-        self._posted.remove(pending)
-        if len(pending.metas) == 1:
-            out = [pending.buffer]
+        peer's failure notice comes first."""
+        request, buffer = self._posted[receive]
+        self._wait_or_notice([request], "receive", receive)
+        del self._posted[receive]
+        if receive.offsets is None:
+            out = [buffer]
         else:
-            offsets, _ = layout(pending.metas)
-            out = [pending.buffer[offset:offset + prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                   for (shape, dtype), offset in zip(pending.metas, offsets)]
-        return [t if t.device == pending.device else t.to(pending.device) for t in out]
+            out = [buffer[offset:offset + prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                   for (shape, dtype), offset in zip(receive.metas, receive.offsets)]
+        if buffer.device != receive.device:
+            out = [t.to(receive.device) for t in out]
+        return out
 
     # -- sending --------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> None:
@@ -143,11 +133,16 @@ class Channel:
                     piece.view(t.dtype).view(t.shape).copy_(t)
         if data.is_cuda:
             torch.cuda.current_stream(data.device).synchronize()
-        request = self.comm.Isend([buffers.as_buffer(data), MPI.BYTE], dest, tag)
+        # C-contiguous either way (stage, or packed): a host tensor's address without a check
+        request = self.comm.Isend([buffers.as_buffer(data) if data.is_cuda else buffers.host_buffer(data), MPI.BYTE],
+                                  dest, tag)
         self._sends.append((request, data))
 
     def finish_sends(self) -> None:
-        """Wait until every started send is done (or raise :class:`PeerFailed`)."""
+        """Wait until every started send is done (or raise :class:`PeerFailed`): by the end
+        of a round most are, so one ``Testall`` over them usually completes them all."""
+        if self._sends and MPI.Request.Testall([r for r, _ in self._sends]):
+            self._sends.clear()
         while self._sends:
             index = self._wait_or_notice([r for r, _ in self._sends], "sends", f"{len(self._sends)} messages")
             del self._sends[index]
@@ -178,11 +173,11 @@ class Channel:
         communicator, the receive buffers and whatever was being sent are kept for the rest
         of the process (never freed or reused: a cancel that did not take, or a message
         still on its way, then lands in memory nobody else uses)."""
-        for request in [self._notice] + [p.request for p in self._posted]:
+        for request in [self._notice] + [request for request, _ in self._posted.values()]:
             if request != MPI.REQUEST_NULL and not request.Test():
                 request.Cancel()
         _abandoned.append((self.comm, self._notice, self._notice_buf, self._posted, self._sends))
-        self._posted, self._sends = [], []
+        self._posted, self._sends = {}, []
 
 
 _ONE = b"\x01"

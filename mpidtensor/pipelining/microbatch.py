@@ -55,14 +55,18 @@ def split_args_kwargs(args: tuple, kwargs: dict, n: int, args_spec: tuple | None
         raise ValueError(f"args_chunk_spec has {len(args_spec)} entries for {len(args)} arguments")
     columns = [_split_value(a, args_spec[i] if args_spec else None, n, f"argument {i}") for i, a in enumerate(args)]
     kw_columns = {k: _split_value(v, (kwargs_spec or {}).get(k), n, f"argument {k!r}") for k, v in kwargs.items()}
-    arg_mbs = [tuple(col[m] for col in columns) for m in range(n)]
-    kwarg_mbs = [{k: col[m] for k, col in kw_columns.items()} for m in range(n)]
+    # by zip, not a comprehension per micro-batch (each a Python call)
+    arg_mbs = list(zip(*columns)) if columns else [()] * n
+    kwarg_mbs = [dict(zip(kw_columns, values)) for values in zip(*kw_columns.values())] if kw_columns \
+        else [{} for _ in range(n)]
     return arg_mbs, kwarg_mbs
 
 
 def merge_chunks(chunks: list[Any], spec: Any = None) -> Any:
     """The micro-batches' outputs as one batch: tensors concatenated along dim 0 (or the
     ``split_dim`` of the matching leaf of ``spec``), other values from the first."""
+    if spec is None and all([type(c) is torch.Tensor and c.dim() > 0 for c in chunks]):
+        return torch.cat(chunks)  # one tensor per micro-batch (the common case): no pytree work
     leaves = [pytree.tree_flatten(c)[0] for c in chunks]
     _, treedef = pytree.tree_flatten(chunks[0])
     specs = pytree.tree_flatten(spec)[0] if spec is not None else [None] * len(leaves[0])

@@ -11,12 +11,12 @@ micro-batch, by the schedule on every rank.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from mpi4py import MPI
 
-from ..comm.p2p import Channel, NOTICE_TAG, PeerFailed
+from ..comm.p2p import Channel, NOTICE_TAG, PeerFailed, Receive
 from . import fsdp_sync
 from .actions import B, F, I, W, Action
 from .crossing import local_of, rebuild
@@ -39,6 +39,27 @@ def tag_of(num_stages: int, sender: int, direction: int, mb: int, tag_ub: int) -
     return NOTICE_TAG + 1 + ((mb % wrap) * num_stages + sender) * 2 + direction
 
 
+class _Step(NamedTuple):
+    """One action as the runtime runs it, prepared once per order (:meth:`Runtime._prepare`):
+    what it posts first, where its input and output go, and its stage's flags."""
+
+    action: Action
+    stage: Any
+    kind: str
+    mb: int
+    posts: tuple[Receive, ...]  # receives posted before it (RECV_AHEAD)
+    receive: Receive | None  # its input from another rank (None: handed over in memory, or none)
+    inbox: tuple | None  # the key of its input handed over in memory
+    send: tuple[int, int] | None  # (destination rank, tag) of what it sends
+    outbox: tuple | None  # the key its output is handed over under, to a stage of this rank
+    first: bool
+    last: bool
+    last_backward: bool  # the stage's last whole backward of the step (FSDP reduces there)
+    kinds: list  # how its received inputs are rebuilt (_rebuilt)
+    next_kinds: list  # how the next stage rebuilds what it hands over
+    plain_out: bool  # the stage's outputs are plain tensors (no DTensor's local tensor to take)
+
+
 class Runtime:
     """Runs ``order`` (this rank's actions) on ``stages`` (this rank's, by index)."""
 
@@ -46,8 +67,7 @@ class Runtime:
         self.stages, self.order, self.stage_rank, self.rank = stages, order, stage_rank, rank
         self.num_stages = next(iter(stages.values())).num_stages
         self.tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
-        self._plan: list[tuple[int, int, int, list]] | None = None
-        self._send_plan: list[tuple[int, int] | None] | None = None
+        self._plans: dict[bool, list[_Step]] = {}  # with and without backward
         # each stage's last whole backward of the step: FSDP reduces its gradients there; a
         # stage with a split backward (I, W; DualPipeV mixes them with B) reduces at the
         # step's end instead (fsdp_sync)
@@ -57,105 +77,122 @@ class Runtime:
     def _tag(self, sender: int, direction: int, mb: int) -> int:
         return tag_of(self.num_stages, sender, direction, mb, self.tag_ub)
 
-    def _receives(self) -> list[tuple[int, int, int, list]]:
-        """``(action position, source, tag, (shape, dtype) of each tensor)`` of each receive,
-        in order (once); a DTensor's are its local tensor's."""
-        if self._plan is None:
-            plan = []
-            for i, (s, kind, mb) in enumerate(self.order):
-                st = self.stages[s]
-                if kind == F and not st.is_first and self.stage_rank[s - 1] != self.rank:
-                    plan.append((i, self.stage_rank[s - 1], self._tag(s - 1, _FWD, mb),
-                                 [(m.shape, m.dtype) for m in st.inputs_meta]))
-                elif kind in (B, I) and not st.is_last and self.stage_rank[s + 1] != self.rank:
-                    plan.append((i, self.stage_rank[s + 1], self._tag(s + 1, _BWD, mb),
-                                 [(m.shape, m.dtype) for m in st.outputs_meta if grad_carrying(m)]))
-            self._plan = plan
-        return self._plan
-
-    def _sends(self) -> list[tuple[int, int] | None]:
-        """``(destination rank, tag)`` of the message each action sends (``None``: it sends
-        nothing, or hands over in memory), in order (once)."""
-        if self._send_plan is None:
-            plan: list[tuple[int, int] | None] = []
-            for s, kind, mb in self.order:
-                to = s + 1 if kind == F else s - 1 if kind in (B, I) else -1
-                if 0 <= to < self.num_stages and self.stage_rank[to] != self.rank:
-                    plan.append((self.stage_rank[to], self._tag(s, _FWD if kind == F else _BWD, mb)))
+    def _prepare(self, has_backward: bool) -> list[_Step]:
+        """The order as :class:`_Step` s (once each way, after the first step fixed the
+        shapes that cross): each receive's tag, source and layout (a DTensor's are its
+        local tensor's), each send's destination and tag, the in-memory hand-overs between
+        this rank's stages, and which receives each action posts first."""
+        kinds = {s: _input_kinds(st, has_backward) for s, st in self.stages.items()}
+        order = [(i, a) for i, a in enumerate(self.order) if has_backward or a.kind == F]
+        receives: list[tuple[int, Receive]] = []
+        steps = []
+        for here, action in order:
+            s, kind, mb = action
+            st = self.stages[s]
+            receive = inbox = send = outbox = None
+            peer = s - 1 if kind == F else s + 1 if kind in (B, I) else -1
+            if kind != W and 0 <= peer < self.num_stages:  # an input from the peer stage
+                if self.stage_rank[peer] == self.rank:
+                    inbox = (s, kind == F, mb)
                 else:
-                    plan.append(None)
-            self._send_plan = plan
-        return self._send_plan
+                    metas = st.inputs_meta if kind == F else [m for m in st.outputs_meta if grad_carrying(m)]
+                    receive = Receive(st.comm, self.stage_rank[peer], self._tag(peer, _FWD if kind == F else _BWD, mb),
+                                      [(m.shape, m.dtype) for m in metas], st.device, action)
+                    receives.append((here, receive))
+            to = s + 1 if kind == F else s - 1 if kind in (B, I) else -1
+            if 0 <= to < self.num_stages:  # an output to the next (F) or previous (B, I) stage
+                if self.stage_rank[to] == self.rank:
+                    outbox = (to, kind == F, mb)
+                else:
+                    send = (self.stage_rank[to], self._tag(s, _FWD if kind == F else _BWD, mb))
+            plain_out = st.outputs_meta is not None and all(m.dist is None for m in st.outputs_meta)
+            steps.append([action, st, kind, mb, receive, inbox, send, outbox, st.is_first, st.is_last,
+                          here == self._last_backward.get(s), kinds[s], kinds.get(s + 1, []), plain_out])
+        plan, posted = [], 0
+        for (here, _), (action, st, kind, mb, receive, *rest) in zip(order, steps):
+            end = posted
+            while end < len(receives) and receives[end][0] < here + RECV_AHEAD:
+                end += 1
+            plan.append(_Step(action, st, kind, mb, tuple(r for _, r in receives[posted:end]), receive, *rest))
+            posted = end
+        return plan
 
     def run(self, channel: Channel, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
             loss_fn: Callable | None, loss_kwargs: dict | None, has_backward: bool, save_outputs: bool) -> dict[int, Any]:
         """Execute the list once; the losses of the last stage's micro-batches (if here).
         Raises :class:`PeerFailed` when another rank failed, :class:`StageFailed` (after
         notifying the others) when a stage here did."""
-        plan = self._receives() if has_backward else [r for r in self._receives() if self.order[r[0]].kind == F]
-        sends = self._sends()
-        # per stage, looked up once a step: first, last, FSDP-managed (its switches set
-        # before each backward), and how its received inputs are rebuilt
-        flags = {s: (st.is_first, st.is_last, isinstance(st.submod, fsdp_sync.FSDPModule),
-                     _input_kinds(st, has_backward)) for s, st in self.stages.items()}
-        posted: dict[int, Any] = {}
-        handoff: dict[tuple[int, str, int], list] = {}
+        plan = self._plans.get(has_backward)
+        if plan is None:
+            plan = self._plans[has_backward] = self._prepare(has_backward)
+        # whether each stage is FSDP-managed (its switches set before each backward): a step's look
+        fsdp = {s: isinstance(st.submod, fsdp_sync.FSDPModule) for s, st in self.stages.items()}
+        handoff: dict[tuple, Any] = {}
         losses: dict[int, Any] = {}
-        next_post = 0
         kwargs = loss_kwargs or {}
-        for here, action in enumerate(self.order):
-            s, kind, mb = action
-            if not has_backward and kind != F:
-                continue
-            while next_post < len(plan) and plan[next_post][0] < here + RECV_AHEAD:
-                i, source, tag, metas = plan[next_post]
-                posted[i] = channel.post(source, tag, metas, self.stages[self.order[i].stage_index].device)
-                next_post += 1
-            st = self.stages[s]
-            first, last, fsdp, kinds = flags[s]
-            if last and kind in (B, I) and losses.get(mb) is None:
-                raise ValueError(f"stage {s} is the last and has no loss for micro-batch {mb}: "
-                                 "a schedule that trains needs loss_fn and step(..., target=...)")
-            if kind == F:
-                if first:
-                    args = arg_mbs[mb]
-                else:
-                    args = handoff.pop((s, F, mb), None)
-                    if args is None:
-                        args = _rebuilt(channel.wait(posted.pop(here), action), kinds)
-                out = _call(action, "", st.forward_one_chunk, mb, args, kwarg_mbs[mb], save_outputs)
-                if last:
-                    if loss_fn is not None and target_mbs is not None:
-                        losses[mb] = _call(action, "its loss_fn", loss_fn, out, target_mbs[mb], **kwargs)
-                    continue
-                outs = as_tuple(out)
-                st.check_outputs(outs)
-                sent = [local_of(o) for o in outs]
-                to = sends[here]
-                if to is None:
-                    handoff[(s + 1, F, mb)] = _rebuilt(sent, flags[s + 1][3])
-                else:
-                    channel.send(sent, *to)
-            elif kind == W:
-                if fsdp:
-                    fsdp_sync.before_backward(st.submod, last=False)
-                _call(action, "", st.backward_weight_one_chunk, mb)
-            else:  # B or I
-                grads = None
-                if not last:
-                    grads = handoff.pop((s, B, mb), None)
-                    if grads is None:
-                        grads = channel.wait(posted.pop(here), action)
-                if fsdp:
-                    fsdp_sync.before_backward(st.submod, last=here == self._last_backward.get(s))
-                input_grads = _call(action, "", st.backward_one_chunk, mb, losses.get(mb) if last else None, grads,
-                                    full_backward=kind == B)
-                if not first:
-                    to = sends[here]
-                    if to is None:
-                        handoff[(s - 1, B, mb)] = input_grads
+        doing, what = None, ""  # the action whose stage code runs (its failure is the stage's)
+        try:
+            for action, st, kind, mb, posts, receive, inbox, send, outbox, first, last, last_b, kinds, \
+                    next_kinds, plain_out in plan:
+                for r in posts:
+                    channel.post(r)
+                if kind == F:
+                    if first:
+                        args = arg_mbs[mb]
+                    elif receive is None:
+                        args = handoff.pop(inbox)
                     else:
-                        channel.send(input_grads, *to)
+                        args = _rebuilt(channel.wait(receive), kinds)
+                    doing = action
+                    out = st.forward_one_chunk(mb, args, kwarg_mbs[mb], save_outputs and last)
+                    if last:
+                        if loss_fn is not None and target_mbs is not None:
+                            what = "its loss_fn after the forward"
+                            losses[mb] = loss_fn(out, target_mbs[mb], **kwargs)
+                            what = ""
+                        doing = None
+                        continue
+                    doing = None
+                    outs = (out,) if type(out) is torch.Tensor else as_tuple(out)
+                    st.check_outputs(outs)  # plain tensors where the fixed shapes say so: sent as they are
+                    sent = outs if plain_out else [local_of(o) for o in outs]
+                    if send is None:
+                        handoff[outbox] = _rebuilt(sent, next_kinds)
+                    else:
+                        channel.send(sent, *send)
+                elif kind == W:
+                    if fsdp[action.stage_index]:
+                        fsdp_sync.before_backward(st.submod, last=False)
+                    doing = action
+                    st.backward_weight_one_chunk(mb)
+                    doing = None
+                else:  # B or I
+                    if last:
+                        loss = losses.get(mb)
+                        if loss is None:
+                            raise ValueError(f"stage {action.stage_index} is the last and has no loss for micro-batch "
+                                             f"{mb}: a schedule that trains needs loss_fn and step(..., target=...)")
+                        grads = None
+                    else:
+                        loss = None
+                        grads = handoff.pop(inbox) if receive is None else channel.wait(receive)
+                    if fsdp[action.stage_index]:
+                        fsdp_sync.before_backward(st.submod, last=last_b)
+                    doing = action
+                    input_grads = st.backward_one_chunk(mb, loss, grads, full_backward=kind == B)
+                    doing = None
+                    if send is not None:
+                        channel.send(input_grads, *send)
+                    elif outbox is not None:
+                        handoff[outbox] = input_grads
+        except PeerFailed:
+            raise
+        except Exception as err:
+            if doing is None:
+                raise
+            kind = {F: "forward", B: "backward", I: "input backward", W: "weight backward"}[doing.kind]
+            raise StageFailed(f"pipeline stage {doing.stage_index} failed in {what or f'its {kind}'} of micro-batch "
+                              f"{doing.microbatch_index}: {type(err).__name__}: {err}") from err
         channel.finish_sends()
         return losses
 
@@ -172,20 +209,7 @@ def _rebuilt(tensors: list[torch.Tensor], kinds: list[tuple]) -> tuple:
     """Received or handed-over activations (local tensors) as a stage's inputs: new
     leaves, DTensors again where they were sent as such, requiring gradients where one
     flows back."""
+    if len(kinds) == 1 and kinds[0][0] is None:  # one plain tensor (the common case): no comprehension
+        return (tensors[0].detach().requires_grad_(kinds[0][2]),)
     return tuple([rebuild(t.detach(), dist, mesh).requires_grad_(grad)
                   for t, (dist, mesh, grad) in zip(tensors, kinds)])
-
-
-def _call(action: Action, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``, the stage's own code; its failure becomes :class:`StageFailed`
-    naming the stage, the action and the micro-batch (``what``: the code, when not the
-    action's own)."""
-    try:
-        return fn(*args, **kwargs)
-    except PeerFailed:
-        raise
-    except Exception as err:  # noqa: BLE001  (named and raised on every rank by the schedule)
-        kind = {F: "forward", B: "backward", I: "input backward", W: "weight backward"}[action.kind]
-        where = f"{what} after the forward" if what else f"its {kind}"
-        raise StageFailed(f"pipeline stage {action.stage_index} failed in {where} of micro-batch "
-                          f"{action.microbatch_index}: {type(err).__name__}: {err}") from err

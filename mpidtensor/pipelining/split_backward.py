@@ -37,6 +37,7 @@ stage checked their shapes): the argument handling they skip cost 10-25 us per c
 """
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import NamedTuple, Sequence
 
 import torch
@@ -45,6 +46,8 @@ from torch.autograd.graph import GradientEdge, Node, _engine_run_backward, get_g
 __all__ = ["Splitter", "WeightPass", "backward_input"]
 
 _WHOLE, _OWN, _SHARED = "whole", "own", "shared"  # how W runs (module docstring, in order)
+_edge = tuple.__new__  # _edge(GradientEdge, (node, nr)): the named tuple without its Python-level __new__
+_child, _input_nr = itemgetter(0), itemgetter(1)  # of an edge in Node.next_functions
 
 
 class WeightPass:
@@ -102,45 +105,49 @@ def _walk(roots: list[torch.Tensor], inputs: list[torch.Tensor], params: list[to
     then where each root, input and parameter sits (position, output number; ``-1`` when
     unreachable). A leaf is found by its ``AccumulateGrad`` node's ``variable``: asking
     autograd for a leaf's edge makes a view, ~20 us each under load."""
-    root_edges = [_edge(r) for r in roots]
     nodes: list[Node] = []
     index: dict[Node, int] = {}
-    for e in root_edges:
-        if e.node not in index:
-            index[e.node] = len(nodes)
-            nodes.append(e.node)
+    root_places = []
+    for r in roots:
+        node, nr = (r.grad_fn, r.output_nr) if r.grad_fn is not None else get_gradient_edge(r)
+        at = index.get(node)
+        if at is None:
+            at = index[node] = len(nodes)
+            nodes.append(node)
+        root_places.append((at, nr))
+    index[None] = -1  # a missing child's position
+    position = index.__getitem__
+    found = len(nodes)  # nodes discovered so far
     shape = []
     leaves: dict[int, tuple[int, torch.Tensor]] = {}  # id of a leaf -> (position of its AccumulateGrad, the leaf)
     for i, node in enumerate(nodes):  # the list grows as the walk discovers nodes
-        kids = []
-        for child, nr in node.next_functions:
-            at = -1 if child is None else index.get(child)
-            if at is None:
-                at = index[child] = len(index)
+        edges = node.next_functions
+        for child, _ in edges:
+            if child not in index:
+                index[child] = found
+                found += 1
                 nodes.append(child)
-            kids.append((at, nr))
-        if not kids:
-            variable = getattr(node, "variable", None)
-            if variable is not None:
-                leaves[id(variable)] = (i, variable)
-        shape.append((type(node), tuple(kids)))
-
-    def where(t: torch.Tensor) -> tuple[int, int]:
-        if t.grad_fn is not None:
-            return index.get(t.grad_fn, -1), t.output_nr
-        found = leaves.get(id(t))
-        if found is not None and found[1] is t:
-            return found[0], 0
-        # not reached (unused), or a leaf seen under another Python object
-        return index.get(get_gradient_edge(t).node, -1), 0
-
-    places = (tuple([(index[e.node], e.output_nr) for e in root_edges]), tuple([where(x) for x in inputs]),
-              tuple([where(p) for p in params]))
-    return _Graph(nodes, (tuple(shape), places))
-
-
-def _edge(t: torch.Tensor) -> GradientEdge:
-    return GradientEdge(t.grad_fn, t.output_nr) if t.grad_fn is not None else get_gradient_edge(t)
+        if edges:  # the children's positions and input numbers, mapped in C (no bytecode per child)
+            shape.append((type(node), tuple(zip(map(position, map(_child, edges)), map(_input_nr, edges)))))
+            continue
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves[id(variable)] = (i, variable)
+        shape.append((type(node), ()))
+    places = [tuple(root_places)]
+    for tensors in (inputs, params):  # where each sits (a leaf by its AccumulateGrad: see above)
+        at = []
+        for t in tensors:
+            if t.grad_fn is not None:
+                at.append((index.get(t.grad_fn, -1), t.output_nr))
+                continue
+            leaf = leaves.get(id(t))
+            if leaf is not None and leaf[1] is t:
+                at.append((leaf[0], 0))
+            else:  # not reached (unused), or a leaf seen under another Python object
+                at.append((index.get(get_gradient_edge(t).node, -1), 0))
+        places.append(tuple(at))
+    return _Graph(nodes, (tuple(shape), tuple(places)))
 
 
 def _ancestors(starts: Sequence[int], parents: list[list[int]]) -> set[int]:
@@ -240,6 +247,10 @@ class Splitter:
             return [], WeightPass([(roots, root_grads, params, True)] if params else [], None, [])
         if not params:
             return list(torch.autograd.grad(roots, inputs, root_grads, allow_unused=True)), WeightPass([], None, [])
+        if root_grads is None and len(roots) == 1 and roots[0].numel() == 1 and roots[0].dtype.is_floating_point:
+            # a scalar loss: its gradient as autograd makes it, so that the calls below go
+            # straight to the engine (autograd.grad's argument handling cost ~25 Python calls)
+            root_grads = [torch.ones_like(roots[0], memory_format=torch.preserve_format)]
         graph = _walk(roots, inputs, params)
         plan = self._plan(graph.shape)
         if plan.mode == _WHOLE:  # W as a whole backward over the retained graph, restricted to the parameters
@@ -249,7 +260,7 @@ class Splitter:
         # the gradients the intermediates receive, returned by I's call with the inputs'
         # (autograd captures them as the node runs: no hook; tensor hooks on an
         # intermediate's output then apply once, in W, which runs the node)
-        targets = (*inputs, *[GradientEdge(nodes[i], k) for i, _, _, outs in plan.entries for k in outs])
+        targets = (*inputs, *[_edge(GradientEdge, (nodes[i], k)) for i, _, _, outs in plan.entries for k in outs])
         if root_grads is None or any([g is None for g in root_grads]):  # autograd makes a scalar's gradient
             got = torch.autograd.grad(roots, targets, root_grads, retain_graph=True, allow_unused=True)
         else:
@@ -277,12 +288,12 @@ def _weight_pass(plan: _Plan, nodes: list[Node], captured: Sequence[torch.Tensor
             g = captured[at]
             at += 1
             if g is not None:
-                outputs.append(GradientEdge(nodes[i], k))
+                outputs.append(_edge(GradientEdge, (nodes[i], k)))
                 out_grads.append(g)
         if not outputs:  # nothing reached it in I
             continue
         if plan.mode == _SHARED:
-            calls.append((outputs, out_grads, [GradientEdge(nodes[c], nr) for c, nr in below], False))
+            calls.append((outputs, out_grads, [_edge(GradientEdge, (nodes[c], nr)) for c, nr in below], False))
         elif mine:
             calls.append((outputs, out_grads, [params[j] for j in mine], True))
     given_grads = root_grads or [None] * len(roots)

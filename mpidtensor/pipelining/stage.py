@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from . import crossing, fsdp_sync, split_backward
 from .meta import Meta, fmt as _fmt, grad_carrying, metas_of
@@ -95,6 +96,7 @@ class PipelineStage:
         self._deferred: dict[int, Callable[[], None]] = {}
         self._splitter = split_backward.Splitter()  # I/W plans per graph shape, kept across steps
         self._autograd_params: list[torch.Tensor] | None = None  # found at a step's first I
+        self._carrying: tuple = (None, [])  # (outputs_meta, the positions of its outputs that carry a gradient)
 
     @property
     def is_first(self) -> bool:
@@ -125,19 +127,34 @@ class PipelineStage:
         """Run the module on micro-batch ``mb`` (its received or first-stage inputs) and keep
         what its backward needs."""
         output = self.submod(*args, **(kwargs or {}))
-        outputs = as_tuple(output)
-        if self.is_last and save_forward_output:
-            self.output_chunks.append(output)
+        outputs = (output,) if type(output) is torch.Tensor else as_tuple(output)
+        if save_forward_output and self.is_last:
+            # for the merged output; without its graph when the step trains (its backward
+            # consumes the graph, which would otherwise hold until the next step the received
+            # inputs, through their AccumulateGrad nodes, and what a split backward retained)
+            self.output_chunks.append(output if not self.has_backward else output.detach()
+                                      if type(output) is torch.Tensor else _detached(output))
         if self.has_backward:
-            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            if len(args) == 1:  # the common case, without a comprehension
+                x = args[0]
+                inputs = [x] if isinstance(x, torch.Tensor) and x.requires_grad else []
+            else:
+                inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
             self.fwd_cache[mb] = (outputs, inputs)
         return output
 
     def check_outputs(self, outputs: tuple) -> None:
         """``ValueError`` unless ``outputs`` match the shapes and dtypes fixed at the first
         step (local and cheap: a comparison of tuples before each send)."""
+        expected = self.outputs_meta
+        if len(outputs) == len(expected):  # plain tensors: compared without building their metas
+            for o, m in zip(outputs, expected):
+                if type(o) is not torch.Tensor or m.dist is not None or o.dtype != m.dtype or o.shape != m.shape:
+                    break
+            else:
+                return
         found = metas_of(outputs)
-        if found != self.outputs_meta:
+        if found != expected:
             raise ValueError(f"stage {self.stage_index} output changed since the first step: it sent "
                              f"{_fmt(self.outputs_meta)} and now gives {_fmt(found)}")
 
@@ -148,11 +165,16 @@ class PipelineStage:
             if loss is None:
                 raise RuntimeError(f"stage {self.stage_index} is the last: its backward needs a loss (loss_fn)")
             return [loss], None, inputs
+        carrying = self._carrying
+        if carrying[0] is not self.outputs_meta:  # once per fixing of the shapes
+            carrying = self._carrying = (self.outputs_meta, [i for i, m in enumerate(self.outputs_meta)
+                                                             if grad_carrying(m)])
         roots, root_grads = [], []
-        for o, g in zip([o for o, m in zip(outputs, self.outputs_meta) if grad_carrying(m)], grads):
+        for i, g in zip(carrying[1], grads):
+            o = outputs[i]
             if o.requires_grad:  # one gradient came for each output that carries one
                 roots.append(o)
-                root_grads.append(crossing.grad_received(g, o))
+                root_grads.append(g if type(o) is torch.Tensor else crossing.grad_received(g, o))
         return roots, root_grads, inputs
 
     def backward_one_chunk(self, mb: int, loss: torch.Tensor | None = None,
@@ -167,11 +189,11 @@ class PipelineStage:
                 torch.autograd.backward(roots, root_grads)
             if not full_backward:
                 self._deferred[mb] = self.dw_builder()
-            return [crossing.grad_to_send(x.grad if x.grad is not None else torch.zeros_like(x), x) for x in inputs]
+            return _to_send([x.grad for x in inputs], inputs)
         if self._autograd_params is None:  # once a step: the module's parameters do not change within one
             self._autograd_params = fsdp_sync.autograd_parameters(self.submod)
         got, self._deferred[mb] = self._splitter.backward_input(roots, root_grads, inputs, self._autograd_params)
-        return [crossing.grad_to_send(g if g is not None else torch.zeros_like(x), x) for g, x in zip(got, inputs)]
+        return _to_send(got, inputs)
 
     def backward_weight_one_chunk(self, mb: int) -> None:
         """The weight gradients of micro-batch ``mb`` (after its ``I``)."""
@@ -191,3 +213,21 @@ class PipelineStage:
         are divided by ``grad_scale_factor``."""
         fsdp_sync.reduce_held(self.submod)
         self.scale_grads(grad_scale_factor)
+
+
+def _detached(output: Any) -> Any:
+    """``output`` with each of its tensors detached."""
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, output)
+
+
+def _to_send(grads: list[torch.Tensor | None], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of a stage's received ``inputs`` as they travel upstream (zeros where
+    unused; :func:`.crossing.grad_to_send`; a plain tensor's as it is)."""
+    out = []
+    for g, x in zip(grads, inputs):
+        if g is None:
+            g = torch.zeros_like(x)
+        out.append(g if type(x) is torch.Tensor else crossing.grad_to_send(g, x))
+    return out
