@@ -40,18 +40,14 @@ def autograd_parameters(module: nn.Module) -> list[torch.Tensor]:
     gradients): for a parameter ``fully_shard`` manages, its unsharded form (the same
     tensor every all-gather refills), whichever form the module holds now; a split
     backward's ``W`` asks for their gradients after later forwards may have resharded."""
-    unsharded, params, seen = {}, [], set()
-    for sub in module.modules():  # one walk: the FSDP states, and the parameters in module.parameters()'s order
+    unsharded = {}
+    for sub in module.modules():
         state = state_of(sub)
         if state is not None and state.group is not None:
             for fp in state.group.params:
                 if fp.unsharded is not None:
                     unsharded[id(fp.sharded)] = fp.unsharded
-        for p in sub._parameters.values():
-            if p is not None and p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    return [unsharded.get(id(p), p) for p in params] if unsharded else params
+    return [unsharded.get(id(p), p) for p in module.parameters() if p.requires_grad]
 
 
 def reduce_held(module: nn.Module) -> None:

@@ -132,8 +132,7 @@ class PipelineStage:
             # for the merged output; without its graph when the step trains (its backward
             # consumes the graph, which would otherwise hold until the next step the received
             # inputs, through their AccumulateGrad nodes, and what a split backward retained)
-            self.output_chunks.append(output if not self.has_backward else output.detach()
-                                      if type(output) is torch.Tensor else _detached(output))
+            self.output_chunks.append(_detached(output) if self.has_backward else output)
         if self.has_backward:
             if len(args) == 1:  # the common case, without a comprehension
                 x = args[0]
