@@ -8,7 +8,8 @@
   that decision is made.
 * ``as_buffer``: a zero-copy byte view of a C-contiguous tensor (its raw address on
   the host, CuPy on a GPU), always paired with an explicit MPI datatype;
-  ``host_buffer`` the same for a tensor already known to be a contiguous host one.
+  ``contiguous_buffer`` / ``host_buffer`` the same for a tensor already known to be
+  C-contiguous (on either device / on the host), without the check.
 * ``derived``: a cache of committed derived datatypes, freed on eviction.
 """
 from __future__ import annotations
@@ -151,8 +152,23 @@ def as_buffer(tensor: torch.Tensor) -> Any:
     than a NumPy view): the caller keeps ``tensor`` alive until MPI is done with it."""
     if not tensor.is_contiguous():
         raise ValueError("only C-contiguous tensors may be handed to MPI")
-    if not tensor.is_cuda:
-        return from_address(tensor.data_ptr(), tensor.nbytes)
+    return from_address(tensor.data_ptr(), tensor.nbytes) if not tensor.is_cuda else _device_buffer(tensor)
+
+
+def contiguous_buffer(tensor: torch.Tensor) -> Any:
+    """``as_buffer`` of a tensor its caller knows to be C-contiguous, on either device,
+    without checking it (point-to-point messages of staged or packed tensors)."""
+    return from_address(tensor.data_ptr(), tensor.nbytes) if not tensor.is_cuda else _device_buffer(tensor)
+
+
+def host_buffer(tensor: torch.Tensor) -> Any:
+    """``as_buffer`` of a tensor its caller knows to be a C-contiguous host tensor, without
+    checking it: for the prepared collectives, whose calls check their inputs once."""
+    return from_address(tensor.data_ptr(), tensor.nbytes)
+
+
+def _device_buffer(tensor: torch.Tensor) -> Any:
+    """A CuPy byte array over a C-contiguous CUDA tensor, once its stream's work is done."""
     # bytes (NumPy/CuPy lack some torch dtypes); as_strided, since a contiguous tensor of
     # 0 or 1 element may carry any stride, which reshape would keep and view refuse
     data = tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8)
@@ -161,12 +177,6 @@ def as_buffer(tensor: torch.Tensor) -> Any:
     torch.cuda.current_stream(data.device).synchronize()
     with cupy.cuda.Device(data.device.index):
         return cupy.asarray(data)
-
-
-def host_buffer(tensor: torch.Tensor) -> Any:
-    """``as_buffer`` of a tensor its caller knows to be a C-contiguous host tensor, without
-    checking it: for the prepared collectives, whose calls check their inputs once."""
-    return from_address(tensor.data_ptr(), tensor.nbytes)
 
 
 def reuse(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> Reuse:

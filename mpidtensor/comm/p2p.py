@@ -100,7 +100,7 @@ class Channel:
     def post(self, receive: Receive) -> None:
         """Post ``receive`` (until :meth:`wait` for it; once at a time)."""
         buffer = buffers.empty(receive.shape, receive.like, receive.dtype)
-        data = buffers.as_buffer(buffer) if buffer.is_cuda else buffers.host_buffer(buffer)
+        data = buffers.contiguous_buffer(buffer)
         self._posted[receive] = (self.comm.Irecv([data, MPI.BYTE], receive.source, receive.tag), buffer)
 
     def wait(self, receive: Receive) -> list[torch.Tensor]:
@@ -133,9 +133,8 @@ class Channel:
                     piece.view(t.dtype).view(t.shape).copy_(t)
         if data.is_cuda:
             torch.cuda.current_stream(data.device).synchronize()
-        # C-contiguous either way (stage, or packed): a host tensor's address without a check
-        request = self.comm.Isend([buffers.as_buffer(data) if data.is_cuda else buffers.host_buffer(data), MPI.BYTE],
-                                  dest, tag)
+        # C-contiguous either way (staged, or packed): no check
+        request = self.comm.Isend([buffers.contiguous_buffer(data), MPI.BYTE], dest, tag)
         self._sends.append((request, data))
 
     def finish_sends(self) -> None:
