@@ -49,13 +49,24 @@ from mpi4py import MPI
 from ..tensor.dtensor import DTensor
 from ..comm import accounting
 from ..runtime.agreement import attempt, exchange
-from ..comm.nonblocking import Handle
+from ..comm.nonblocking import Handle, PostedAllGather
+from ..fast.registry import register
+from ..runtime.settings import settings
 from ..comm.pool import advise_huge_pages, tracked_empty
 from . import collectives, packing
 from .float8 import whole_weight_scales
 from .packing import FromRanks, Piece
 from .param import FSDPParam, MeshInfo
 from .policies import MixedPrecisionPolicy, OffloadPolicy, compute_device, host_device, pinned
+
+
+POSTED_GATHER = register(
+    "fsdp.posted_gather",
+    shortcuts="FSDP's all-gather of a group over the shard ranks through collectives.start_all_gather "
+              "(iall_gather: its checks, staging, buffer and MPI arguments made every step)",
+    decided_by="the group's layout, made by its first all-gather: host buffers, 2+ shard ranks, torch's "
+               "default collective (no set_custom_all_gather)",
+)
 
 
 class ShardedState(Enum):
@@ -142,7 +153,9 @@ class ParamGroup:
         self._from_ranks: FromRanks | None = None
         self._input_kinds: dict[int, list[tuple[torch.dtype, tuple[int, ...]]]] = {}  # first extension inputs
         # UNSHARDING: the all-gather and whether it writes into unsharded_flat itself
-        self._gather: tuple[Handle | collectives.NoGather, bool] | None = None
+        self._gather: tuple[Handle | PostedAllGather | collectives.NoGather, bool] | None = None
+        self._posted: PostedAllGather | None = None  # the prepared all-gather over the shard ranks (_prepare_gather)
+        self._in_place = False  # the all-gather may write into unsharded_flat (_prepare_gather)
         self._meta: dict[int, object] = {}  # extensions' fsdp_pre_all_gather metadata, for the post hook
         self._kept: torch.Tensor | None = None  # SHARDED_POST_FORWARD: this rank's rows of a gather
         self._kept_meta: dict[int, object] = {}
@@ -172,6 +185,7 @@ class ParamGroup:
             self.unsharded_flat, self._storage = None, (None, None)
             for p in self.params:
                 p.forget_gathered()
+            self._prepare_gather()
         base = self.shard_flat.data_ptr()
         if self._slots[0] != base:
             self._slots = (base, [base + p.shard_offset for p in plain])
@@ -208,22 +222,33 @@ class ParamGroup:
         if not self.gathered:
             self._gather, self.sharded_state = (collectives.NO_GATHER, False), UNSHARDING
             return
-        if self._placeable():  # the unsharded parameter is the ranks' shards back to back
+        custom = self.custom_all_gather
+        posted = self._posted if custom is None and settings.fast_paths else None
+        if self._in_place and custom is None:  # the unsharded parameter is the ranks' shards back to back
             self._ensure_unsharded_storage()
+            if posted is not None:
+                POSTED_GATHER.hits += 1
+                self._gather, self.sharded_state = (posted.post(out=self.unsharded_flat), True), UNSHARDING
+                return
             comm = self.info.shard_comm
             nbytes = self.gathered[0].local_numel * self.gathered[0].orig_dtype.itemsize
             handle = collectives.start_all_gather(None, self.shard_flat[:nbytes], comm,
                                                   self.unsharded_flat[:nbytes * comm.size])
             self._gather, self.sharded_state = (handle, True), UNSHARDING
             return
-        if self.direct:
-            send = self.shard_flat.to(self.device, non_blocking=True)  # itself unless offloaded
+        if self.direct:  # shard_flat itself unless offloaded
+            send = self.shard_flat if self.offload_to is None else self.shard_flat.to(self.device, non_blocking=True)
         else:
             for i, p in self._extensions:
                 self._check_inputs(i, p, inputs[i])
             send = torch.zeros(self.gather_nbytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
                 packing.pack_send(send, self.gathered, self.pieces, inputs)
+        if posted is not None:
+            POSTED_GATHER.hits += 1
+            self._gather = (posted.post(None if send is posted.send else send), False)
+            self.sharded_state = UNSHARDING
+            return
         self._start_gather(send, self.info.shard_comm)
 
     def _start_gather(self, send: torch.Tensor, comm: MPI.Comm) -> None:
@@ -233,12 +258,24 @@ class ParamGroup:
         handle = collectives.start_all_gather(self.custom_all_gather, send, comm, out)
         self._gather, self.sharded_state = (handle, False), UNSHARDING
 
-    def _placeable(self) -> bool:
-        """Whether the all-gather can write straight into ``unsharded_flat``: one plain
-        parameter in its own dtype, split evenly along dim 0 (its ranks' shards back to
-        back), on the host, with torch's default collective."""
-        return (self._rank_major and self.direct and self.custom_all_gather is None
-                and self.offload_to is None and self.shard_flat.device.type == "cpu")
+    def _prepare_gather(self) -> None:
+        """Once the layout is made, and again whenever ``shard_flat`` is replaced: whether
+        the all-gather can write straight into ``unsharded_flat`` (``_in_place``: one plain
+        parameter in its own dtype, split evenly along dim 0, its ranks' shards back to back,
+        on the host; with torch's default collective), and the all-gather over the shard ranks
+        prepared (``_posted``, ``POSTED_GATHER``) where it gathers host buffers over 2+ ranks:
+        ``shard_flat`` its fixed send buffer unless a cast, an extension or offloading packs
+        or moves one each time."""
+        on_host = self.shard_flat.device.type == "cpu" and self.device.type == "cpu"
+        self._in_place = self._rank_major and self.direct and self.offload_to is None and on_host
+        comm, self._posted = self.info.shard_comm, None
+        if self.pieces is None or not on_host or comm.size == 1 or not self.gather_nbytes:
+            return
+        fixed = self.direct and self.offload_to is None
+        only = self.gathered[0]
+        nbytes = only.local_numel * only.orig_dtype.itemsize if self._in_place else self.gather_nbytes
+        if nbytes:
+            self._posted = PostedAllGather(comm, nbytes, self.shard_flat if fixed else None)
 
     def _ensure_unsharded_storage(self) -> None:
         """Allocate ``unsharded_flat`` (first gather) or give back its freed storage."""
@@ -288,6 +325,7 @@ class ParamGroup:
         self._input_kinds = {i: [(t.dtype, tuple(t.shape)) for t in inputs[i]] for i, _ in self._extensions}
         self.pieces, self.gather_nbytes = packing.gather_pieces(self.gathered, inputs, rows)
         self.split_sizes = packing.split_sizes(self.gathered, self.pieces, self.info.shard_size)
+        self._prepare_gather()
 
     def _input_rows(self, inputs: dict[int, tuple[torch.Tensor, ...]] | None,
                     error: Exception | None) -> dict[int, list[tuple[int, int]]]:
@@ -339,9 +377,13 @@ class ParamGroup:
             _set_grad_enabled(False)  # ``torch.no_grad()`` without its ~14 Python calls (here and in _start_reduce)
         try:
             if not placed and out is not None:  # (placed: the all-gather wrote the parameters in place)
-                rows_of_ranks = out.view(self.info.shard_size, self.gather_nbytes)
+                # (a posted all-gather's output is its (ranks, bytes) rows already)
+                rows_of_ranks = out if out.ndim == 2 else out.view(self.info.shard_size, self.gather_nbytes)
                 if self.split_sizes is not None:  # every parameter in one copy
-                    torch.split_with_sizes_copy(rows_of_ranks, self.split_sizes, dim=1, out=self._split_outputs())
+                    flat, views = self._split_views
+                    if flat is not self.unsharded_flat:
+                        views = self._split_outputs()
+                    torch.split_with_sizes_copy(rows_of_ranks, self.split_sizes, dim=1, out=views)
                 else:
                     self._copy_from_ranks(rows_of_ranks)
                 for i, p in self._extensions:
