@@ -22,6 +22,7 @@ nested (``method_depth``) and leave the parameters gathered. Every hook ends wit
 from __future__ import annotations
 
 from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -232,7 +233,7 @@ class FSDPState:
     @staticmethod
     def _next(explicit: list[FSDPState] | None, implicit: list[FSDPState]) -> list[FSDPState]:
         """The states to prefetch: ``explicit`` if set, else ``implicit`` (the next in order)."""
-        return [s for s in (implicit if explicit is None else explicit) if s.group is not None]
+        return list(filter(_group_of, implicit if explicit is None else explicit))  # (C-level: no call per state)
 
     # --- backward ---------------------------------------------------------------------------------
     def _hook_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -275,6 +276,9 @@ class FSDPState:
                 target.group.start_unshard()
         if progress.poking:
             progress.poke()
+
+
+_group_of = attrgetter("group")  # a ParamGroup is always true, None false
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
