@@ -55,7 +55,8 @@ class GradientReduction:
                 if p.replicated or not self.requires_gradient_sync:
                     p.grad_acc = g
         if self.requires_gradient_sync and params:
-            self.finish_reduce()  # a reduction left running (set_is_last_backward(False)) ends first
+            if self._pending is not None:  # a reduction left running (set_is_last_backward(False)) ends first
+                self.finish_reduce()
             self._start_reduce([(p, g) for p, g in zip(params, grads) if not (p.replicated and hold)]
                                if hold and self._replicated else list(zip(params, grads)))
         if self.reshard_after_backward:
@@ -185,9 +186,12 @@ class GradientReduction:
     @property
     def holds_grads(self) -> bool:
         """Gradients kept unreduced by backwards with gradient sync off."""
-        return any([p.grad_acc is not None for p in self.params])  # (a list: one call, not one per item)
+        return not all(map(is_, map(_grad_acc_of, self.params), repeat(None)))  # (C-level: no call per item)
 
     @property
     def has_pending_grads(self) -> bool:
         """Some unsharded gradients arrived that ``post_backward`` has not taken yet."""
-        return any([p.unsharded is not None and p.unsharded.grad is not None for p in self.params])
+        try:  # every parameter unsharded before (the common case: C-level maps, no call per parameter)
+            return not all(map(is_, map(_unsharded_grad_of, self.params), repeat(None)))
+        except AttributeError:  # some not yet (None has no grad)
+            return any([p.unsharded is not None and p.unsharded.grad is not None for p in self.params])

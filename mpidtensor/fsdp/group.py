@@ -45,7 +45,7 @@ from ..runtime.agreement import attempt, exchange
 from ..comm.nonblocking import Handle, PostedAllGather
 from ..fast.registry import register
 from ..runtime.settings import settings
-from ..comm.pool import advise_huge_pages, tracked_empty
+from ..comm.pool import HUGE_PAGES_MIN, advise_huge_pages, tracked_empty
 from . import collectives, packing
 from .float8 import whole_weight_scales
 from .packing import FromRanks, Piece
@@ -279,8 +279,9 @@ class ParamGroup(GradientReduction):
         if held is not flat:
             storage = self._storage_of(flat)
         if not storage.nbytes():
-            storage.resize_(self.unsharded_nbytes)  # new memory: advise it again
-            accounting.track_resize(advise_huge_pages(flat), storage, self.unsharded_nbytes)
+            storage.resize_(self.unsharded_nbytes)  # new memory: advise it again (no call below the size it needs)
+            accounting.track_resize(advise_huge_pages(flat) if self.unsharded_nbytes >= HUGE_PAGES_MIN else flat,
+                                    storage, self.unsharded_nbytes)
 
     def _free_unsharded_storage(self) -> None:
         flat = self.unsharded_flat

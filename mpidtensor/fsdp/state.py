@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..fast.functions import direct_apply
 from ..runtime import progress
-from .group import UNSHARDED, ParamGroup
+from .group import SHARDED, UNSHARDED, ParamGroup
 from .policies import MixedPrecisionPolicy, cast_floats
 
 
@@ -106,8 +106,9 @@ class FSDPState:
                 group.finish_reduce()
             self._reducing.clear()
         for state in self.states:
-            if state.group is not None and state.group.reshard_after_backward:
-                state.group.reshard()
+            group = state.group
+            if group is not None and group.reshard_after_backward and group.sharded_state is not SHARDED:
+                group.reshard()
         self._callback_queued = False
 
     def reduce_held(self) -> None:
