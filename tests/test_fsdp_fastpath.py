@@ -150,6 +150,10 @@ GATHER_CASES = {  # name: (build, fully_shard keywords): each group kind the pos
                         {"mp_policy": "bf16"}),
     "kept after forward": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
                                                        torch.nn.Linear(7, 3)), {"reshard_after_forward": False}),
+    # groups of one size, two prefetched at once: their receive buffers come from one pool size
+    "same-size groups prefetched": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Tanh(),
+                                                                torch.nn.Linear(5, 5), torch.nn.Tanh(),
+                                                                torch.nn.Linear(5, 5)), {"prefetch": 2}),
 }
 
 
@@ -158,12 +162,16 @@ def fsdp_steps(build, options: dict, mesh, fast: bool, steps: int = 3):
     ``build()`` with every Linear and the root ``fully_shard``-ed, and the FSDP paths' hits."""
     torch.manual_seed(0)
     net = build()
+    options = dict(options)  # (the case's own stays as it is for the other run)
     if options.get("mp_policy") == "bf16":
-        options = {**options, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
-    for layer in net:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh, **options)
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    prefetch = options.pop("prefetch", 0)
+    layers = [layer for layer in net if isinstance(layer, torch.nn.Linear)]
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, **options)
     fully_shard(net, mesh=mesh, **options)
+    if prefetch:
+        layers[0].set_modules_to_forward_prefetch(layers[1:1 + prefetch])
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(WORLD.rank)
     before = {p.name: p.hits for p in registry.paths() if p.name in FSDP_PATHS}
