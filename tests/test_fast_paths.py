@@ -183,8 +183,10 @@ DISPATCH_AND_OPTIMIZER_PATHS = {"dispatch.local_plan", "dispatch.local_view", "d
 
 
 def test_paths_are_covered():
-    """Every registered fast path has a differential case, here or in
-    test_fast_paths_optim.py: a new one fails this test until it has one."""
+    """Every registered fast path has a differential case, here, in test_fast_paths_optim.py
+    or (FSDP's) in test_fsdp_fastpath.py: a new one fails this test until it has one."""
+    from test_fsdp_fastpath import FSDP_PATHS
+
     registered = {p.name for p in registry.paths()}
-    covered = MODULE_PATHS | DISPATCH_AND_OPTIMIZER_PATHS
+    covered = MODULE_PATHS | DISPATCH_AND_OPTIMIZER_PATHS | FSDP_PATHS
     assert_all_ranks(registered == covered, f"registered {sorted(registered)}, covered {sorted(covered)}")

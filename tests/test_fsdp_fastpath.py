@@ -1,7 +1,8 @@
 """FSDP's strided copies between a parameter and its rank chunks (``packing.chunk_layout``):
 the gradient pack for the reduce-scatter and its inverse, the all-gather's copy-out, checked
-against ``torch.chunk`` at world sizes 1-5 with uneven and empty chunks; and the copy-out of a
-group that mixes dim-0 and dim-1 sharding (FSDP x TP's layout) under a full step."""
+against ``torch.chunk`` at world sizes 1-5 with uneven and empty chunks; the copy-out of a
+group that mixes dim-0 and dim-1 sharding (FSDP x TP's layout) under a full step; and FSDP's
+registered fast paths (``FSDP_PATHS``) against the general path, fast paths on and off."""
 from types import SimpleNamespace
 
 import pytest
@@ -10,8 +11,12 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks
 from mpidtensor import Shard
-from mpidtensor.fsdp import fully_shard
+from mpidtensor.fast import registry
+from mpidtensor.fsdp import MixedPrecisionPolicy, fully_shard
 from mpidtensor.fsdp.packing import chunk_views, pack_ranks
+from mpidtensor.runtime.settings import settings
+
+WORLD = MPI.COMM_WORLD
 
 SHAPES = [(1, 8, 3), (2, 7, 3), (3, 2, 5), (1, 1, 4), (4, 9, 1), (2, 0, 3)]
 
@@ -133,3 +138,64 @@ def test_large_unsharded_storage_asks_for_huge_pages(mesh1d, monkeypatch):
         at_reshard.append(len(calls))  # freed storage: nothing to advise
     assert_all_ranks(all(covered) and at_reshard == [0, 0],
                      f"unsharded storage advised per gather: {covered}; madvise calls at reshard {at_reshard}")
+
+
+# --- FSDP's registered fast paths, on against off --------------------------------------------------
+FSDP_PATHS = {"fsdp.posted_gather"}  # tests/test_fast_paths.py checks every registered path has a case
+GATHER_CASES = {  # name: (build, fully_shard keywords): each group kind the posted all-gather takes
+    "blocks": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)), {}),
+    "one weight in place": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12, bias=False), torch.nn.Tanh(),
+                                                        torch.nn.Linear(12, 12, bias=False)), {}),
+    "bfloat16 packed": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)),
+                        {"mp_policy": "bf16"}),
+    "kept after forward": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
+                                                       torch.nn.Linear(7, 3)), {"reshard_after_forward": False}),
+    # groups of one size, two prefetched at once: their receive buffers come from one pool size
+    "same-size groups prefetched": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Tanh(),
+                                                                torch.nn.Linear(5, 5), torch.nn.Tanh(),
+                                                                torch.nn.Linear(5, 5)), {"prefetch": 2}),
+}
+
+
+def fsdp_steps(build, options: dict, mesh, fast: bool, steps: int = 3):
+    """Losses, final sharded gradients and parameters (full tensors) of ``steps`` AdamW steps of
+    ``build()`` with every Linear and the root ``fully_shard``-ed, and the FSDP paths' hits."""
+    torch.manual_seed(0)
+    net = build()
+    options = dict(options)  # (the case's own stays as it is for the other run)
+    if options.get("mp_policy") == "bf16":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    prefetch = options.pop("prefetch", 0)
+    layers = [layer for layer in net if isinstance(layer, torch.nn.Linear)]
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(net, mesh=mesh, **options)
+    if prefetch:
+        layers[0].set_modules_to_forward_prefetch(layers[1:1 + prefetch])
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(WORLD.rank)
+    before = {p.name: p.hits for p in registry.paths() if p.name in FSDP_PATHS}
+    losses = []
+    with settings.override(fast_paths=fast):
+        for _ in range(steps):
+            loss = net(torch.randn(4, 5, generator=gen)).float().pow(2).sum()
+            loss.backward()
+            grads = [p.grad.full_tensor() for p in net.parameters()]
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    hits = {p.name: p.hits - before[p.name] for p in registry.paths() if p.name in FSDP_PATHS}
+    return losses, grads, [p.full_tensor() for p in net.parameters()], hits
+
+
+@pytest.mark.parametrize("case", list(GATHER_CASES))
+def test_posted_all_gather_equals_the_general_one(mesh1d, case):
+    """``fsdp.posted_gather`` (the all-gather prepared once per group) against
+    ``collectives.start_all_gather`` (fast paths off): the same bytes move, so losses,
+    gradients and parameters are bit-equal; it runs on 2+ ranks only, never with fast paths off."""
+    build, options = GATHER_CASES[case]
+    on, off = fsdp_steps(build, options, mesh1d, True), fsdp_steps(build, options, mesh1d, False)
+    same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1] + on[2], off[1] + off[2]))
+    assert_all_ranks(same, f"{case}: losses {on[0]} vs {off[0]}, or gradients / parameters differ")
+    ran = on[3]["fsdp.posted_gather"] > 0
+    assert_all_ranks(ran == (WORLD.size > 1) and not off[3]["fsdp.posted_gather"], f"hits on {on[3]}, off {off[3]}")

@@ -22,14 +22,9 @@ transition is one method that checks the state it leaves:
   ``unsharded_flat``'s storage (``resize_(0)``: the next all-gather refills the same
   tensors, so autograd's saved references stay valid) and drop a prefetch nobody used.
 
-Gradients (``post_backward`` then ``finish_reduce``): packed in ``reduce_dtype``, one
-reduce-scatter (blocking unless MPI progress is on, see
-``collectives.start_reduce_scatter``; then an all-reduce over the replicate dim for HSDP)
-and a division by the data-parallel size (or ``set_gradient_divide_factor``'s, split as
-``collectives.divide_factors`` says around the all-reduce hook); the sharded ``.grad``s
-are made from the result. Replicated parameters (TP-sharded on every dim) are neither
-gathered nor scattered: their unsharded form is their local block, their gradients are
-all-reduced over the data-parallel mesh.
+Gradients: ``gradients.GradientReduction`` (``post_backward`` then ``finish_reduce``).
+Replicated parameters (TP-sharded on every dim) are neither gathered nor scattered: their
+unsharded form is their local block.
 
 ``CPUOffloadPolicy`` on a non-CPU mesh: ``shard_flat`` and the ``.grad`` shards on the
 host, copied to the device for the all-gather and back after the reduce-scatter.
@@ -39,23 +34,33 @@ resize reported), so ``memory_allocated()`` shows sharded + currently gathered b
 from __future__ import annotations
 
 from enum import Enum, auto
-from itertools import repeat
-from operator import attrgetter, is_, itemgetter
+from operator import attrgetter
 from typing import Callable
 
 import torch
 from mpi4py import MPI
 
-from ..tensor.dtensor import DTensor
 from ..comm import accounting
 from ..runtime.agreement import attempt, exchange
-from ..comm.nonblocking import Handle
-from ..comm.pool import advise_huge_pages, tracked_empty
+from ..comm.nonblocking import Handle, PostedAllGather
+from ..fast.registry import register
+from ..runtime.settings import settings
+from ..comm.pool import HUGE_PAGES_MIN, advise_huge_pages, tracked_empty
 from . import collectives, packing
 from .float8 import whole_weight_scales
 from .packing import FromRanks, Piece
+from .gradients import GradientReduction
 from .param import FSDPParam, MeshInfo
 from .policies import MixedPrecisionPolicy, OffloadPolicy, compute_device, host_device, pinned
+
+
+POSTED_GATHER = register(
+    "fsdp.posted_gather",
+    shortcuts="FSDP's all-gather of a group over the shard ranks through collectives.start_all_gather "
+              "(iall_gather: its checks, staging, buffer and MPI arguments made every step)",
+    decided_by="the group's layout, made by its first all-gather: host buffers, 2+ shard ranks, torch's "
+               "default collective (no set_custom_all_gather)",
+)
 
 
 class ShardedState(Enum):
@@ -69,10 +74,7 @@ class ShardedState(Enum):
 
 
 _data_ptr, _local_of, _sharded_of = torch.Tensor.data_ptr, attrgetter("_local_tensor"), attrgetter("sharded")
-_grad_acc_of, _unsharded_of, _version_of = attrgetter("grad_acc"), attrgetter("unsharded"), attrgetter("_version")
-_unsharded_grad_of, _requires_grad_of = attrgetter("unsharded.grad"), attrgetter("requires_grad")
-_PLAIN = {torch.Tensor}
-_first, _shard_numel_of = itemgetter(0), attrgetter("shard_numel")
+_unsharded_of, _version_of = attrgetter("unsharded"), attrgetter("_version")
 _grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 
 # The members as module constants: reading an Enum member off its class costs ~10x a
@@ -81,7 +83,7 @@ SHARDED, SHARDED_POST_FORWARD = ShardedState.SHARDED, ShardedState.SHARDED_POST_
 UNSHARDING, UNSHARDED = ShardedState.UNSHARDING, ShardedState.UNSHARDED
 
 
-class ParamGroup:
+class ParamGroup(GradientReduction):
     """Flat buffers, all-gather, reshard and gradient reduce-scatter of one group."""
 
     def __init__(self, params: list[FSDPParam], info: MeshInfo, mp: MixedPrecisionPolicy,
@@ -142,11 +144,14 @@ class ParamGroup:
         self._from_ranks: FromRanks | None = None
         self._input_kinds: dict[int, list[tuple[torch.dtype, tuple[int, ...]]]] = {}  # first extension inputs
         # UNSHARDING: the all-gather and whether it writes into unsharded_flat itself
-        self._gather: tuple[Handle | collectives.NoGather, bool] | None = None
+        self._gather: tuple[Handle | PostedAllGather | collectives.NoGather, bool] | None = None
+        self._posted: PostedAllGather | None = None  # the prepared all-gather over the shard ranks (_prepare_gather)
+        self._in_place = False  # the all-gather may write into unsharded_flat (_prepare_gather)
         self._meta: dict[int, object] = {}  # extensions' fsdp_pre_all_gather metadata, for the post hook
         self._kept: torch.Tensor | None = None  # SHARDED_POST_FORWARD: this rank's rows of a gather
         self._kept_meta: dict[int, object] = {}
         self._pending: tuple[Handle | None, list[FSDPParam], Handle | None, list[FSDPParam]] | None = None
+        self._divide: tuple[tuple | None, tuple] = (None, ())  # GradientReduction._factors: its settings, factors
         self._scatters = collectives.reduce_scatters(self.reduce_scatter_comm)
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced (summed)
         self._slots: tuple[int, list[int]] = (-1, [])  # shard_flat's address, the plain shards' addresses in it
@@ -172,6 +177,7 @@ class ParamGroup:
             self.unsharded_flat, self._storage = None, (None, None)
             for p in self.params:
                 p.forget_gathered()
+            self._prepare_gather()
         base = self.shard_flat.data_ptr()
         if self._slots[0] != base:
             self._slots = (base, [base + p.shard_offset for p in plain])
@@ -208,22 +214,33 @@ class ParamGroup:
         if not self.gathered:
             self._gather, self.sharded_state = (collectives.NO_GATHER, False), UNSHARDING
             return
-        if self._placeable():  # the unsharded parameter is the ranks' shards back to back
+        custom = self.custom_all_gather
+        posted = self._posted if custom is None and settings.fast_paths else None
+        if self._in_place and custom is None:  # the unsharded parameter is the ranks' shards back to back
             self._ensure_unsharded_storage()
+            if posted is not None:
+                POSTED_GATHER.hits += 1
+                self._gather, self.sharded_state = (posted.post(out=self.unsharded_flat), True), UNSHARDING
+                return
             comm = self.info.shard_comm
             nbytes = self.gathered[0].local_numel * self.gathered[0].orig_dtype.itemsize
             handle = collectives.start_all_gather(None, self.shard_flat[:nbytes], comm,
                                                   self.unsharded_flat[:nbytes * comm.size])
             self._gather, self.sharded_state = (handle, True), UNSHARDING
             return
-        if self.direct:
-            send = self.shard_flat.to(self.device, non_blocking=True)  # itself unless offloaded
+        if self.direct:  # shard_flat itself unless offloaded
+            send = self.shard_flat if self.offload_to is None else self.shard_flat.to(self.device, non_blocking=True)
         else:
             for i, p in self._extensions:
                 self._check_inputs(i, p, inputs[i])
             send = torch.zeros(self.gather_nbytes, dtype=torch.uint8, device=self.device)
             with torch.no_grad():
                 packing.pack_send(send, self.gathered, self.pieces, inputs)
+        if posted is not None:
+            POSTED_GATHER.hits += 1
+            self._gather = (posted.post(None if send is posted.send else send), False)
+            self.sharded_state = UNSHARDING
+            return
         self._start_gather(send, self.info.shard_comm)
 
     def _start_gather(self, send: torch.Tensor, comm: MPI.Comm) -> None:
@@ -233,12 +250,24 @@ class ParamGroup:
         handle = collectives.start_all_gather(self.custom_all_gather, send, comm, out)
         self._gather, self.sharded_state = (handle, False), UNSHARDING
 
-    def _placeable(self) -> bool:
-        """Whether the all-gather can write straight into ``unsharded_flat``: one plain
-        parameter in its own dtype, split evenly along dim 0 (its ranks' shards back to
-        back), on the host, with torch's default collective."""
-        return (self._rank_major and self.direct and self.custom_all_gather is None
-                and self.offload_to is None and self.shard_flat.device.type == "cpu")
+    def _prepare_gather(self) -> None:
+        """Once the layout is made, and again whenever ``shard_flat`` is replaced: whether
+        the all-gather can write straight into ``unsharded_flat`` (``_in_place``: one plain
+        parameter in its own dtype, split evenly along dim 0, its ranks' shards back to back,
+        on the host; with torch's default collective), and the all-gather over the shard ranks
+        prepared (``_posted``, ``POSTED_GATHER``) where it gathers host buffers over 2+ ranks:
+        ``shard_flat`` its fixed send buffer unless a cast, an extension or offloading packs
+        or moves one each time."""
+        on_host = self.shard_flat.device.type == "cpu" and self.device.type == "cpu"
+        self._in_place = self._rank_major and self.direct and self.offload_to is None and on_host
+        comm, self._posted = self.info.shard_comm, None
+        if self.pieces is None or not on_host or comm.size == 1 or not self.gather_nbytes:
+            return
+        fixed = self.direct and self.offload_to is None
+        only = self.gathered[0]
+        nbytes = only.local_numel * only.orig_dtype.itemsize if self._in_place else self.gather_nbytes
+        if nbytes:
+            self._posted = PostedAllGather(comm, nbytes, self.shard_flat if fixed else None)
 
     def _ensure_unsharded_storage(self) -> None:
         """Allocate ``unsharded_flat`` (first gather) or give back its freed storage."""
@@ -246,27 +275,31 @@ class ParamGroup:
         if flat is None:
             self.unsharded_flat = tracked_empty(self.unsharded_nbytes, torch.uint8, self.device)
             return
-        storage = self._storage_of(flat)
+        held, storage = self._storage
+        if held is not flat:
+            storage = self._storage_of(flat)
         if not storage.nbytes():
-            storage.resize_(self.unsharded_nbytes)  # new memory: advise it again
-            accounting.track_resize(advise_huge_pages(flat), storage, self.unsharded_nbytes)
+            storage.resize_(self.unsharded_nbytes)  # new memory: advise it again (no call below the size it needs)
+            accounting.track_resize(advise_huge_pages(flat) if self.unsharded_nbytes >= HUGE_PAGES_MIN else flat,
+                                    storage, self.unsharded_nbytes)
 
     def _free_unsharded_storage(self) -> None:
         flat = self.unsharded_flat
         if flat is not None:
-            storage = self._storage_of(flat)
+            held, storage = self._storage
+            if held is not flat:
+                storage = self._storage_of(flat)
             if storage.nbytes():
                 storage.resize_(0)
                 accounting.track_resize(flat, storage, 0)
 
     def _storage_of(self, flat: torch.Tensor) -> torch.UntypedStorage:
-        """``flat``'s storage object, asked for once per ``unsharded_flat`` (a resize keeps
-        the object; each ``untyped_storage()`` call makes a new one, and accounting keys
-        storages by object id, which stays valid since the object lives as long as ``flat``)."""
-        held, storage = self._storage
-        if held is not flat:
-            storage = flat.untyped_storage()
-            self._storage = (flat, storage)
+        """``flat``'s storage object, asked for once per ``unsharded_flat`` (kept in ``_storage``,
+        which the callers read first: a resize keeps the object; each ``untyped_storage()``
+        call makes a new one, and accounting keys storages by object id, which stays valid
+        since the object lives as long as ``flat``)."""
+        storage = flat.untyped_storage()
+        self._storage = (flat, storage)
         return storage
 
     # --- all-gather extensions (fsdp_pre_all_gather / fsdp_post_all_gather) ---------------------------
@@ -288,6 +321,7 @@ class ParamGroup:
         self._input_kinds = {i: [(t.dtype, tuple(t.shape)) for t in inputs[i]] for i, _ in self._extensions}
         self.pieces, self.gather_nbytes = packing.gather_pieces(self.gathered, inputs, rows)
         self.split_sizes = packing.split_sizes(self.gathered, self.pieces, self.info.shard_size)
+        self._prepare_gather()
 
     def _input_rows(self, inputs: dict[int, tuple[torch.Tensor, ...]] | None,
                     error: Exception | None) -> dict[int, list[tuple[int, int]]]:
@@ -321,7 +355,8 @@ class ParamGroup:
         parameters on the modules."""
         if self.sharded_state is UNSHARDED:
             return
-        self.start_unshard()
+        if self.sharded_state is not UNSHARDING:
+            self.start_unshard()
         handle, placed = self._gather
         out = handle.wait()
         self._gather = None
@@ -339,9 +374,13 @@ class ParamGroup:
             _set_grad_enabled(False)  # ``torch.no_grad()`` without its ~14 Python calls (here and in _start_reduce)
         try:
             if not placed and out is not None:  # (placed: the all-gather wrote the parameters in place)
-                rows_of_ranks = out.view(self.info.shard_size, self.gather_nbytes)
+                # (a posted all-gather's output is its (ranks, bytes) rows already)
+                rows_of_ranks = out if out.ndim == 2 else out.view(self.info.shard_size, self.gather_nbytes)
                 if self.split_sizes is not None:  # every parameter in one copy
-                    torch.split_with_sizes_copy(rows_of_ranks, self.split_sizes, dim=1, out=self._split_outputs())
+                    flat, views = self._split_views
+                    if flat is not self.unsharded_flat:
+                        views = self._split_outputs()
+                    torch.split_with_sizes_copy(rows_of_ranks, self.split_sizes, dim=1, out=views)
                 else:
                     self._copy_from_ranks(rows_of_ranks)
                 for i, p in self._extensions:
@@ -427,143 +466,6 @@ class ParamGroup:
             self._free_unsharded_storage()
         self.sharded_state = SHARDED
 
-    # --- gradients -------------------------------------------------------------------------------
-    def post_backward(self) -> None:
-        """Start reduce-scattering the unsharded gradients (or keep them while gradient
-        sync is off); reshard if ``reshard_after_backward``."""
-        params = self.params
-        try:  # the common case without a Python call per parameter (C-level maps): every parameter
-            # trainable with a plain gradient, none held from earlier backwards, nothing replicated
-            grads = list(map(_unsharded_grad_of, params))
-        except AttributeError:  # a parameter not unsharded
-            grads = None
-        if (grads is not None and set(map(type, grads)) == _PLAIN and not self._replicated
-                and all(map(_requires_grad_of, params)) and all(map(is_, map(_grad_acc_of, params), repeat(None)))):
-            for p in params:
-                p.unsharded.grad = None
-        else:
-            params, grads = self._take_grads()
-        # HSDP without the all-reduce: replicated parameters' gradients wait unreduced
-        skip_all_reduce = not self.requires_all_reduce and self.info.replicate_comm is not None
-        hold = not self.requires_gradient_sync or skip_all_reduce
-        if hold:
-            for p, g in zip(params, grads):
-                if p.replicated or not self.requires_gradient_sync:
-                    p.grad_acc = g
-        if self.requires_gradient_sync and params:
-            self.finish_reduce()  # a reduction left running (set_is_last_backward(False)) ends first
-            self._start_reduce([(p, g) for p, g in zip(params, grads) if not (p.replicated and hold)]
-                               if hold and self._replicated else list(zip(params, grads)))
-        if self.reshard_after_backward:
-            self.reshard()
-
-    def _take_grads(self) -> tuple[list[FSDPParam], list[torch.Tensor]]:
-        """The parameters with a gradient to reduce and their plain gradients (this backward's,
-        plus what earlier ones held), taken off the unsharded parameters."""
-        params, grads = [], []
-        for p in self.params:
-            unsharded = p.unsharded
-            g = unsharded.grad if unsharded is not None and p.requires_grad else None
-            if g is None and p.grad_acc is None and self.reduce_scatter_unused_params and unsharded is not None \
-                    and p.requires_grad:
-                g = torch.zeros(p.shape, dtype=p.param_dtype, device=self.device)  # a term every rank sends
-            if g is None and p.grad_acc is None:
-                continue
-            params.append(p)
-            if g is None:  # only what earlier backwards held (this one gave it no gradient)
-                g, p.grad_acc = p.grad_acc, None
-            else:
-                unsharded.grad = None
-                if type(g) is not torch.Tensor:  # (no call for a plain gradient or one in the parameter's layout)
-                    if type(g) is DTensor or isinstance(g, DTensor):
-                        g = g._local_tensor if g._spec.placements == p.unsharded_spec.placements else p.local_grad(g)
-                    if type(g) is not torch.Tensor:
-                        g = p.plain_grad(g)
-                if p.grad_acc is not None:
-                    g, p.grad_acc = g + p.grad_acc, None
-            grads.append(g)
-        return params, grads
-
-    def _start_reduce(self, params: list[tuple[FSDPParam, torch.Tensor]]) -> None:
-        """One reduce-scatter for the sharded parameters' gradients, one all-reduce for
-        the replicated ones'."""
-        world = self.info.shard_size
-        sharded, replicated = params, []
-        if self._replicated:
-            sharded = [(p, g) for p, g in params if not p.replicated]
-            replicated = [(p, g) for p, g in params if p.replicated]
-        pre, _, _ = self._factors()
-        scatter = reduce = None
-        enabled = _grad_enabled()
-        _set_grad_enabled(False)
-        try:
-            if sharded:
-                total = sum(map(_shard_numel_of, map(_first, sharded)))
-                device = sharded[0][1].device
-                send = collectives.allocate(self.custom_reduce_scatter, (world * total,), self.reduce_dtype, device,
-                                            reusable=True)
-                packing.pack_ranks(send.view(world, total), sharded)
-                collectives.divide(send, pre)
-                scatter = collectives.start_reduce_scatter(self.custom_reduce_scatter, send, self._scatters)
-            if replicated:
-                flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for _, g in replicated])
-                collectives.divide(flat, pre)
-                reduce = collectives.start_all_reduce(flat, self.info.mesh.comm_for(tuple(range(self.info.mesh.ndim))))
-        finally:
-            _set_grad_enabled(enabled)
-        self._pending = (scatter, list(map(_first, sharded)), reduce, list(map(_first, replicated)))
-
-    def use_separate_reduce_scatter(self, enable: bool) -> None:
-        """Reduce-scatter over a duplicate of the shard communicator (``enable``) or the
-        shard communicator itself. Collective over the shard ranks the first time."""
-        self.reduce_scatter_comm = self.info.separate_comm() if enable else self.info.shard_comm
-        self._scatters = collectives.reduce_scatters(self.reduce_scatter_comm)
-
-    def _factors(self) -> tuple[float | None, float | None, float | None]:
-        return collectives.divide_factors(self.info.dp_size, self.gradient_divide_factor, self.reduce_dtype,
-                                          self.force_sum_reduction, self.info.shard_size)
-
-    def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter and (HSDP) the all-reduce over the replicate dim,
-        scale, run the all-reduce hook, and add the shards to the parameters' ``.grad``.
-        Under HSDP with ``requires_all_reduce`` off, the reduce-scattered sum is kept
-        (summed over backwards) and all-reduced by the next backward that has it on."""
-        if self._pending is None:
-            return
-        scatter, sharded, reduce, replicated = self._pending
-        self._pending = None
-        _, with_comm, post = self._factors()
-        outputs: list[tuple[torch.Tensor, list[FSDPParam], list[int]]] = []
-        if scatter is not None:
-            out = scatter.wait()
-            if self.info.replicate_comm is not None and not self.requires_all_reduce:
-                self._partial = out if self._partial is None else self._partial.add_(out)
-            else:
-                if self._partial is not None:
-                    out, self._partial = out.add_(self._partial), None
-                if self.info.replicate_comm is not None:
-                    collectives.start_all_reduce(out, self.info.replicate_comm).wait()
-                outputs.append((out, sharded, [p.shard_numel for p in sharded]))
-        if reduce is not None:
-            outputs.append((reduce.wait(), replicated, [p.numel for p in replicated]))
-        for flat, params, sizes in outputs:
-            collectives.divide(flat, with_comm)
-            if self.all_reduce_hook is not None:
-                self.all_reduce_hook(flat)
-            collectives.divide(flat, post)
-            to_device = self.offload_to or flat.device
-            flat = flat.contiguous()  # (a custom collective's output may be strided)
-            at = flat.storage_offset()
-            for p, size in zip(params, sizes):
-                local = flat.as_strided(p.local_shape, p.local_stride, at)
-                at += size
-                if local.dtype != p.orig_dtype or local.device != to_device:
-                    local = local.to(device=to_device, dtype=p.orig_dtype)
-                if p.sharded.grad is None:
-                    p.sharded.grad = DTensor(local, p.spec, requires_grad=False)
-                else:
-                    p.sharded.grad._local_tensor.add_(local)
-
     def reset(self) -> None:
         """Back to the state between iterations, after an exception: finish and drop any
         collective in flight, drop held gradients (no_sync and HSDP partial sums), reshard."""
@@ -578,18 +480,3 @@ class ParamGroup:
             if p.unsharded is not None:
                 p.unsharded.grad = None
         self.reshard()
-
-    @property
-    def reducing(self) -> bool:
-        """A reduce-scatter has started and ``finish_reduce`` has not run yet."""
-        return self._pending is not None
-
-    @property
-    def holds_grads(self) -> bool:
-        """Gradients kept unreduced by backwards with gradient sync off."""
-        return any([p.grad_acc is not None for p in self.params])  # (a list: one call, not one per item)
-
-    @property
-    def has_pending_grads(self) -> bool:
-        """Some unsharded gradients arrived that ``post_backward`` has not taken yet."""
-        return any([p.unsharded is not None and p.unsharded.grad is not None for p in self.params])

@@ -164,15 +164,14 @@ class FromRanks:
                 dsts.setdefault(dtype, []).append(whole.as_strided(size, stride, at + offset))
                 places.setdefault(dtype, []).append((size, rank_stride, col + rank_offset))
         self.dsts = [t for ts in dsts.values() for t in ts]  # in the order of ``places``' dtypes
-        self.places = list(places.items())
+        self.places = [(dtype, *zip(*where)) for dtype, where in places.items()]  # (dtype, sizes, strides, offsets)
 
     def copy(self, rows_of_ranks: torch.Tensor) -> None:
         """Copy from the all-gather's (world, bytes) rows (one view per chunk: a step makes dozens)."""
         srcs = []
-        for dtype, places in self.places:
+        for dtype, sizes, strides, offsets in self.places:  # (C-level maps: no Python call per view)
             ranks = rows_of_ranks.view(dtype)
-            at = ranks.storage_offset()
-            srcs += [ranks.as_strided(size, stride, at + offset) for size, stride, offset in places]
+            srcs += map(ranks.as_strided, sizes, strides, map(ranks.storage_offset().__add__, offsets))
         if self.dsts:
             torch._foreach_copy_(self.dsts, srcs)
 
