@@ -89,7 +89,7 @@ class LocalPlan:
         if finish == "self":
             dst = args[0]
             # None: a subclass that returns nothing from its in-place op (torchao NF4's copy_)
-            if (out is dst._local_tensor or out is None) and getattr(dst, "_not_a_view_of", None) is None:
+            if (out is dst._local_tensor or out is None) and dst._not_a_view_of is None:
                 return dst
             return self.fallback(out, args, kwargs)
         if finish == "tensor":
@@ -100,11 +100,11 @@ class LocalPlan:
             return r
         if finish == "list":
             return type(out)(DTensor(t, spec, requires_grad=False) for t, spec in zip(out, self.specs))
-        if finish == "view":
+        if finish == "view" or finish == "views":
             for i in self.tensors:
-                if getattr(args[i], "_not_a_view_of", None) is not None:
+                if args[i]._not_a_view_of is not None:
                     return self.fallback(out, args, kwargs)
-            if isinstance(out, torch.Tensor):
+            if finish == "view":
                 spec = self.specs[0]  # DTensor(out, spec) inline
                 r = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device,
                                   layout=out.layout)
@@ -136,7 +136,7 @@ class LocalPlan:
         if is_view_op(func):
             if lists or written or not (isinstance(out_meta, torch.Tensor) or many):
                 return None
-            finish = "view"
+            finish = "view" if isinstance(out_meta, torch.Tensor) else "views"
         elif out_meta is None:
             finish = "none"
         elif (written == [("pos", 0)] and isinstance(out_meta, torch.Tensor) and 0 in found
@@ -169,7 +169,7 @@ class LocalViewPlan:
         LOCAL_VIEW.hits += 1
         x = args[0]
         out = self.local([x._local_tensor, *args[1:]], kwargs)
-        if getattr(x, "_not_a_view_of", None) is not None:
+        if x._not_a_view_of is not None:
             return self.fallback(out, args, kwargs)
         spec = self.spec  # DTensor(out, spec) inline
         r = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device,
