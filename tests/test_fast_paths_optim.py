@@ -228,7 +228,8 @@ def test_tp_mlp_in_dtensor_ops(mesh1d):
     outputs and gradients bit-equal with the fast paths off, global and local strides and
     specs alike."""
     def run():
-        x = DTensor.from_local(global_tensor((5, 6), seed=1).requires_grad_(), mesh1d, [Replicate()])
+        leaf = global_tensor((5, 6), seed=1).requires_grad_()
+        x = DTensor.from_local(leaf, mesh1d, [Replicate()])
         w1 = nn.Parameter(distribute_tensor(global_tensor((6, 11), seed=2), mesh1d, [Shard(1)]))
         b1 = nn.Parameter(distribute_tensor(global_tensor((11,), seed=3), mesh1d, [Shard(0)]))
         w2 = nn.Parameter(distribute_tensor(global_tensor((11, 6), seed=4), mesh1d, [Shard(0)]))
@@ -237,7 +238,7 @@ def test_tp_mlp_in_dtensor_ops(mesh1d):
         y = torch.matmul(h, w2).redistribute(mesh1d, [Replicate()]) + b2
         (y.to_local() ** 2).sum().backward()
         out = [h, y, w1.grad, b1.grad, w2.grad, b2.grad]
-        return out + [(t.stride(), t._local_tensor.stride(), t._spec) for t in out]
+        return out + [(t.stride(), t._local_tensor.stride(), t._spec) for t in out] + [leaf.grad, leaf.grad.stride()]
 
     _check(run, {"dispatch.local_plan", "dispatch.local_view", "dispatch.detach"})
 

@@ -1,9 +1,10 @@
 """The dispatcher's entry point: each call's cache key, and the plan cache it looks up.
 
-The key is the op, the specs of the DTensor arguments, the shape and dtype of plain
-tensors (taken as ``Replicate()``) and the non-tensor arguments (floats of pointwise,
-``_foreach_*`` and fused optimizer ops by type only, so a changing scalar such as a
-learning rate or an optimizer's per-parameter step sizes does not re-plan). A miss makes
+The key is the op (its C++ entry ``func._op``, which hashes without a Python call), the specs
+of the DTensor arguments, the shape and dtype of plain tensors (taken as ``Replicate()``)
+and the non-tensor arguments (floats of pointwise, ``_foreach_*`` and fused optimizer ops
+by type only, so a changing scalar such as a learning rate or an optimizer's per-parameter
+step sizes does not re-plan). A miss makes
 a plan (:mod:`.planner`); a hit runs it. ``detach`` of a DTensor (AccumulateGrad detaches
 every gradient) skips the key when the plan for its spec is known to keep the spec.
 """
@@ -18,12 +19,12 @@ from ..fast import registry as fast_paths
 from ..ops.pointwise import placement_ignores_scalars
 from ..runtime import caches
 from .planner import make_plan
-from .kinds import LocalPlan
+from .kinds import LOCAL, LocalOpPlan, LocalPlan
 
 __all__ = ["dispatch", "torch_dispatch", "plan_for", "moves_nothing"]
 
-_PLANS = caches.cache("dispatch.plans", maxsize=16384)  # key -> Plan, LocalPlan or PerMeshPlan
-_FLOAT_BY_VALUE = caches.cache("dispatch.float_by_value", maxsize=None, holds_meshes=False)  # id(op) -> bool
+_PLANS = caches.cache("dispatch.plans", maxsize=16384)  # key -> a plan of .kinds
+_FLOAT_BY_VALUE = caches.cache("dispatch.float_by_value", maxsize=None, holds_meshes=False)  # op._op -> bool
 _DETACH_KEEPS = caches.cache("dispatch.detach_keeps_spec", maxsize=16384)  # spec -> bool
 _DETACH = torch.ops.aten.detach.default
 _INTS = {int}
@@ -44,10 +45,11 @@ def torch_dispatch(cls, func: torch._ops.OpOverload, types, args: tuple = (), kw
     the op keys floats by value is looked up only for an argument that needs it."""
     if func is _DETACH:
         x = args[0]
-        if x.__class__ is DTensor and getattr(x, "_not_a_view_of", None) is None:
+        if x.__class__ is DTensor and x._not_a_view_of is None:
             spec = x._spec
-            keeps = _DETACH_KEEPS.get(spec)
-            if keeps is None:
+            try:
+                keeps = _DETACH_KEEPS[spec]  # subscripts, not ``get``: one Python call fewer per lookup
+            except KeyError:
                 keeps = _DETACH_KEEPS[spec] = _detach_keeps_spec(x)
             if keeps:
                 DETACH.hits += 1
@@ -57,7 +59,7 @@ def torch_dispatch(cls, func: torch._ops.OpOverload, types, args: tuple = (), kw
                                     layout=local.layout)
                 out._local_tensor, out._spec = local, spec
                 return out
-    fid = id(func)  # op overloads live for the whole process
+    fid = func._op  # the overload's C++ entry, hashed in C (an OpOverload's __hash__ is a Python call)
     by_value = None  # whether floats key by value: asked when an argument needs it
     key = (fid,)
     for a in args:  # _key's cases, the common ones first without a call (plan_for: the same key)
@@ -82,7 +84,17 @@ def torch_dispatch(cls, func: torch._ops.OpOverload, types, args: tuple = (), kw
         plan = _PLANS[key]  # a subscript, not a ``get`` call: the hit is every call but the first
     except KeyError:
         plan = _PLANS[key] = make_plan(func, args, kwargs)
-    return plan(args, kwargs)
+    if plan.__class__ is not LocalOpPlan:
+        return plan(args, kwargs)
+    LOCAL.hits += 1  # LocalOpPlan's run, here: no frame of its own
+    a = list(args)
+    for i in plan.tensors:
+        a[i] = a[i]._local_tensor
+    out = plan.op(*a, **kwargs)
+    spec = plan.spec  # DTensor(out, spec) inline
+    r = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device, layout=out.layout)
+    r._local_tensor, r._spec = out, spec
+    return r
 
 
 def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -90,7 +102,7 @@ def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     return torch_dispatch(DTensor, func, (), args, kwargs)
 
 
-def _floats_by_value(fid: int, func: torch._ops.OpOverload) -> bool:
+def _floats_by_value(fid, func: torch._ops.OpOverload) -> bool:
     """Whether ``func``'s float arguments key its plans by value (not so for ops whose
     placement ignores scalars: a changing learning rate must not re-plan)."""
     by_value = _FLOAT_BY_VALUE.get(fid)
@@ -102,7 +114,7 @@ def _floats_by_value(fid: int, func: torch._ops.OpOverload) -> bool:
 def plan_for(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None = None) -> Callable:
     """The plan :func:`dispatch` runs for this call (made and cached if new); nothing runs."""
     kwargs = kwargs or {}
-    fid = id(func)
+    fid = func._op
     by_value = _floats_by_value(fid, func)
     key = (fid, *(_key(a, by_value) for a in args), *((_key(kwargs, by_value),) if kwargs else ()))
     plan = _PLANS.get(key)
@@ -115,7 +127,7 @@ def moves_nothing(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None 
     """Whether the dispatcher runs this call as a :class:`LocalPlan`: the local op on the
     local tensors, no input moved, outputs of the rule's specs. Fast paths decide from
     this; with ``settings.fast_paths`` off it is always False."""
-    return plan_for(func, args, kwargs).__class__ is LocalPlan
+    return plan_for(func, args, kwargs).__class__ in (LocalPlan, LocalOpPlan)
 
 
 def _key(obj, floats_by_value: bool):

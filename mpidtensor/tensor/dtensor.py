@@ -20,6 +20,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .layout import global_strides
+from ..fast.functions import direct_apply
 from . import pickling, torch_format, validate
 from ..mesh import DeviceMesh
 from ..mesh.foreign import refuse_torch_dtensor, require_mesh
@@ -40,6 +41,9 @@ class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
     __slots__ = ("_local_tensor", "_spec")
+    # The op whose result this DTensor is when mpidtensor computed a view op on a copy (set per
+    # instance by ``dispatch.writeback``); the class default lets dispatch read it as an attribute.
+    _not_a_view_of = None
 
     @staticmethod
     def __new__(
@@ -165,7 +169,7 @@ class DTensor(torch.Tensor):
             if known is not None and local_tensor.shape == known[1] and local_tensor.stride() == known[2]:
                 # a cache hit: checked before
                 if torch.is_grad_enabled() and local_tensor.requires_grad:
-                    return _FromLocal.apply(local_tensor, known[0])
+                    return _from_local_apply(local_tensor, known[0])
                 return DTensor(local_tensor, known[0])
         if (shape is None) != (stride is None):  # torch's error, word for word
             raise RuntimeError(f"Found shape:{shape}, stride:{stride}.",
@@ -188,7 +192,7 @@ class DTensor(torch.Tensor):
         validate.check_local_shape(local_tensor, spec)
         if key is not None and (key[2] is not None or all(shard_dim(p) is None for p in placements)):
             _FROM_LOCAL[key] = (spec, local_tensor.shape, local_tensor.stride())
-        return _FromLocal.apply(local_tensor, spec)
+        return _from_local_apply(local_tensor, spec)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's local tensor. In backward, the gradient is taken to have
@@ -197,7 +201,7 @@ class DTensor(torch.Tensor):
             return self._local_tensor
         if grad_placements is not None:
             grad_placements = normalize_placements(grad_placements, self._spec.mesh.ndim, self.ndim)
-        return _ToLocal.apply(self, grad_placements)
+        return _to_local_apply(self, grad_placements)
 
     def redistribute(
         self,
@@ -287,7 +291,7 @@ def _from_local_outside(local: torch.Tensor, mesh: DeviceMesh, placements, shape
     placements = normalize_placements(placements, mesh.ndim, len(shape))
     stride = global_strides(shape, local) if stride is None else tuple(stride)
     spec = DTensorSpec(mesh, placements, shape, stride, local.dtype)
-    return _FromLocal.apply(local.new_empty(0, requires_grad=local.requires_grad), spec)
+    return _from_local_apply(local.new_empty(0, requires_grad=local.requires_grad), spec)
 
 
 def _settled(placements) -> list[Placement]:
@@ -313,7 +317,7 @@ def redistribute_dtensor(x: DTensor, spec: DTensorSpec, *, same_ok: bool = False
     if x._spec is spec and not same_ok:
         return x
     if x.requires_grad and torch.is_grad_enabled():
-        return _Redistribute.apply(x, spec)
+        return _redistribute_apply(x, spec)
     return DTensor(redistribute_local(x._local_tensor, x._spec, spec), spec)
 
 
@@ -324,7 +328,7 @@ def _redistribute_with_options(x: DTensor, target: DTensorSpec, async_op: bool, 
         x = x.to(forward_dtype)  # differentiable: the gradient comes back in the input's dtype
         target = DTensorSpec(target.mesh, target.placements, target.shape, target.stride, forward_dtype)
     if backward_dtype is not None and x.requires_grad and torch.is_grad_enabled():
-        out = _Redistribute.apply(x, target, backward_dtype)
+        out = _redistribute_apply(x, target, backward_dtype)
     else:
         out = redistribute_dtensor(x, target, same_ok=True)
     if async_op and out._local_tensor is not x._local_tensor:
@@ -360,8 +364,9 @@ class _FromLocal(torch.autograd.Function):
         # when the gradient arrives as that Partial (as torch 2.13): a local term of a Partial
         # sum has the whole gradient as its gradient; one rank's term of it would be wrong.
         key = (_FromLocal, spec, grad._spec)
-        target = _GRAD_SPECS.get(key)
-        if target is None:
+        try:
+            target = _GRAD_SPECS[key]  # a subscript, not ``get``: every backward but the first hits
+        except KeyError:
             target = _GRAD_SPECS[key] = grad._spec.with_placements(_settled(spec.placements))
         if target is grad._spec:
             return grad._local_tensor, None
@@ -382,8 +387,9 @@ class _ToLocal(torch.autograd.Function):
         spec = ctx.spec
         if grad.__class__ is torch.Tensor and grad.is_contiguous():  # the common case: a spec per forward spec
             key = (_ToLocal, spec, ctx.grad_placements, grad.dtype)
-            grad_spec = _GRAD_SPECS.get(key)
-            if grad_spec is None:
+            try:
+                grad_spec = _GRAD_SPECS[key]
+            except KeyError:
                 grad_spec = _GRAD_SPECS[key] = _to_local_grad_spec(spec, ctx.grad_placements, grad)
             return _wrap(grad, grad_spec, False), None
         # Autograd may hand a transposed gradient: the global strides follow it. An expanded
@@ -406,7 +412,7 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, spec: DTensorSpec, backward_dtype: torch.dtype | None = None) -> DTensor:
         ctx.src = x._spec
-        ctx.target = spec.placements
+        ctx.target = spec  # interned: the backward's key hashes it in C (placements hash in Python)
         ctx.backward_dtype = backward_dtype
         return _wrap(redistribute_local(x._local_tensor, x._spec, spec), spec, x.requires_grad)
 
@@ -417,11 +423,15 @@ class _Redistribute(torch.autograd.Function):
         moved = ctx.backward_dtype
         if moved is None and spec.dtype is src.dtype:  # the common case: the spec looked up, the result wrapped inline
             key = (_Redistribute, src, spec, ctx.target)
-            out_spec = _GRAD_SPECS.get(key)
-            if out_spec is None:
-                out_spec = _GRAD_SPECS[key] = spec.with_placements(_backward_placements(src, spec, ctx.target))
+            try:
+                out_spec = _GRAD_SPECS[key]
+            except KeyError:
+                placements = _backward_placements(src, spec, ctx.target.placements)
+                out_spec = _GRAD_SPECS[key] = spec.with_placements(placements)
+            if out_spec is spec:  # the gradient stays where it is (a Partial -> Replicate's Replicate gradient)
+                return grad, None, None
             return _wrap(redistribute_local(local, spec, out_spec), out_spec, False), None, None
-        target = _backward_placements(src, spec, ctx.target)
+        target = _backward_placements(src, spec, ctx.target.placements)
         if moved is not None and moved != spec.dtype:  # the gradient moves in backward_dtype
             local = local.to(moved)
             spec = DTensorSpec(spec.mesh, spec.placements, spec.shape, spec.stride, moved)
@@ -431,6 +441,14 @@ class _Redistribute(torch.autograd.Function):
             local = local.to(src.dtype)
             out_spec = DTensorSpec(out_spec.mesh, out_spec.placements, out_spec.shape, out_spec.stride, src.dtype)
         return DTensor(local, out_spec, requires_grad=False), None, None
+
+
+# The Functions' ``apply`` without ``Function.apply``'s Python layer (:func:`direct_apply`): each
+# runs in every program that converts a tensor. ``_FromLocal`` runs only inside ``from_local``,
+# a graph break under torch.compile, so it is never traced.
+_from_local_apply = direct_apply(_FromLocal, compiling_checked=True)
+_to_local_apply = direct_apply(_ToLocal)
+_redistribute_apply = direct_apply(_Redistribute)
 
 
 def _backward_placements(src: DTensorSpec, grad: DTensorSpec, target: tuple) -> list[Placement]:
