@@ -428,8 +428,10 @@ class _Redistribute(torch.autograd.Function):
             except KeyError:
                 placements = _backward_placements(src, spec, ctx.target.placements)
                 out_spec = _GRAD_SPECS[key] = spec.with_placements(placements)
-            if out_spec is spec:  # the gradient stays where it is (a Partial -> Replicate's Replicate gradient)
-                return grad, None, None
+            if out_spec is spec:  # the gradient stays where it is (a Partial -> Replicate's Replicate gradient):
+                # a new wrapper of the same local tensor, not ``grad`` itself, which AccumulateGrad could not
+                # steal (it would copy it, through a collective for a Partial gradient: torch's runs none)
+                return _wrap(local, spec, False), None, None
             return _wrap(redistribute_local(local, spec, out_spec), out_spec, False), None, None
         target = _backward_placements(src, spec, ctx.target.placements)
         if moved is not None and moved != spec.dtype:  # the gradient moves in backward_dtype
