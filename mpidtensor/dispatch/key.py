@@ -19,11 +19,11 @@ from ..fast import registry as fast_paths
 from ..ops.pointwise import placement_ignores_scalars
 from ..runtime import caches
 from .planner import make_plan
-from .kinds import LOCAL, LocalOpPlan, LocalPlan
+from .kinds import LocalPlan
 
 __all__ = ["dispatch", "torch_dispatch", "plan_for", "moves_nothing"]
 
-_PLANS = caches.cache("dispatch.plans", maxsize=16384)  # key -> a plan of .kinds
+_PLANS = caches.cache("dispatch.plans", maxsize=16384)  # key -> Plan, LocalPlan or PerMeshPlan
 _FLOAT_BY_VALUE = caches.cache("dispatch.float_by_value", maxsize=None, holds_meshes=False)  # op._op -> bool
 _DETACH_KEEPS = caches.cache("dispatch.detach_keeps_spec", maxsize=16384)  # spec -> bool
 _DETACH = torch.ops.aten.detach.default
@@ -84,17 +84,7 @@ def torch_dispatch(cls, func: torch._ops.OpOverload, types, args: tuple = (), kw
         plan = _PLANS[key]  # a subscript, not a ``get`` call: the hit is every call but the first
     except KeyError:
         plan = _PLANS[key] = make_plan(func, args, kwargs)
-    if plan.__class__ is not LocalOpPlan:
-        return plan(args, kwargs)
-    LOCAL.hits += 1  # LocalOpPlan's run, here: no frame of its own
-    a = list(args)
-    for i in plan.tensors:
-        a[i] = a[i]._local_tensor
-    out = plan.op(*a, **kwargs)
-    spec = plan.spec  # DTensor(out, spec) inline
-    r = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device, layout=out.layout)
-    r._local_tensor, r._spec = out, spec
-    return r
+    return plan(args, kwargs)
 
 
 def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -127,7 +117,7 @@ def moves_nothing(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None 
     """Whether the dispatcher runs this call as a :class:`LocalPlan`: the local op on the
     local tensors, no input moved, outputs of the rule's specs. Fast paths decide from
     this; with ``settings.fast_paths`` off it is always False."""
-    return plan_for(func, args, kwargs).__class__ in (LocalPlan, LocalOpPlan)
+    return plan_for(func, args, kwargs).__class__ is LocalPlan
 
 
 def _key(obj, floats_by_value: bool):

@@ -3,8 +3,6 @@
 - :class:`Plan`, the general one: unwrap (redistributing where the rule says so), run
   the local op, wrap the outputs (and write back in place).
 - :class:`LocalPlan`, a fast path: a plan that moves nothing, run in one frame.
-- :class:`LocalOpPlan`, a fast path: LocalPlan's commonest form (DTensor arguments at the top
-  level, one new DTensor out), run by the dispatcher's own frame (no frame of its own).
 - :class:`LocalViewPlan`, a fast path: a view op on one DTensor that moves nothing, its
   local view computed by the rule's own function (``view``'s local size), in one frame.
 - :class:`PerMeshPlan`, a fast path: a ``_foreach_*`` op over DTensors on several meshes,
@@ -28,8 +26,7 @@ from .args import is_view_op, local_of, mutated_inputs, tensors
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass  # DTensor.__new__'s constructor, called inline below
 
-__all__ = ["Plan", "LocalPlan", "LocalOpPlan", "LocalViewPlan", "PerMeshPlan", "per_mesh_groups", "LOCAL", "LOCAL_VIEW",
-           "PER_MESH"]
+__all__ = ["Plan", "LocalPlan", "LocalViewPlan", "PerMeshPlan", "per_mesh_groups", "LOCAL", "LOCAL_VIEW", "PER_MESH"]
 
 LOCAL = registry.register(
     "dispatch.local_plan",
@@ -117,11 +114,10 @@ class LocalPlan:
         return out
 
     @classmethod
-    def make(cls, func, args, kwargs, converters, out_meta, out_specs, sharding,
-             wrap) -> "LocalPlan | LocalOpPlan | None":
-        """The plan of a call whose inputs all stay where they are (a :class:`LocalOpPlan` where
-        that form fits), else None. ``wrap`` is the general plan's output wrap (tagging views),
-        for the calls the fast finish does not cover."""
+    def make(cls, func, args, kwargs, converters, out_meta, out_specs, sharding, wrap) -> "LocalPlan | None":
+        """The plan of a call whose inputs all stay where they are, else None. ``wrap`` is
+        the general plan's output wrap (tagging views), for the calls the fast finish
+        does not cover."""
         if (sharding.local is not None or torch.Tag.inplace_view in func.tags
                 or any(c not in (None, local_of) for c in converters)):
             return None
@@ -149,27 +145,12 @@ class LocalPlan:
         elif written:
             return None
         elif isinstance(out_meta, torch.Tensor):
-            if not lists:
-                return LocalOpPlan(func._op, found, out_specs[0])
             finish = "tensor"
         elif many:
             finish = "list"
         else:
             return None
         return cls(func._op, found, lists, finish, out_specs, wrap)
-
-
-class LocalOpPlan:
-    """A :class:`LocalPlan` of an op whose DTensor arguments are all top-level and whose one
-    output is a new DTensor of a fixed spec (``mm``, ``add``, ``gelu``, their backward ops):
-    the local op on the local tensors, the output wrapped. The commonest plan of all, so the
-    dispatcher runs it in its own frame (:func:`mpidtensor.dispatch.key.torch_dispatch`): a
-    Python call fewer per op than a plan object's ``__call__``."""
-
-    __slots__ = ("op", "tensors", "spec")
-
-    def __init__(self, op, tensors: list[int], spec) -> None:
-        self.op, self.tensors, self.spec = op, tensors, spec
 
 
 class LocalViewPlan:

@@ -17,7 +17,7 @@ from ..runtime.caches import cache
 from ..runtime.settings import settings
 from ..tensor.spec import DTensorSpec
 from .args import common_mesh, converter, make_unwrap, mutated_inputs, replace_tensors, spec_of, tensors
-from .kinds import LocalOpPlan, LocalPlan, LocalViewPlan, PerMeshPlan, Plan, per_mesh_groups
+from .kinds import LocalPlan, LocalViewPlan, PerMeshPlan, Plan, per_mesh_groups
 from .outside import make_outside_plan
 from .writeback import list_writeback, make_inplace_wrap, mark_broken_views, rebase_viewed
 
@@ -28,10 +28,9 @@ _NUMBER_TYPES = {"number", "Scalar", "int", "float", "bool", "complex", "SymInt"
 _WARNED = cache("dispatch.warned_fallbacks", maxsize=None, holds_meshes=False)  # op -> True: warned once
 
 
-def make_plan(func, args, kwargs) -> "Plan | LocalPlan | LocalOpPlan | LocalViewPlan | PerMeshPlan":
-    """The plan (a :class:`Plan`, :class:`LocalPlan`, :class:`LocalOpPlan`, :class:`LocalViewPlan` or
-    :class:`PerMeshPlan`) for this call's signature: each is called on (args, kwargs), except a
-    LocalOpPlan, which the dispatcher runs itself."""
+def make_plan(func, args, kwargs) -> Callable:
+    """The plan (a :class:`Plan`, :class:`LocalPlan`, :class:`LocalViewPlan` or :class:`PerMeshPlan`) for this call's
+    signature."""
     split = per_mesh_groups(func, args, kwargs, by_mesh=fast_paths.enabled())
     if split is not None:
         return PerMeshPlan(func, *split, counted=fast_paths.enabled())
@@ -107,8 +106,7 @@ def _decomposed_plan(func, decomposed, specs, mesh) -> Plan:
     return Plan(lambda a, k: (a, k), run, lambda out, a, k: out)
 
 
-def _build_plan(func, args, kwargs, found, specs, mesh, out_meta,
-                sharding) -> "Plan | LocalPlan | LocalOpPlan | LocalViewPlan":
+def _build_plan(func, args, kwargs, found, specs, mesh, out_meta, sharding) -> Callable:
     if len(sharding.inputs) != len(specs):
         raise AssertionError(f"rule for {func} gave {len(sharding.inputs)} input placements for {len(specs)} tensors")
     converters = [
