@@ -146,8 +146,9 @@ class _ColwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        if ctx.out_spec is not None:  # (else the output was handed on local: ``gy`` is its gradient)
-            gy = local_grad(gy, ctx.out_spec)
+        spec = ctx.out_spec  # None: the output was handed on local, ``gy`` is its gradient
+        if spec is not None:  # (the gradient in the output's own spec, interned: its block without a call)
+            gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
         x, weight = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:
@@ -178,8 +179,9 @@ class _RowwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        if ctx.out_spec is not None:  # (else the output was handed on local: ``gy`` is its gradient)
-            gy = local_grad(gy, ctx.out_spec)
+        spec = ctx.out_spec  # None: the output was handed on local, ``gy`` is its gradient
+        if spec is not None:  # (the gradient in the output's own spec, interned: its block without a call)
+            gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
         x, weight = ctx.saved_tensors
         gy = gather_reduced_grad(ctx, gy)
         gx = None

@@ -71,7 +71,8 @@ class _LocalRMSNorm(torch.autograd.Function):
     @once_differentiable_backward  # the gradients are built on local tensors: no double backward
     def backward(ctx, gy):
         x, rstd = ctx.saved_tensors
-        gy = local_grad(gy, ctx.x_spec)
+        spec = ctx.x_spec  # (a gradient in the output's own spec, interned: its block without a call)
+        gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
         weight = ctx.weight
         lead = x.ndim - ctx.ndims
         xhat = x * rstd
