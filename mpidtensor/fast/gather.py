@@ -41,6 +41,11 @@ GATHER = register(
 )
 
 
+def _whole(local: torch.Tensor) -> torch.Tensor:
+    """A Route's gather on a mesh of one rank: the block is the whole."""
+    return local
+
+
 class Route:
     """How one input spec is all-gathered: the output spec, the communicator, the dim, this
     rank's (offset, size) along it, and the two collectives prepared for this rank's block
@@ -48,7 +53,7 @@ class Route:
     the other way, a partial whole reduce-scattered to the spec and its gradient gathered
     back (a sequence-parallel row Linear or embedding, :func:`shard_route`)."""
 
-    __slots__ = ("in_spec", "out_spec", "partial_spec", "comm", "dim", "span", "all_gather", "reduce_scatter")
+    __slots__ = ("in_spec", "out_spec", "partial_spec", "comm", "dim", "span", "gather", "reduce_scatter")
 
     def __init__(self, spec: DTensorSpec, dim: int) -> None:
         mesh, shape = spec.mesh, spec.shape
@@ -60,15 +65,12 @@ class Route:
         sizes = chunk_sizes(shape[dim], comm.size)
         self.span = chunk_span(shape[dim], comm.size, comm.rank)
         block = (*shape[:dim], self.span[1], *shape[dim + 1:])
-        self.all_gather = prepare_all_gather(block, spec.dtype, comm, dim=dim, sizes=sizes)
+        # ``gather(local)``: the whole from this rank's block, the prepared all-gather itself (no
+        # method frame around it); on one rank the block is the whole
+        self.gather = prepare_all_gather(block, spec.dtype, comm, dim=dim, sizes=sizes) if comm.size > 1 else _whole
         # MPI splits memory in order: the reduce-scatter takes the gradient with ``dim`` leading
         leading = (shape[dim], *shape[:dim], *shape[dim + 1:])
         self.reduce_scatter = prepare_reduce_scatter(leading, spec.dtype, comm, "sum", dim=0, sizes=sizes)
-
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        if self.comm.size == 1:  # the block is the whole
-            return local
-        return self.all_gather(local)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's block of the sum of every rank's ``partial`` (of the gathered shape)."""
