@@ -133,3 +133,38 @@ def test_bfloat16_gradients_keep_dtype(tp_mesh):
     assert_close(dx.grad.full_tensor().float(), x_ref.grad.float(), atol=3e-2, rtol=3e-2)
     assert_close(model.weight.grad.full_tensor().float(), ref.weight.grad.float(), atol=6e-2, rtol=3e-2)
     assert_all_ranks(isinstance(out, DTensor))
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("hooked", [False, True])
+def test_param_grads_on_grad_on_and_off(tp_mesh, kind, hooked):
+    """``fast.grads`` for a norm's parameters: where a parameter has no tensor hook (FSDP's
+    unsharded parameters: here, parameters registered again without SequenceParallel's
+    hook) the backward puts each all-reduced gradient on ``.grad`` itself, one hit per
+    parameter; with the hook it leaves them to autograd. ``.grad`` (values, placements,
+    strides) equals the fast-paths-off backward's, which without the hook leaves it ``Partial``
+    (full_tensor compared) and with it settles it ``Replicate``."""
+    from mpidtensor.fast.grads import PARAM_GRAD
+    from mpidtensor.runtime.settings import settings
+    x_ref = global_tensor((2, 5, 6))
+    results = []
+    for fast in (True, False):
+        model = parallelize_module(norm(kind), tp_mesh, SequenceParallel())
+        if not hooked:
+            for name, p in list(model.named_parameters()):
+                model.register_parameter(name, nn.Parameter(p.detach()))
+        x = distribute_tensor(x_ref, tp_mesh, [Shard(1)]).requires_grad_()
+        before = PARAM_GRAD.hits
+        with settings.override(fast_paths=fast):
+            (model(x) ** 2).sum().backward()
+        grads = {n: (p.grad.full_tensor(), p.grad.placements, p.grad.stride()) for n, p in model.named_parameters()}
+        results.append((grads, x.grad.full_tensor(), PARAM_GRAD.hits - before))
+    (on, gx_on, hits_on), (off, gx_off, hits_off) = results
+    # (off: the general path's decomposition of the norm, equal to rounding)
+    same = on.keys() == off.keys() and torch.allclose(gx_on, gx_off, atol=1e-5, rtol=1e-5) and all(
+        torch.allclose(on[n][0], off[n][0], atol=1e-5, rtol=1e-5) and on[n][1] == (Replicate(),)
+        and on[n][2] == off[n][2] and (off[n][1] == (Replicate(),) if hooked else off[n][1][0].is_partial())
+        for n in on)
+    assert_all_ranks(same, f"{on} vs {off}")
+    expected = 0 if hooked else len(on)
+    assert_all_ranks(hits_on == expected and hits_off == 0, f"hits on {hits_on}, off {hits_off}")

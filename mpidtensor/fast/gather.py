@@ -41,6 +41,11 @@ GATHER = register(
 )
 
 
+def _whole(local: torch.Tensor) -> torch.Tensor:
+    """A Route's gather on a mesh of one rank: the block is the whole."""
+    return local
+
+
 class Route:
     """How one input spec is all-gathered: the output spec, the communicator, the dim, this
     rank's (offset, size) along it, and the two collectives prepared for this rank's block
@@ -48,25 +53,24 @@ class Route:
     the other way, a partial whole reduce-scattered to the spec and its gradient gathered
     back (a sequence-parallel row Linear or embedding, :func:`shard_route`)."""
 
-    __slots__ = ("in_spec", "out_spec", "comm", "dim", "span", "all_gather", "reduce_scatter")
+    __slots__ = ("in_spec", "out_spec", "partial_spec", "comm", "dim", "span", "gather", "reduce_scatter")
 
     def __init__(self, spec: DTensorSpec, dim: int) -> None:
         mesh, shape = spec.mesh, spec.shape
         self.in_spec, self.dim = spec, dim
         self.out_spec = DTensorSpec(mesh, (Replicate(),), shape, spec.stride, spec.dtype)
+        # the column-parallel matmuls' gradient of the output (interned: ``block`` tests identity first)
+        self.partial_spec = DTensorSpec(mesh, _PARTIAL_SUM, shape, spec.stride, spec.dtype)
         comm = self.comm = mesh.comm_for((0,))
         sizes = chunk_sizes(shape[dim], comm.size)
         self.span = chunk_span(shape[dim], comm.size, comm.rank)
         block = (*shape[:dim], self.span[1], *shape[dim + 1:])
-        self.all_gather = prepare_all_gather(block, spec.dtype, comm, dim=dim, sizes=sizes)
+        # ``gather(local)``: the whole from this rank's block, the prepared all-gather itself (no
+        # method frame around it); on one rank the block is the whole
+        self.gather = prepare_all_gather(block, spec.dtype, comm, dim=dim, sizes=sizes) if comm.size > 1 else _whole
         # MPI splits memory in order: the reduce-scatter takes the gradient with ``dim`` leading
         leading = (shape[dim], *shape[:dim], *shape[dim + 1:])
         self.reduce_scatter = prepare_reduce_scatter(leading, spec.dtype, comm, "sum", dim=0, sizes=sizes)
-
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        if self.comm.size == 1:  # the block is the whole
-            return local
-        return self.all_gather(local)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's block of the sum of every rank's ``partial`` (of the gathered shape)."""
@@ -81,7 +85,7 @@ class Route:
         """This rank's block of the gradient of the gathered output, in the input's layout."""
         if isinstance(grad, DTensor):
             placements = grad._spec.placements
-            if placements == _PARTIAL_SUM:
+            if grad._spec is self.partial_spec or placements == _PARTIAL_SUM:  # (``is``: no Placement.__eq__ call)
                 return self.reduce(grad._local_tensor)
             if placements != self.out_spec.placements:  # another layout: the public path
                 spec = self.in_spec
@@ -92,12 +96,6 @@ class Route:
 
 
 _ROUTES: dict[DTensorSpec, Route | None] = cache("fast.gather.routes")  # input spec -> route, or None: public path
-
-
-def gather_route(x: DTensor) -> Route | None:
-    """How ``x`` is replicated by the local path (a ``Route``: ``gather`` its local block,
-    ``reduce`` a partial gradient back to it), or None where that path does not apply."""
-    return None if torch.compiler.is_compiling() else shard_route(x._spec)
 
 
 def shard_route(spec: DTensorSpec) -> Route | None:
@@ -135,14 +133,15 @@ class _GatherShards(torch.autograd.Function):
         return DTensor(route.block(grad), route.in_spec), None
 
 
-_gather_shards = direct_apply(_GatherShards, compiling_checked=True)  # (``gather_route`` asks)
+_gather_shards = direct_apply(_GatherShards, compiling_checked=True)  # (``gather_shards`` asks)
 
 
 def gather_shards(x: DTensor) -> DTensor | None:
     """``x`` (sharded on one dim over a 1-D mesh) replicated by the local path, as
     ``x.redistribute(x.device_mesh, [Replicate()])`` gives it; None where that path does
     not apply or fast paths are off (the caller takes the public one)."""
-    route = gather_route(x) if settings.fast_paths else None
+    # the Route (``gather`` the local block, ``reduce`` a partial gradient back to it)
+    route = shard_route(x._spec) if settings.fast_paths and not torch.compiler.is_compiling() else None
     if route is None:
         return None
     GATHER.hits += 1

@@ -64,14 +64,12 @@ aten = torch.ops.aten
 _GRAD_SPECS: dict = caches.cache("fast.linear.grad_specs")  # (input spec, partial) -> gradient spec
 
 
-def _grad_spec(x: DTensor, partial: bool) -> DTensorSpec:
-    """The spec of a C-contiguous gradient of ``x`` on its 1-D mesh: ``Partial`` or in ``x``'s
-    placements (cached by ``x``'s interned spec: a call is one dict look-up)."""
-    key = (x._spec, partial)
-    try:  # (a subscript: ``dict.get`` is a call)
-        return _GRAD_SPECS[key]
-    except KeyError:
-        s = x._spec
+def _grad_spec(s: DTensorSpec, partial: bool) -> DTensorSpec:
+    """The spec of a C-contiguous gradient of a DTensor of spec ``s`` on its 1-D mesh:
+    ``Partial`` or in ``s``'s placements (cached by the interned spec)."""
+    key = (s, partial)
+    spec = _GRAD_SPECS.get(key)
+    if spec is None:
         placements = (Partial(),) if partial else s.placements
         spec = _GRAD_SPECS[key] = DTensorSpec(s.mesh, placements, s.shape, contiguous_strides(s.shape), s.dtype)
     return spec
@@ -135,21 +133,22 @@ class _ColwiseLinear(torch.autograd.Function):
     gradient reduce-scattered back (Megatron's sequence-parallel column Linear)."""
 
     @staticmethod
-    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, out_spec: DTensorSpec | None, gather=None):
-        distributed = type(x) is DTensor or isinstance(x, DTensor)  # (a type test first: no call)
-        local = x._local_tensor if distributed else x
+    def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, out_spec: DTensorSpec | None,
+                x_spec: DTensorSpec | None, gather=None):
+        local = x if x_spec is None and gather is None else x._local_tensor
         if gather is not None:
             local = gather.gather(local)
-        ctx.comm, ctx.gather = comm, gather
-        ctx.x_spec = _grad_spec(x, True) if distributed and gather is None else None
+        ctx.comm, ctx.gather, ctx.x_spec = comm, gather, x_spec
         ctx.bias, ctx.out_spec = bias, out_spec
         ctx.save_for_backward(local, weight)
         y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
-        return wrap_output(y, out_spec)
+        return y if out_spec is None else wrap_output(y, out_spec)
 
     @staticmethod
     def backward(ctx, gy):
-        gy = local_grad(gy, ctx.out_spec)
+        spec = ctx.out_spec  # None: the output was handed on local, ``gy`` is its gradient
+        if spec is not None:  # (the gradient in the output's own spec, interned: its block without a call)
+            gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
         x, weight = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:
@@ -160,7 +159,7 @@ class _ColwiseLinear(torch.autograd.Function):
                 gx = DTensor(gx, ctx.x_spec)
             elif ctx.comm.size > 1:
                 gx = collectives.all_reduce(gx, ctx.comm, "sum", inplace=True)
-        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None)
+        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None, None)
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -169,20 +168,20 @@ class _RowwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, route: Route | None,
-                out_spec: DTensorSpec | None):
-        distributed = type(x) is DTensor or isinstance(x, DTensor)
-        local = x._local_tensor if distributed else x
-        ctx.bias, ctx.out_spec = bias, out_spec
-        ctx.x_spec = _grad_spec(x, False) if distributed else None
+                out_spec: DTensorSpec | None, x_spec: DTensorSpec | None):
+        local = x if x_spec is None else x._local_tensor
+        ctx.bias, ctx.out_spec, ctx.x_spec = bias, out_spec, x_spec
         ctx.save_for_backward(local, weight)
         y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, route)
         if bias is not None:
             y += bias._local_tensor
-        return wrap_output(y, out_spec)
+        return y if out_spec is None else wrap_output(y, out_spec)
 
     @staticmethod
     def backward(ctx, gy):
-        gy = local_grad(gy, ctx.out_spec)
+        spec = ctx.out_spec  # None: the output was handed on local, ``gy`` is its gradient
+        if spec is not None:  # (the gradient in the output's own spec, interned: its block without a call)
+            gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
         x, weight = ctx.saved_tensors
         gy = gather_reduced_grad(ctx, gy)
         gx = None
@@ -190,7 +189,7 @@ class _RowwiseLinear(torch.autograd.Function):
             gx = gy.matmul(weight._local_tensor)
             if ctx.x_spec is not None:
                 gx = DTensor(gx, ctx.x_spec)
-        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None)
+        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None, None)
 
 
 # (``LocalLinearForward._plan`` rules out torch.compile before either runs)
@@ -222,7 +221,7 @@ class LocalLinearForward:
         self.checked: tuple = ()  # the rules' generation and the parameter specs ``plans`` were decided for
         self.plans: dict[tuple, tuple | None] = {}  # by input ndim and dtype (``_decide``)
         self.out_specs: dict[tuple, DTensorSpec] = {}  # by input shape and dtype (``_out_spec``)
-        self.moves: dict[DTensorSpec, bool] = {}  # a DTensor input's spec -> whether it moves to ``desired``
+        self.moves: dict[DTensorSpec, tuple] = {}  # a DTensor input's spec -> ``_input_facts``
 
     def __deepcopy__(self, memo: dict) -> "LocalLinearForward":
         twin = copy.copy(self)  # the mesh and the style's conversions are shared, as the DTensors' specs are
@@ -236,37 +235,65 @@ class LocalLinearForward:
             weight, bias = params["weight"], params["bias"]
         except KeyError:  # not registered parameters (a parametrization): as the module reads them
             weight, bias = module.weight, module.bias
-        plan = self._plan(x, weight, bias) if x is not None and settings.fast_paths else None
+        plan = None
+        # per call (inline: ``_plan`` was a frame per Linear) the facts a cached verdict cannot hold:
+        # the input's type and mesh, autocast, compiling; then ``_decide``'s verdict, by the
+        # parameters' specs and the input's ndim and dtype
+        if (x is not None and settings.fast_paths
+                and (type(x) is torch.Tensor or (type(x) is DTensor or isinstance(x, DTensor))
+                     and (x._spec.mesh is self.mesh or self._on_mesh(x._spec.mesh)))
+                and x.ndim and not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type)):
+            try:  # (attribute reads and subscripts, not ``getattr`` / ``dict.get``: no calls)
+                if (caches.GENERATION, weight._spec, None if bias is None else bias._spec) == self.checked:
+                    plan = self.plans[(x.ndim, x.dtype)]
+                else:
+                    plan = self._plan(x, weight, bias)
+            except (AttributeError, KeyError):  # a parameter not a DTensor, or not decided yet
+                plan = self._plan(x, weight, bias)
         if plan is None:
             inputs = self.prepare_input(module, args, self.mesh)
             return self.prepare_output(module, nn.Linear.forward(module, *inputs, **kwargs), self.mesh)
         LINEAR.hits += 1
         given, wanted, desired, natural, moves_given, moves_natural = plan
-        gather = None
+        gather = x_spec = None
         if type(x) is DTensor or isinstance(x, DTensor):
-            try:  # (a subscript by the interned spec: ``Placement.__eq__`` is a Python call)
-                moves = self.moves[x._spec]
+            try:  # (a subscript: ``dict.get`` is a call)
+                moves, x_spec = self.moves[x._spec]
             except KeyError:
-                moves = self.moves[x._spec] = x._spec.placements != (desired,)
+                moves, x_spec = self._input_facts(x._spec, desired)
             if moves:
                 x, gather = self._move(x, desired)
+                if gather is None:  # moved by the public path: the gradient spec of what came out
+                    x_spec = self._input_facts(x._spec, desired)[1]
+                else:  # the Function all-gathers it and hands back its gradient itself
+                    x_spec = None
         elif moves_given or x.shape[-1] != weight._local_tensor.shape[-1]:
             x = self.prepare_input(module, (x,), self.mesh)[0]
+            x_spec = self._input_facts(x._spec, desired)[1]
         try:
             spec = self.out_specs[(x.shape, x.dtype)]
         except KeyError:
             spec = self._out_spec(module, x, natural)
         out_spec = None if self.local_out and not moves_natural else spec
         if self.colwise:
-            y = _colwise_linear(x, weight, bias, self.comm, out_spec, gather)
+            y = _colwise_linear(x, weight, bias, self.comm, out_spec, x_spec, gather)
         else:
             route = shard_route(spec) if isinstance(natural, Shard) else None
-            y = _rowwise_linear(x, weight, bias, self.comm, route, out_spec)
+            y = _rowwise_linear(x, weight, bias, self.comm, route, out_spec, x_spec)
         if out_spec is None:
             return y
         if moves_natural:
             y = y.redistribute(self.mesh, (wanted,))
         return y.to_local() if self.local_out else y
+
+    def _input_facts(self, spec: DTensorSpec, desired: Placement) -> tuple[bool, DTensorSpec]:
+        """(whether a DTensor input of ``spec`` moves to ``desired``, the spec of its gradient
+        as the Function hands it back: ``Partial`` for Colwise, in its layout for Rowwise);
+        cached by the interned spec (``Placement.__eq__`` is a Python call)."""
+        facts = self.moves.get(spec)
+        if facts is None:
+            facts = self.moves[spec] = (spec.placements != (desired,), _grad_spec(spec, self.colwise))
+        return facts
 
     def _out_spec(self, module: nn.Linear, x: torch.Tensor, natural: Placement) -> DTensorSpec:
         """The spec of the Function's DTensor output for the input ``x`` (whose leading dims
@@ -277,16 +304,10 @@ class LocalLinearForward:
         return spec
 
     def _plan(self, x: Any, weight: Any, bias: Any) -> tuple | None:
-        """``_decide``'s plan when this call takes the local path, else None:
-        per call the facts a cached verdict cannot hold (the input's type and mesh, autocast,
-        compiling), then the verdict by the parameters' specs and the input's ndim and dtype."""
-        if type(x) is DTensor or isinstance(x, DTensor):
-            if x._spec.mesh is not self.mesh and not self._on_mesh(x._spec):
-                return None
-        elif type(x) is not torch.Tensor:
-            return None
-        if x.ndim == 0 or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
-            return None
+        """``_decide``'s plan for an input ``x`` that ``__call__`` found fit (its type, mesh,
+        no autocast, not compiling) where the cached verdict is missing: None where the
+        parameters are not DTensors; the tables start again for other parameters' specs or
+        rules (``caches.clear_all``)."""
         try:  # (attribute reads, not ``getattr(p, "_spec", None)``: no call)
             specs = (caches.GENERATION, weight._spec, None if bias is None else bias._spec)
         except AttributeError:  # a parameter that is not a DTensor: the general path
@@ -311,7 +332,7 @@ class LocalLinearForward:
         a Rowwise output is wanted sharded on its features (the bias would be sliced), or the
         dispatcher's rules would compute the matmul and the bias add in other layouts."""
         params = (weight,) if bias is None else (weight, bias)
-        if not all(isinstance(p, DTensor) and self._on_mesh(p._spec) and p.dtype == dtype
+        if not all(isinstance(p, DTensor) and self._on_mesh(p._spec.mesh) and p.dtype == dtype
                    and p._spec.stride == contiguous_strides(p._spec.shape) for p in params):
             return None
         try:
@@ -352,12 +373,12 @@ class LocalLinearForward:
         y = DTensorSpec(mesh, (natural,), out, contiguous_strides(out), dtype)
         return keeps_layout(aten.add.Tensor, (y, bias._spec), mesh, [(natural,)])
 
-    def _on_mesh(self, spec: DTensorSpec) -> bool:
-        return spec.mesh is self.mesh or spec.mesh == self.mesh
+    def _on_mesh(self, mesh: DeviceMesh) -> bool:
+        return mesh is self.mesh or mesh == self.mesh
 
     def _move(self, x: DTensor, desired: Placement) -> tuple[DTensor, Any]:
         """(``x`` as the Function takes it, the Colwise Function's gather route or None) for a
         DTensor not laid out as ``desired``: a sharded one that the Colwise Function
         all-gathers itself (``fast.gather``), else moved to the layout by the public path."""
-        gather = shard_route(x._spec) if self.colwise else None  # (``_plan`` ruled out compiling: no gather_route)
+        gather = shard_route(x._spec) if self.colwise else None  # (``__call__`` ruled out compiling)
         return (x, gather) if gather is not None else (x.redistribute(self.mesh, (desired,)), None)

@@ -34,6 +34,7 @@ from ..tensor.placements import Shard
 from ..runtime import caches
 from ..tensor.spec import DTensorSpec
 from .functions import direct_apply, once_differentiable_backward
+from .grads import param_grad
 from .linear import local_grad
 from .registry import register
 from ..runtime.settings import settings
@@ -42,13 +43,16 @@ from .rules import keeps_layout
 aten = torch.ops.aten
 
 
-def _reduce_partial(grad: torch.Tensor | None, param: DTensor | None, sums: collectives.BySignature) -> DTensor | None:
-    """This rank's partial sum of a parameter's gradient, all-reduced in place, as a DTensor."""
+def _reduce_partial(ctx, index: int, grad: torch.Tensor | None, param: DTensor | None,
+                    sums: collectives.BySignature) -> DTensor | None:
+    """This rank's partial sum of the gradient of ``param`` (the Function's ``index``-th tensor
+    input), all-reduced in place: the DTensor to return, or None once it is on ``param.grad``
+    (``fast.grads``)."""
     if grad is None or param is None:
         return None
     if sums.comm.size > 1:
         grad = sums(grad)
-    return DTensor(grad, param._spec)
+    return param_grad(ctx, index, param, grad, param._spec)
 
 
 class _LocalRMSNorm(torch.autograd.Function):
@@ -67,7 +71,8 @@ class _LocalRMSNorm(torch.autograd.Function):
     @once_differentiable_backward  # the gradients are built on local tensors: no double backward
     def backward(ctx, gy):
         x, rstd = ctx.saved_tensors
-        gy = local_grad(gy, ctx.x_spec)
+        spec = ctx.x_spec  # (a gradient in the output's own spec, interned: its block without a call)
+        gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
         weight = ctx.weight
         lead = x.ndim - ctx.ndims
         xhat = x * rstd
@@ -86,7 +91,7 @@ class _LocalRMSNorm(torch.autograd.Function):
             if gx.dtype != x.dtype:
                 gx = gx.to(x.dtype)
             gx = DTensor(gx if gx.is_contiguous() else gx.contiguous(), ctx.x_spec)
-        return gx, _reduce_partial(gw, weight, ctx.sums), None, None, None
+        return gx, _reduce_partial(ctx, 1, gw, weight, ctx.sums), None, None, None
 
 
 class _LocalLayerNorm(torch.autograd.Function):
@@ -113,8 +118,8 @@ class _LocalLayerNorm(torch.autograd.Function):
         w, b = (None if p is None else p._local_tensor for p in (weight, bias))
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(gy, x, ctx.shape, mean, rstd, w, b, mask)
         gx = DTensor(gx.contiguous(), ctx.x_spec) if mask[0] else None
-        return (gx, _reduce_partial(gw if mask[1] else None, weight, ctx.sums),
-                _reduce_partial(gb if mask[2] else None, bias, ctx.sums), None, None, None)
+        return (gx, _reduce_partial(ctx, 1, gw if mask[1] else None, weight, ctx.sums),
+                _reduce_partial(ctx, 2, gb if mask[2] else None, bias, ctx.sums), None, None, None)
 
 
 _local_rms_norm = direct_apply(_LocalRMSNorm, compiling_checked=True)  # (``_applies`` asks)
@@ -158,7 +163,11 @@ class LocalNormForward:
         if self.prepare_input is not None:
             args = self.prepare_input(module, args, self.mesh)
         x = args[0] if args and not args[1:] and not kwargs else None  # one argument (``len`` is a call)
-        params = self._params(module)
+        params = module._parameters  # (the registered parameters inline: ``_params`` is a frame)
+        if "weight" in params and ("bias" in params or self.inner is nn.RMSNorm.forward):
+            params = (params["weight"], params["bias"] if "bias" in params else None)
+        else:
+            params = self._params(module)
         if x is None or not settings.fast_paths or not self._applies(module, x, params):
             out = self.inner(module, *args, **kwargs)
         else:

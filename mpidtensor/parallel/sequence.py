@@ -71,12 +71,16 @@ class SequenceParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._check(module, device_mesh)
-        layout, local_out = self.sequence_sharding[0], self.use_local_output
+        sharding, local_out = self.sequence_sharding, self.use_local_output
+        layout = sharding[0]
 
         def prepare_input(_: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
             if not inputs:
                 raise ValueError("SequenceParallel expects the module's input as its first positional argument")
-            x = to_layout(as_dtensor(inputs[0], mesh, layout, "SequenceParallel input"), layout)
+            x = inputs[0]
+            if type(x) is DTensor and x._spec.placements == sharding:
+                return inputs  # already in place: what as_dtensor and to_layout give back (two calls fewer)
+            x = to_layout(as_dtensor(x, mesh, layout, "SequenceParallel input"), layout)
             return (x, *inputs[1:])
 
         def prepare_output(_: nn.Module, out: Any, mesh: DeviceMesh) -> Any:

@@ -308,7 +308,7 @@ def _prepare(x: Any, mesh: DeviceMesh, given: Placement | None, desired: Placeme
     """One input/output: read as ``given`` (left alone if ``None``), made ``desired``."""
     if given is None or x is None:
         return x
-    dt = as_dtensor(x, mesh, given, what)
+    dt = x if type(x) is DTensor else as_dtensor(x, mesh, given, what)  # (a DTensor as it is: a call fewer)
     if desired is not None:
         dt = to_layout(dt, desired)
     return dt.to_local() if local else dt
@@ -366,7 +366,8 @@ class PrepareModuleInput(_OnAnyModule):
                 f"PrepareModuleInput: the module got {len(inputs)} positional inputs but input_layouts "
                 f"has {len(self.input_layouts)} entries"
             )
-        return tuple([  # (a list comprehension: a generator is a Python call per item)
+        return tuple([  # (a list comprehension: a generator is a Python call per item; None: left alone)
+            x if given is None else
             _prepare(x, mesh, given, desired, self.use_local_output, f"PrepareModuleInput input {i}")
             for i, (x, given, desired) in enumerate(zip(inputs, self.input_layouts, self.desired_input_layouts))
         ])
