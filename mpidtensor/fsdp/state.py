@@ -141,10 +141,13 @@ class FSDPState:
 
     # --- forward ----------------------------------------------------------------------------------
     # The hooks run eagerly when the module is compiled (``module.compile()`` per block, as
-    # torchtitan does): Dynamo breaks the graph around them, as around torch's FSDP2 hooks;
-    # traced, they would hand fake tensors to MPI.
-    @torch.compiler.disable
+    # torchtitan does): traced, they would hand fake tensors to MPI. Dynamo reads
+    # ``is_dynamo_compiling()`` as True and so meets the ``torch.compiler.disable``-d call
+    # (``_untraced``), where it breaks the graph as around torch's FSDP2 hooks; eagerly the check
+    # is one Python call, where the disabled wrapper on every call cost ~8 (its eval-frame switches).
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if _dynamo_compiling():
+            return _untraced(FSDPState._pre_forward, self, module, args, kwargs)
         if self.method_depth:  # forward called by a registered forward method: already gathered
             return args, kwargs
         if len(self.modules) > 1:
@@ -191,8 +194,9 @@ class FSDPState:
         order = self.root.forward_order
         return not self.root._recording and index < len(order) and order[index] is self
 
-    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if _dynamo_compiling():
+            return _untraced(FSDPState._post_forward, self, module, args, output)
         if self.method_depth:
             return output
         if len(self.modules) > 1:
@@ -280,6 +284,13 @@ class FSDPState:
 
 
 _group_of = attrgetter("group")  # a ParamGroup is always true, None false
+_dynamo_compiling = torch.compiler.is_dynamo_compiling  # False when run; True while Dynamo traces
+
+
+@torch.compiler.disable
+def _untraced(hook: Any, *args: Any) -> Any:
+    """``hook(*args)``, run eagerly: Dynamo traces neither it nor what it calls."""
+    return hook(*args)
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -302,5 +313,5 @@ class _PostBackward(torch.autograd.Function):
 
 
 # (Function.apply's Python layer is ~6 calls a module; only ``_pre_forward`` applies it, which
-# ``torch.compiler.disable`` keeps out of any trace)
+# ``_untraced`` keeps out of any trace)
 _post_backward = direct_apply(_PostBackward, compiling_checked=True)
