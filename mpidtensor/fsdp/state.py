@@ -100,7 +100,7 @@ class FSDPState:
         for state in self.states:  # inputs that needed no gradient, calls yet to signal, unused groups
             group = state.group
             if group is not None and (group.has_pending_grads or group.holds_grads and group.requires_gradient_sync):
-                state._reduce()
+                self._reduce(group)
             state._uses = 0
             state._to_run.clear()
         if self.is_last_backward:
@@ -120,9 +120,11 @@ class FSDPState:
         if self.is_root:
             self._final_callback()
 
-    def _reduced(self, group: ParamGroup) -> None:
-        """Record ``group``'s reduce-scatter; complete the ones started before it but the
-        last ``reduce_scatter_max_input_buffers - 1`` (default: all)."""
+    def _reduce(self, group: ParamGroup) -> None:
+        """The root starts reducing ``group``'s gradients (summed over every call) and reshards
+        it; records its reduce-scatter and completes the ones started before it but the last
+        ``reduce_scatter_max_input_buffers - 1`` (default: all)."""
+        group.post_backward()
         if not group.reducing:
             return
         keep = group.reduce_scatter_max_input_buffers - 1
@@ -256,14 +258,9 @@ class FSDPState:
         """The backward of one forward call is done; after the last, reduce and reshard."""
         self._uses -= 1
         if self._uses <= 0:
-            self._reduce()
+            self.root._reduce(self.group)
         if progress.poking:
             progress.poke()
-
-    def _reduce(self) -> None:
-        """Start reducing the group's gradients (summed over every call), reshard."""
-        self.group.post_backward()
-        self.root._reduced(self.group)
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         root = self.root
