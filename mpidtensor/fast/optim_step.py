@@ -243,7 +243,8 @@ class _Swap:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    restore(optimizer)  # a step that raised left its swap in place
+    if _SWAP in optimizer.__dict__:  # a step that raised left its swap in place
+        restore(optimizer)
     if (not registry.enabled() or not settings.local_optim_step or type(optimizer) not in ELEMENTWISE
             or torch.compiler.is_compiling()):
         return
