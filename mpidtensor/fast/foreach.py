@@ -68,7 +68,8 @@ def wants_foreach(group: dict[str, Any]) -> bool:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    _after_step(optimizer, args, kwargs)  # a step that raised left its groups changed
+    if _SET in optimizer.__dict__:  # a step that raised left its groups changed
+        _after_step(optimizer, args, kwargs)
     if not registry.enabled():
         return
     changed = [group for group in optimizer.param_groups if wants_foreach(group)]

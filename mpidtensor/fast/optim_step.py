@@ -232,8 +232,9 @@ class _Shadow(dict):
 
 class _Swap:
     """What a swapped step changed: ``(group, params)`` per group, the real state,
-    ``(parameter, local tensor)`` of every DTensor parameter stepped alone, the runs
-    stepped flat, and the parameter stretches whose states are to be rehomed."""
+    ``(parameter, local tensor)`` of every DTensor parameter stepped alone, ``(run, its
+    shadow entry)`` of the runs stepped flat (torch's optimizers update an entry in place),
+    and the parameter stretches whose states are to be rehomed."""
 
     __slots__ = ("groups", "state", "pairs", "flat", "rehome")
 
@@ -242,7 +243,8 @@ class _Swap:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    restore(optimizer)  # a step that raised left its swap in place
+    if _SWAP in optimizer.__dict__:  # a step that raised left its swap in place
+        restore(optimizer)
     if (not registry.enabled() or not settings.local_optim_step or type(optimizer) not in ELEMENTWISE
             or torch.compiler.is_compiling()):
         return
@@ -295,7 +297,7 @@ def _swap_group(layout: _Layout, params: list, grads: list, state, shadow: _Shad
             if entry is not None:
                 run.flat.grad = grad
                 shadow[run.flat] = entry
-                swap.flat.append(run)
+                swap.flat.append((run, entry))
                 flat_runs.PATH.hits += 1
                 out.append(run.flat)
             else:  # the run's members one at a time
@@ -342,13 +344,13 @@ def restore(optimizer: torch.optim.Optimizer, *_) -> None:
             if isinstance(v, torch.Tensor) and v.dim() and v.shape == local.shape and v.dtype == p.dtype:
                 v = DTensor(v, p._spec)
             entry[k] = v
-    for run in swap.flat:
+    for run, entry in swap.flat:  # (the entry kept: no tensor hashed to find it in the shadow)
         flat = run.flat
         if flat.grad is None:  # a zero_grad() ran on the swapped groups
             for p in run.params:
                 p.grad = None
         flat.grad = None
-        run.write_back(shadow[flat], state)
+        run.write_back(entry, state)
     for params in swap.rehome:
         rehome(params, [state.get(p) for p in params])
     optimizer.state = state

@@ -44,6 +44,7 @@ class FSDPState:
         # fully_shard([a, b]): one group for several modules, gathered on the first forward of
         # any of them and resharded after the last (or the root's end); ids not yet run
         self.modules = modules
+        self._several = len(modules) > 1
         self._to_run: set[int] = set()
         self.group = group
         self.mp = mp
@@ -52,13 +53,14 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self._call_index = 0  # of the running forward call in the forward order
+        self._call_in_order = False  # that call is at its index of the recorded order (_pre_forward)
+        self._last_index = -1  # this state's last index in the recorded forward order
         self._post_forward_indices: list[int] = []  # one per forward call since the root's
         self._uses = 0  # forward calls with gradients whose backward has not ended
         self.method_depth = 0  # inside a registered forward method (its own forward calls are nested)
         # root only
         self.states: list[FSDPState] = []
         self.forward_order: list[FSDPState] = []
-        self.last_call: dict[int, int] = {}  # per state: its last index in forward_order
         self.post_forward_order: list[FSDPState] = []
         self._forward_index = 0
         self._kept: list[FSDPState] = []  # gathered past a forward call for a later call
@@ -98,7 +100,7 @@ class FSDPState:
         for state in self.states:  # inputs that needed no gradient, calls yet to signal, unused groups
             group = state.group
             if group is not None and (group.has_pending_grads or group.holds_grads and group.requires_gradient_sync):
-                state._reduce()
+                self._reduce(group)
             state._uses = 0
             state._to_run.clear()
         if self.is_last_backward:
@@ -118,9 +120,11 @@ class FSDPState:
         if self.is_root:
             self._final_callback()
 
-    def _reduced(self, group: ParamGroup) -> None:
-        """Record ``group``'s reduce-scatter; complete the ones started before it but the
-        last ``reduce_scatter_max_input_buffers - 1`` (default: all)."""
+    def _reduce(self, group: ParamGroup) -> None:
+        """The root starts reducing ``group``'s gradients (summed over every call) and reshards
+        it; records its reduce-scatter and completes the ones started before it but the last
+        ``reduce_scatter_max_input_buffers - 1`` (default: all)."""
+        group.post_backward()
         if not group.reducing:
             return
         keep = group.reduce_scatter_max_input_buffers - 1
@@ -141,13 +145,16 @@ class FSDPState:
 
     # --- forward ----------------------------------------------------------------------------------
     # The hooks run eagerly when the module is compiled (``module.compile()`` per block, as
-    # torchtitan does): Dynamo breaks the graph around them, as around torch's FSDP2 hooks;
-    # traced, they would hand fake tensors to MPI.
-    @torch.compiler.disable
+    # torchtitan does): traced, they would hand fake tensors to MPI. Dynamo reads
+    # ``is_dynamo_compiling()`` as True and so meets the ``torch.compiler.disable``-d call
+    # (``_untraced``), where it breaks the graph as around torch's FSDP2 hooks; eagerly the check
+    # is one Python call, where the disabled wrapper on every call cost ~8 (its eval-frame switches).
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if _dynamo_compiling():
+            return _untraced(FSDPState._pre_forward, self, module, args, kwargs)
         if self.method_depth:  # forward called by a registered forward method: already gathered
             return args, kwargs
-        if len(self.modules) > 1:
+        if self._several:
             if self._to_run:  # a later module of the group in this pass: gathered by the first
                 if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
                     args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
@@ -175,27 +182,28 @@ class FSDPState:
             if torch.is_grad_enabled():
                 self._uses += 1
                 args, kwargs = self._hook_post_backward(args, kwargs)
+        order = root.forward_order
         if root._recording:
-            root.forward_order.append(self)
-        if self.forward_prefetch is not None or not root._recording:
-            order = root.forward_order
-            implicit = order[index + 1:index + 2] if self._in_order(index) else []
-            for target in self._next(self.forward_prefetch, implicit):
-                target.group.start_unshard()
+            order.append(self)
+            in_order = False
+        else:  # this call is where the recorded order has it (then the next in order is prefetched)
+            in_order = index < len(order) and order[index] is self
+        self._call_in_order = in_order
+        prefetch = self.forward_prefetch
+        if prefetch is None:
+            prefetch = order[index + 1:index + 2] if in_order else ()
+        for target in filter(_group_of, prefetch):  # (C-level: no call per state)
+            target.group.start_unshard()
         if progress.poking:
             progress.poke()
         return args, kwargs
 
-    def _in_order(self, index: int) -> bool:
-        """This forward call is at ``index`` of the recorded order (the order held so far)."""
-        order = self.root.forward_order
-        return not self.root._recording and index < len(order) and order[index] is self
-
-    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if _dynamo_compiling():
+            return _untraced(FSDPState._post_forward, self, module, args, output)
         if self.method_depth:
             return output
-        if len(self.modules) > 1:
+        if self._several:
             self._to_run.discard(id(module))
             if self._to_run:  # more modules of the group to run: keep the parameters gathered
                 return cast_floats(output, self.mp.output_dtype)
@@ -204,7 +212,7 @@ class FSDPState:
         root = self.root
         grad = torch.is_grad_enabled()
         if self.group is not None and self.group.reshard_after_forward and not (self.is_root and grad):
-            if self._in_order(self._call_index) and root.last_call[id(self)] > self._call_index:
+            if self._call_in_order and self._last_index > self._call_index:
                 root._kept.append(self)  # called again later in this forward
             else:
                 self.group.reshard_post_forward()
@@ -221,7 +229,8 @@ class FSDPState:
                     output = state._post_forward(state.module, (), output)
             if root._recording:
                 root._recording = False
-                root.last_call = {id(s): i for i, s in enumerate(root.forward_order)}
+                for i, state in enumerate(root.forward_order):
+                    state._last_index = i
         if grad:
             leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -229,12 +238,7 @@ class FSDPState:
                 tensors[0].register_hook(self._pre_backward)
             elif tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
-        return cast_floats(output, self.mp.output_dtype)
-
-    @staticmethod
-    def _next(explicit: list[FSDPState] | None, implicit: list[FSDPState]) -> list[FSDPState]:
-        """The states to prefetch: ``explicit`` if set, else ``implicit`` (the next in order)."""
-        return list(filter(_group_of, implicit if explicit is None else explicit))  # (C-level: no call per state)
+        return output if self.mp.output_dtype is None else cast_floats(output, self.mp.output_dtype)
 
     # --- backward ---------------------------------------------------------------------------------
     def _hook_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -254,14 +258,9 @@ class FSDPState:
         """The backward of one forward call is done; after the last, reduce and reshard."""
         self._uses -= 1
         if self._uses <= 0:
-            self._reduce()
+            self.root._reduce(self.group)
         if progress.poking:
             progress.poke()
-
-    def _reduce(self) -> None:
-        """Start reducing the group's gradients (summed over every call), reshard."""
-        self.group.post_backward()
-        self.root._reduced(self.group)
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         root = self.root
@@ -272,7 +271,9 @@ class FSDPState:
             self.group.finish_unshard()
         # of its last forward call not yet met: backward meets the calls in reverse
         i = self._post_forward_indices.pop() if self._post_forward_indices else 0
-        for target in self._next(self.backward_prefetch, root.post_forward_order[i - 1:i] if i > 0 else []):
+        prefetch = self.backward_prefetch  # (filter: C-level, no call per state)
+        for target in filter(_group_of, (root.post_forward_order[i - 1:i] if i > 0 else ()) if prefetch is None
+                             else prefetch):
             if target.group.unshard_in_backward:
                 target.group.start_unshard()
         if progress.poking:
@@ -280,6 +281,14 @@ class FSDPState:
 
 
 _group_of = attrgetter("group")  # a ParamGroup is always true, None false
+_dynamo_compiling = torch.compiler.is_dynamo_compiling  # False when run; True while Dynamo traces
+_view_as = torch.Tensor.view_as
+
+
+@torch.compiler.disable
+def _untraced(hook: Any, *args: Any) -> Any:
+    """``hook(*args)``, run eagerly: Dynamo traces neither it nor what it calls."""
+    return hook(*args)
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -293,7 +302,7 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
-        return tuple([t.view_as(t) for t in inputs])  # (a list: one call, a generator's is one per item)
+        return tuple(map(_view_as, inputs, inputs))  # (``map``: no Python call per input)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple:
@@ -302,5 +311,5 @@ class _PostBackward(torch.autograd.Function):
 
 
 # (Function.apply's Python layer is ~6 calls a module; only ``_pre_forward`` applies it, which
-# ``torch.compiler.disable`` keeps out of any trace)
+# ``_untraced`` keeps out of any trace)
 _post_backward = direct_apply(_PostBackward, compiling_checked=True)

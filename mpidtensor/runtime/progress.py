@@ -35,8 +35,9 @@ class _Testable(Protocol):
     def test(self) -> bool: ...
 
 
-# started, not yet waited for, by id (a dict keeps the start order)
-_in_flight: dict[int, _Testable] = {}
+# started, not yet waited for, keyed by themselves (hashed by identity: no id() call; a dict
+# keeps the start order)
+_in_flight: dict[_Testable, _Testable] = {}
 _mode = "off"
 poking = False  # mode "hooks": callers test this before calling poke() (no call per hook otherwise)
 _wake = threading.Event()
@@ -72,14 +73,14 @@ def mode() -> str:
 
 def started(handle: _Testable) -> None:
     """Register a started collective (``nonblocking.Handle`` does)."""
-    _in_flight[id(handle)] = handle
+    _in_flight[handle] = handle
     if _mode == "thread":
         _wake.set()
 
 
 def finished(handle: _Testable) -> None:
     """Forget a collective that was waited for."""
-    _in_flight.pop(id(handle), None)
+    _in_flight.pop(handle, None)
 
 
 def poke() -> None:
