@@ -145,13 +145,13 @@ class FSDPState:
 
     # --- forward ----------------------------------------------------------------------------------
     # The hooks run eagerly when the module is compiled (``module.compile()`` per block, as
-    # torchtitan does): traced, they would hand fake tensors to MPI. Dynamo reads
-    # ``is_dynamo_compiling()`` as True and so meets the ``torch.compiler.disable``-d call
-    # (``_untraced``), where it breaks the graph as around torch's FSDP2 hooks; eagerly the check
-    # is one Python call, where the disabled wrapper on every call cost ~8 (its eval-frame switches).
+    # torchtitan does): Dynamo breaks the graph around them, as around torch's FSDP2 hooks;
+    # traced, they would hand fake tensors to MPI. (The decorator costs ~8 Python calls a hook
+    # call; routing to a disabled call only under ``is_dynamo_compiling()`` instead fails under
+    # ``fullgraph=True``, which torchtitan's compiled blocks use: Dynamo accepts a disabled hook,
+    # not a disabled call inside one.)
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if _dynamo_compiling():
-            return _untraced(FSDPState._pre_forward, self, module, args, kwargs)
         if self.method_depth:  # forward called by a registered forward method: already gathered
             return args, kwargs
         if self._several:
@@ -198,9 +198,8 @@ class FSDPState:
             progress.poke()
         return args, kwargs
 
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if _dynamo_compiling():
-            return _untraced(FSDPState._post_forward, self, module, args, output)
         if self.method_depth:
             return output
         if self._several:
@@ -281,14 +280,7 @@ class FSDPState:
 
 
 _group_of = attrgetter("group")  # a ParamGroup is always true, None false
-_dynamo_compiling = torch.compiler.is_dynamo_compiling  # False when run; True while Dynamo traces
 _view_as = torch.Tensor.view_as
-
-
-@torch.compiler.disable
-def _untraced(hook: Any, *args: Any) -> Any:
-    """``hook(*args)``, run eagerly: Dynamo traces neither it nor what it calls."""
-    return hook(*args)
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -311,5 +303,5 @@ class _PostBackward(torch.autograd.Function):
 
 
 # (Function.apply's Python layer is ~6 calls a module; only ``_pre_forward`` applies it, which
-# ``_untraced`` keeps out of any trace)
+# ``torch.compiler.disable`` keeps out of any trace)
 _post_backward = direct_apply(_PostBackward, compiling_checked=True)
