@@ -23,7 +23,7 @@ from .kinds import LocalPlan
 
 __all__ = ["dispatch", "torch_dispatch", "plan_for", "moves_nothing"]
 
-_PLANS = caches.cache("dispatch.plans", maxsize=16384)  # key -> Plan, LocalPlan or PerMeshPlan
+_PLANS = caches.cache("dispatch.plans", maxsize=16384)  # key -> a plan of .kinds
 _FLOAT_BY_VALUE = caches.cache("dispatch.float_by_value", maxsize=None, holds_meshes=False)  # op._op -> bool
 _DETACH_KEEPS = caches.cache("dispatch.detach_keeps_spec", maxsize=16384)  # spec -> bool
 _DETACH = torch.ops.aten.detach.default

@@ -163,11 +163,7 @@ class LocalNormForward:
         if self.prepare_input is not None:
             args = self.prepare_input(module, args, self.mesh)
         x = args[0] if args and not args[1:] and not kwargs else None  # one argument (``len`` is a call)
-        params = module._parameters  # (the registered parameters inline: ``_params`` is a frame)
-        if "weight" in params and ("bias" in params or self.inner is nn.RMSNorm.forward):
-            params = (params["weight"], params["bias"] if "bias" in params else None)
-        else:
-            params = self._params(module)
+        params = self._params(module)
         if x is None or not settings.fast_paths or not self._applies(module, x, params):
             out = self.inner(module, *args, **kwargs)
         else:
