@@ -141,7 +141,7 @@ def test_large_unsharded_storage_asks_for_huge_pages(mesh1d, monkeypatch):
 
 
 # --- FSDP's registered fast paths, on against off --------------------------------------------------
-FSDP_PATHS = {"fsdp.posted_gather"}  # tests/test_fast_paths.py checks every registered path has a case
+FSDP_PATHS = {"fsdp.posted_gather", "fsdp.prepared_scatter"}  # tests/test_fast_paths.py checks every registered path has a case
 GATHER_CASES = {  # name: (build, fully_shard keywords): each group kind the posted all-gather takes
     "blocks": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)), {}),
     "one weight in place": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12, bias=False), torch.nn.Tanh(),
@@ -165,7 +165,10 @@ def fsdp_steps(build, options: dict, mesh, fast: bool, steps: int = 3):
     options = dict(options)  # (the case's own stays as it is for the other run)
     if options.get("mp_policy") == "bf16":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    elif options.get("mp_policy") == "bf16, reduce f32":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     prefetch = options.pop("prefetch", 0)
+    unsynced = options.pop("unsynced", 0)  # backwards without gradient sync before each synced one
     layers = [layer for layer in net if isinstance(layer, torch.nn.Linear)]
     for layer in layers:
         fully_shard(layer, mesh=mesh, **options)
@@ -178,8 +181,10 @@ def fsdp_steps(build, options: dict, mesh, fast: bool, steps: int = 3):
     losses = []
     with settings.override(fast_paths=fast):
         for _ in range(steps):
-            loss = net(torch.randn(4, 5, generator=gen)).float().pow(2).sum()
-            loss.backward()
+            for sync in [False] * unsynced + [True]:
+                net.set_requires_gradient_sync(sync)
+                loss = net(torch.randn(4, 5, generator=gen)).float().pow(2).sum()
+                loss.backward()
             grads = [p.grad.full_tensor() for p in net.parameters()]
             opt.step()
             opt.zero_grad()
@@ -199,3 +204,37 @@ def test_posted_all_gather_equals_the_general_one(mesh1d, case):
     assert_all_ranks(same, f"{case}: losses {on[0]} vs {off[0]}, or gradients / parameters differ")
     ran = on[3]["fsdp.posted_gather"] > 0
     assert_all_ranks(ran == (WORLD.size > 1) and not off[3]["fsdp.posted_gather"], f"hits on {on[3]}, off {off[3]}")
+
+
+SCATTER_CASES = {  # name: (build, fully_shard keywords): each group kind the prepared reduce-scatter takes
+    "uneven dim-0 shards": GATHER_CASES["blocks"],  # 7 and 3 rows: uneven at 2-4 ranks (pack_ranks' copies)
+    "even dim-0 shards": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12),
+                                                      torch.nn.Tanh(), torch.nn.Linear(12, 12)), {}),  # one cat
+    "bfloat16": GATHER_CASES["bfloat16 packed"],  # reduced in float32 by the prepared collective's general call
+    "bfloat16, reduce float32": (GATHER_CASES["blocks"][0], {"mp_policy": "bf16, reduce f32"}),
+    "accumulated without sync": (GATHER_CASES["blocks"][0], {"unsynced": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(SCATTER_CASES))
+def test_prepared_reduce_scatter_equals_the_general_one(mesh1d, case):
+    """``fsdp.prepared_scatter`` (a group's reduce-scatter worked out once) against
+    ``collectives.start_reduce_scatter`` (fast paths off): the same sums, so losses, gradients
+    and parameters are bit-equal; it runs on 2+ ranks only, never with fast paths off."""
+    build, options = SCATTER_CASES[case]
+    on, off = fsdp_steps(build, options, mesh1d, True), fsdp_steps(build, options, mesh1d, False)
+    same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1] + on[2], off[1] + off[2]))
+    assert_all_ranks(same, f"{case}: losses {on[0]} vs {off[0]}, or gradients / parameters differ")
+    ran = on[3]["fsdp.prepared_scatter"] > 0
+    assert_all_ranks(ran == (WORLD.size > 1) and not off[3]["fsdp.prepared_scatter"], f"hits on {on[3]}, off {off[3]}")
+
+
+def test_prepared_reduce_scatter_hsdp(mesh2d):
+    """HSDP on the 2x2 mesh (replicate x shard): the prepared reduce-scatter over the shard
+    ranks, then the all-reduce over the replicas, bit-equal to the general path."""
+    build, options = SCATTER_CASES["uneven dim-0 shards"]
+    on, off = fsdp_steps(build, options, mesh2d, True), fsdp_steps(build, options, mesh2d, False)
+    same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1] + on[2], off[1] + off[2]))
+    assert_all_ranks(same, f"HSDP: losses {on[0]} vs {off[0]}, or gradients / parameters differ")
+    assert_all_ranks(on[3]["fsdp.prepared_scatter"] > 0 and not off[3]["fsdp.prepared_scatter"],
+                     f"hits on {on[3]}, off {off[3]}")
