@@ -193,17 +193,20 @@ def fsdp_steps(build, options: dict, mesh, fast: bool, steps: int = 3):
     return losses, grads, [p.full_tensor() for p in net.parameters()], hits
 
 
+def check_on_equals_off(build, options: dict, mesh, path: str, what: str, runs: bool) -> None:
+    """``fsdp_steps`` with fast paths on and off: the same bytes move, so losses, gradients and
+    parameters are bit-equal; ``path`` ran when on iff ``runs``, never when off."""
+    on, off = fsdp_steps(build, options, mesh, True), fsdp_steps(build, options, mesh, False)
+    same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1] + on[2], off[1] + off[2]))
+    assert_all_ranks(same, f"{what}: losses {on[0]} vs {off[0]}, or gradients / parameters differ")
+    assert_all_ranks((on[3][path] > 0) == runs and not off[3][path], f"{what}: hits on {on[3]}, off {off[3]}")
+
+
 @pytest.mark.parametrize("case", list(GATHER_CASES))
 def test_posted_all_gather_equals_the_general_one(mesh1d, case):
     """``fsdp.posted_gather`` (the all-gather prepared once per group) against
-    ``collectives.start_all_gather`` (fast paths off): the same bytes move, so losses,
-    gradients and parameters are bit-equal; it runs on 2+ ranks only, never with fast paths off."""
-    build, options = GATHER_CASES[case]
-    on, off = fsdp_steps(build, options, mesh1d, True), fsdp_steps(build, options, mesh1d, False)
-    same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1] + on[2], off[1] + off[2]))
-    assert_all_ranks(same, f"{case}: losses {on[0]} vs {off[0]}, or gradients / parameters differ")
-    ran = on[3]["fsdp.posted_gather"] > 0
-    assert_all_ranks(ran == (WORLD.size > 1) and not off[3]["fsdp.posted_gather"], f"hits on {on[3]}, off {off[3]}")
+    ``collectives.start_all_gather`` (fast paths off); it runs on 2+ ranks only."""
+    check_on_equals_off(*GATHER_CASES[case], mesh1d, "fsdp.posted_gather", case, WORLD.size > 1)
 
 
 SCATTER_CASES = {  # name: (build, fully_shard keywords): each group kind the prepared reduce-scatter takes
@@ -219,22 +222,11 @@ SCATTER_CASES = {  # name: (build, fully_shard keywords): each group kind the pr
 @pytest.mark.parametrize("case", list(SCATTER_CASES))
 def test_prepared_reduce_scatter_equals_the_general_one(mesh1d, case):
     """``fsdp.prepared_scatter`` (a group's reduce-scatter worked out once) against
-    ``collectives.start_reduce_scatter`` (fast paths off): the same sums, so losses, gradients
-    and parameters are bit-equal; it runs on 2+ ranks only, never with fast paths off."""
-    build, options = SCATTER_CASES[case]
-    on, off = fsdp_steps(build, options, mesh1d, True), fsdp_steps(build, options, mesh1d, False)
-    same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1] + on[2], off[1] + off[2]))
-    assert_all_ranks(same, f"{case}: losses {on[0]} vs {off[0]}, or gradients / parameters differ")
-    ran = on[3]["fsdp.prepared_scatter"] > 0
-    assert_all_ranks(ran == (WORLD.size > 1) and not off[3]["fsdp.prepared_scatter"], f"hits on {on[3]}, off {off[3]}")
+    ``collectives.start_reduce_scatter`` (fast paths off); it runs on 2+ ranks only."""
+    check_on_equals_off(*SCATTER_CASES[case], mesh1d, "fsdp.prepared_scatter", case, WORLD.size > 1)
 
 
 def test_prepared_reduce_scatter_hsdp(mesh2d):
     """HSDP on the 2x2 mesh (replicate x shard): the prepared reduce-scatter over the shard
     ranks, then the all-reduce over the replicas, bit-equal to the general path."""
-    build, options = SCATTER_CASES["uneven dim-0 shards"]
-    on, off = fsdp_steps(build, options, mesh2d, True), fsdp_steps(build, options, mesh2d, False)
-    same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1] + on[2], off[1] + off[2]))
-    assert_all_ranks(same, f"HSDP: losses {on[0]} vs {off[0]}, or gradients / parameters differ")
-    assert_all_ranks(on[3]["fsdp.prepared_scatter"] > 0 and not off[3]["fsdp.prepared_scatter"],
-                     f"hits on {on[3]}, off {off[3]}")
+    check_on_equals_off(*SCATTER_CASES["uneven dim-0 shards"], mesh2d, "fsdp.prepared_scatter", "HSDP", True)
