@@ -169,10 +169,14 @@ def fsdp_steps(build, options: dict, mesh, fast: bool, steps: int = 3):
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     prefetch = options.pop("prefetch", 0)
     unsynced = options.pop("unsynced", 0)  # backwards without gradient sync before each synced one
+    factor = options.pop("divide_factor", None)  # set_gradient_divide_factor on every module
     layers = [layer for layer in net if isinstance(layer, torch.nn.Linear)]
     for layer in layers:
         fully_shard(layer, mesh=mesh, **options)
     fully_shard(net, mesh=mesh, **options)
+    if factor is not None:
+        for module in layers + [net]:
+            module.set_gradient_divide_factor(factor)
     if prefetch:
         layers[0].set_modules_to_forward_prefetch(layers[1:1 + prefetch])
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -216,6 +220,7 @@ SCATTER_CASES = {  # name: (build, fully_shard keywords): each group kind the pr
     "bfloat16": GATHER_CASES["bfloat16 packed"],  # reduced in float32 by the prepared collective's general call
     "bfloat16, reduce float32": (GATHER_CASES["blocks"][0], {"mp_policy": "bf16, reduce f32"}),
     "accumulated without sync": (GATHER_CASES["blocks"][0], {"unsynced": 2}),
+    "divide factor before the sum": (GATHER_CASES["blocks"][0], {"divide_factor": 5.0}),  # PREMUL_SUM's scaling
 }
 
 
