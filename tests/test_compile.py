@@ -176,3 +176,23 @@ def test_fsdp_blocks_compiled_train_like_one_process(mesh1d):
         zm.loss_of(model, *zm.shard(batch, WORLD.rank, WORLD.size)).backward()
     assert_all_ranks(counters["stats"]["unique_graphs"] == graphs,
                      f"recompiled: {graphs} graphs after one step, {counters['stats']['unique_graphs']} after three")
+
+
+def test_fsdp_blocks_compiled_fullgraph_train_like_one_process(mesh1d):
+    """torchtitan's ``fsdp_compile`` order: ``block.compile(fullgraph=True)`` per block first,
+    then ``fully_shard`` per block and the root. Dynamo, tracing the compiled ``_call_impl``,
+    meets FSDP's forward hooks and must accept them without a graph break (``fullgraph``
+    forbids one); training matches one process."""
+    import zoo_models as zm
+    from mpidtensor.fsdp import fully_shard
+
+    zoo = zm.ZOO["llama"]
+    ref = zoo.build()
+    model = copy.deepcopy(ref)
+    for block in zoo.blocks(model):
+        block.compile(backend="aot_eager", fullgraph=True)
+    for block in zoo.blocks(model):
+        fully_shard(block, mesh=mesh1d)
+    fully_shard(model, mesh=mesh1d)
+    zm.check_trains_like_one_process(model, ref, zoo.batches(1), WORLD.rank, WORLD.size, WORLD)
+    assert_all_ranks(counters["stats"]["unique_graphs"] >= 1, "nothing was compiled")

@@ -141,7 +141,7 @@ def test_large_unsharded_storage_asks_for_huge_pages(mesh1d, monkeypatch):
 
 
 # --- FSDP's registered fast paths, on against off --------------------------------------------------
-FSDP_PATHS = {"fsdp.posted_gather"}  # tests/test_fast_paths.py checks every registered path has a case
+FSDP_PATHS = {"fsdp.posted_gather", "fsdp.prepared_scatter"}  # tests/test_fast_paths.py checks every registered path has a case
 GATHER_CASES = {  # name: (build, fully_shard keywords): each group kind the posted all-gather takes
     "blocks": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)), {}),
     "one weight in place": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12, bias=False), torch.nn.Tanh(),
@@ -165,11 +165,18 @@ def fsdp_steps(build, options: dict, mesh, fast: bool, steps: int = 3):
     options = dict(options)  # (the case's own stays as it is for the other run)
     if options.get("mp_policy") == "bf16":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    elif options.get("mp_policy") == "bf16, reduce f32":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     prefetch = options.pop("prefetch", 0)
+    unsynced = options.pop("unsynced", 0)  # backwards without gradient sync before each synced one
+    factor = options.pop("divide_factor", None)  # set_gradient_divide_factor on every module
     layers = [layer for layer in net if isinstance(layer, torch.nn.Linear)]
     for layer in layers:
         fully_shard(layer, mesh=mesh, **options)
     fully_shard(net, mesh=mesh, **options)
+    if factor is not None:
+        for module in layers + [net]:
+            module.set_gradient_divide_factor(factor)
     if prefetch:
         layers[0].set_modules_to_forward_prefetch(layers[1:1 + prefetch])
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -178,8 +185,10 @@ def fsdp_steps(build, options: dict, mesh, fast: bool, steps: int = 3):
     losses = []
     with settings.override(fast_paths=fast):
         for _ in range(steps):
-            loss = net(torch.randn(4, 5, generator=gen)).float().pow(2).sum()
-            loss.backward()
+            for sync in [False] * unsynced + [True]:
+                net.set_requires_gradient_sync(sync)
+                loss = net(torch.randn(4, 5, generator=gen)).float().pow(2).sum()
+                loss.backward()
             grads = [p.grad.full_tensor() for p in net.parameters()]
             opt.step()
             opt.zero_grad()
@@ -188,14 +197,41 @@ def fsdp_steps(build, options: dict, mesh, fast: bool, steps: int = 3):
     return losses, grads, [p.full_tensor() for p in net.parameters()], hits
 
 
+def check_on_equals_off(build, options: dict, mesh, path: str, what: str, runs: bool) -> None:
+    """``fsdp_steps`` with fast paths on and off: the same bytes move, so losses, gradients and
+    parameters are bit-equal; ``path`` ran when on iff ``runs``, never when off."""
+    on, off = fsdp_steps(build, options, mesh, True), fsdp_steps(build, options, mesh, False)
+    same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1] + on[2], off[1] + off[2]))
+    assert_all_ranks(same, f"{what}: losses {on[0]} vs {off[0]}, or gradients / parameters differ")
+    assert_all_ranks((on[3][path] > 0) == runs and not off[3][path], f"{what}: hits on {on[3]}, off {off[3]}")
+
+
 @pytest.mark.parametrize("case", list(GATHER_CASES))
 def test_posted_all_gather_equals_the_general_one(mesh1d, case):
     """``fsdp.posted_gather`` (the all-gather prepared once per group) against
-    ``collectives.start_all_gather`` (fast paths off): the same bytes move, so losses,
-    gradients and parameters are bit-equal; it runs on 2+ ranks only, never with fast paths off."""
-    build, options = GATHER_CASES[case]
-    on, off = fsdp_steps(build, options, mesh1d, True), fsdp_steps(build, options, mesh1d, False)
-    same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1] + on[2], off[1] + off[2]))
-    assert_all_ranks(same, f"{case}: losses {on[0]} vs {off[0]}, or gradients / parameters differ")
-    ran = on[3]["fsdp.posted_gather"] > 0
-    assert_all_ranks(ran == (WORLD.size > 1) and not off[3]["fsdp.posted_gather"], f"hits on {on[3]}, off {off[3]}")
+    ``collectives.start_all_gather`` (fast paths off); it runs on 2+ ranks only."""
+    check_on_equals_off(*GATHER_CASES[case], mesh1d, "fsdp.posted_gather", case, WORLD.size > 1)
+
+
+SCATTER_CASES = {  # name: (build, fully_shard keywords): each group kind the prepared reduce-scatter takes
+    "uneven dim-0 shards": GATHER_CASES["blocks"],  # 7 and 3 rows: uneven at 2-4 ranks (pack_ranks' copies)
+    "even dim-0 shards": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12),
+                                                      torch.nn.Tanh(), torch.nn.Linear(12, 12)), {}),  # one cat
+    "bfloat16": GATHER_CASES["bfloat16 packed"],  # reduced in float32 by the prepared collective's general call
+    "bfloat16, reduce float32": (GATHER_CASES["blocks"][0], {"mp_policy": "bf16, reduce f32"}),
+    "accumulated without sync": (GATHER_CASES["blocks"][0], {"unsynced": 2}),
+    "divide factor before the sum": (GATHER_CASES["blocks"][0], {"divide_factor": 5.0}),  # PREMUL_SUM's scaling
+}
+
+
+@pytest.mark.parametrize("case", list(SCATTER_CASES))
+def test_prepared_reduce_scatter_equals_the_general_one(mesh1d, case):
+    """``fsdp.prepared_scatter`` (a group's reduce-scatter worked out once) against
+    ``collectives.start_reduce_scatter`` (fast paths off); it runs on 2+ ranks only."""
+    check_on_equals_off(*SCATTER_CASES[case], mesh1d, "fsdp.prepared_scatter", case, WORLD.size > 1)
+
+
+def test_prepared_reduce_scatter_hsdp(mesh2d):
+    """HSDP on the 2x2 mesh (replicate x shard): the prepared reduce-scatter over the shard
+    ranks, then the all-reduce over the replicas, bit-equal to the general path."""
+    check_on_equals_off(*SCATTER_CASES["uneven dim-0 shards"], mesh2d, "fsdp.prepared_scatter", "HSDP", True)

@@ -12,6 +12,7 @@ The call may return an object with ``wait()`` (a started collective) or ``None``
 """
 from __future__ import annotations
 
+from operator import attrgetter, itemgetter
 from typing import Any, Sequence
 
 import torch
@@ -19,8 +20,10 @@ from mpi4py import MPI
 
 from ..runtime import progress
 from ..comm.nonblocking import Handle, iall_gather, iall_reduce, ireduce_scatter
+from ..comm.buffers import reuse
 from ..comm.pool import pool, tracked_empty
 from ..comm.collectives import BySignature, prepare_reduce_scatter
+from .packing import pack_ranks
 
 
 class _Done:
@@ -96,6 +99,38 @@ def start_reduce_scatter(custom: Any, send: torch.Tensor, scatters: BySignature)
     return _Done(custom(output_tensor=out, input_tensor=send, group=comm, op="sum", async_op=True), out)
 
 
+class GroupScatter:
+    """The reduce-scatter of one FSDP group's gradients over ``comm`` in ``dtype``, worked out
+    once per group (``GradientReduction._scatter``): the (world, total) send rows from a reused
+    pooled buffer, whether one ``torch.cat`` packs them (every gradient split evenly along dim 0,
+    in ``dtype``: ``packing.pack_ranks``'s first case, its checks made here) and the prepared
+    ``Reduce_scatter`` (its count, datatype and output buffer made once). For host buffers over
+    2+ ranks with torch's default collective and MPI progress ``"off"`` (then
+    ``start_reduce_scatter`` is this same blocking call): ~8 Python calls a group fewer."""
+
+    __slots__ = ("count", "shapes", "cat", "sends", "run")
+
+    def __init__(self, params: list, comm: MPI.Intracomm, dtype: torch.dtype) -> None:
+        world = comm.size
+        total = sum(p.shard_numel for p in params)
+        self.count = len(params)  # the sharded parameters it was made for (a backward may reduce fewer)
+        self.shapes = [(world, p.shard_numel) for p in params]
+        self.cat = all(p.pre == 1 and p.rows == p.pad_rows * world and p.param_dtype == dtype for p in params)
+        self.sends = reuse((world, total), dtype)
+        self.run = prepare_reduce_scatter((world, total), dtype, comm, "sum", dim=0, sizes=(1,) * world)
+
+    def start(self, grads: list[tuple[Any, torch.Tensor]], pre: float | None) -> _Done:
+        """Pack ``grads`` ((parameter, unsharded gradient), the group's sharded parameters in
+        order), divide by ``pre`` and reduce-scatter: done on return."""
+        send = self.sends.take()[0]
+        if self.cat and set(map(_dtype_of, map(_second, grads))) == {send.dtype}:  # (C-level maps)
+            torch.cat(list(map(_reshape, map(_second, grads), self.shapes)), dim=1, out=send)
+        else:
+            pack_ranks(send, grads)
+        divide(send, pre)
+        return _Done(None, self.run(send).view(-1))
+
+
 def start_all_reduce(flat: torch.Tensor, comm: MPI.Intracomm) -> Handle | _Done:
     """Start summing ``flat`` in place over ``comm`` (nothing to do on one rank)."""
     if comm.size == 1:
@@ -132,6 +167,9 @@ def divide_factors(dp_size: int, factor: float | None, reduce_dtype: torch.dtype
 def divide(tensor: torch.Tensor, factor: float | None) -> None:
     if factor is not None and factor != 1:
         tensor.div_(factor)
+
+
+_dtype_of, _second, _reshape = attrgetter("dtype"), itemgetter(1), torch.Tensor.reshape
 
 
 class NoGather:

@@ -16,6 +16,9 @@ from operator import attrgetter, is_, itemgetter
 
 import torch
 
+from ..fast.registry import register
+from ..runtime import progress
+from ..runtime.settings import settings
 from ..tensor.dtensor import DTensor
 from . import collectives, packing
 from .param import FSDPParam
@@ -27,6 +30,14 @@ _first, _shard_numel_of, _numel_of = itemgetter(0), attrgetter("shard_numel"), a
 _local_shape_of, _local_stride_of = attrgetter("local_shape"), attrgetter("local_stride")
 _grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+
+PREPARED_SCATTER = register(
+    "fsdp.prepared_scatter",
+    shortcuts="FSDP's reduce-scatter of a group's gradients through collectives.allocate, packing.pack_ranks' "
+              "checks and start_reduce_scatter (buffer, signature look-up and MPI arguments every backward)",
+    decided_by="the group's settings (GradientReduction.prepare_scatter): host gradients, 2+ shard ranks, "
+               "torch's default collective, MPI progress off; and the backward reducing every sharded parameter",
+)
 
 
 class GradientReduction:
@@ -103,7 +114,12 @@ class GradientReduction:
         enabled = _grad_enabled()
         _set_grad_enabled(False)
         try:
-            if sharded:
+            prepared = self._scatter
+            if (prepared is not None and len(sharded) == prepared.count and settings.fast_paths
+                    and self.custom_reduce_scatter is None and progress.mode() == "off"):
+                PREPARED_SCATTER.hits += 1
+                scatter = prepared.start(sharded, pre)
+            elif sharded:
                 total = sum(map(_shard_numel_of, map(_first, sharded)))
                 device = sharded[0][1].device
                 send = collectives.allocate(self.custom_reduce_scatter, (world * total,), self.reduce_dtype, device,
@@ -125,6 +141,15 @@ class GradientReduction:
         shard communicator itself. Collective over the shard ranks the first time."""
         self.reduce_scatter_comm = self.info.separate_comm() if enable else self.info.shard_comm
         self._scatters = collectives.reduce_scatters(self.reduce_scatter_comm)
+        self.prepare_scatter()
+
+    def prepare_scatter(self) -> None:
+        """The group's ``collectives.GroupScatter`` (``_scatter``, taken by ``_start_reduce``
+        as ``PREPARED_SCATTER`` while torch's default collective and MPI progress ``"off"``
+        are set) where its gradients reduce on the host over 2+ ranks of ``reduce_scatter_comm``."""
+        comm, sharded = self.reduce_scatter_comm, [p for p in self.params if not p.replicated]
+        usable = sharded and comm.size > 1 and self.device.type == "cpu" and self.reduce_dtype is not None
+        self._scatter = collectives.GroupScatter(sharded, comm, self.reduce_dtype) if usable else None
 
     def _factors(self) -> tuple[float | None, float | None, float | None]:
         """``collectives.divide_factors`` of the group's settings, computed again only when

@@ -153,6 +153,8 @@ class ParamGroup(GradientReduction):
         self._pending: tuple[Handle | None, list[FSDPParam], Handle | None, list[FSDPParam]] | None = None
         self._divide: tuple[tuple | None, tuple] = (None, ())  # GradientReduction._factors: its settings, factors
         self._scatters = collectives.reduce_scatters(self.reduce_scatter_comm)
+        self._scatter: collectives.GroupScatter | None = None  # GradientReduction.prepare_scatter
+        self.prepare_scatter()
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced (summed)
         self._slots: tuple[int, list[int]] = (-1, [])  # shard_flat's address, the plain shards' addresses in it
         self._storage: tuple[torch.Tensor | None, torch.UntypedStorage | None] = (None, None)  # _storage_of

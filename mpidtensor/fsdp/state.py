@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from itertools import repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -34,6 +34,21 @@ from ..fast.functions import direct_apply
 from ..runtime import progress
 from .group import SHARDED, UNSHARDED, ParamGroup
 from .policies import MixedPrecisionPolicy, cast_floats
+
+
+def _eager_only(hook: Callable) -> Callable:
+    """``hook`` as ``torch.compiler.disable`` leaves it to Dynamo, without its wrapper (~8
+    Python calls a hook call, the eval-frame switches): its code is marked for Dynamo's frame
+    evaluation as skipped with every call it makes, and the function as disabled for a trace
+    that meets it. The decorator itself where torch lacks the marks."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return torch.compiler.disable(hook)
+    set_code_exec_strategy(hook.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    hook._torchdynamo_disable = True
+    return hook
 
 
 class FSDPState:
@@ -145,12 +160,9 @@ class FSDPState:
 
     # --- forward ----------------------------------------------------------------------------------
     # The hooks run eagerly when the module is compiled (``module.compile()`` per block, as
-    # torchtitan does): Dynamo breaks the graph around them, as around torch's FSDP2 hooks;
-    # traced, they would hand fake tensors to MPI. (The decorator costs ~8 Python calls a hook
-    # call; routing to a disabled call only under ``is_dynamo_compiling()`` instead fails under
-    # ``fullgraph=True``, which torchtitan's compiled blocks use: Dynamo accepts a disabled hook,
-    # not a disabled call inside one.)
-    @torch.compiler.disable
+    # torchtitan does, ``fullgraph=True`` included): Dynamo breaks the graph around them, as
+    # around torch's FSDP2 hooks; traced, they would hand fake tensors to MPI (``_eager_only``).
+    @_eager_only
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.method_depth:  # forward called by a registered forward method: already gathered
             return args, kwargs
@@ -198,7 +210,7 @@ class FSDPState:
             progress.poke()
         return args, kwargs
 
-    @torch.compiler.disable
+    @_eager_only
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.method_depth:
             return output
@@ -303,5 +315,5 @@ class _PostBackward(torch.autograd.Function):
 
 
 # (Function.apply's Python layer is ~6 calls a module; only ``_pre_forward`` applies it, which
-# ``torch.compiler.disable`` keeps out of any trace)
+# ``_eager_only`` keeps out of any trace)
 _post_backward = direct_apply(_PostBackward, compiling_checked=True)
