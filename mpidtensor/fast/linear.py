@@ -50,7 +50,7 @@ from ..mesh import DeviceMesh
 from ..comm import collectives
 from ..tensor.placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..tensor.spec import DTensorSpec
-from .functions import direct_apply
+from .functions import compiler, direct_apply, dynamo_compiling
 from .gather import Route, shard_route
 from .grads import param_grad
 from ..runtime import caches
@@ -140,7 +140,7 @@ class _ColwiseLinear(torch.autograd.Function):
             local = gather.gather(local)
         ctx.comm, ctx.gather, ctx.x_spec = comm, gather, x_spec
         ctx.bias, ctx.out_spec = bias, out_spec
-        ctx.save_for_backward(local, weight)
+        ctx.to_save = (local, weight)
         y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
         return y if out_spec is None else wrap_output(y, out_spec)
 
@@ -171,7 +171,7 @@ class _RowwiseLinear(torch.autograd.Function):
                 out_spec: DTensorSpec | None, x_spec: DTensorSpec | None):
         local = x if x_spec is None else x._local_tensor
         ctx.bias, ctx.out_spec, ctx.x_spec = bias, out_spec, x_spec
-        ctx.save_for_backward(local, weight)
+        ctx.to_save = (local, weight)
         y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, route)
         if bias is not None:
             y += bias._local_tensor
@@ -242,7 +242,8 @@ class LocalLinearForward:
         if (x is not None and settings.fast_paths
                 and (type(x) is torch.Tensor or (type(x) is DTensor or isinstance(x, DTensor))
                      and (x._spec.mesh is self.mesh or self._on_mesh(x._spec.mesh)))
-                and x.ndim and not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type)):
+                and x.ndim and not (dynamo_compiling() or compiler._is_compiling_flag)
+                and not torch.is_autocast_enabled(x.device.type)):
             try:  # (attribute reads and subscripts, not ``getattr`` / ``dict.get``: no calls)
                 if (caches.GENERATION, weight._spec, None if bias is None else bias._spec) == self.checked:
                     plan = self.plans[(x.ndim, x.dtype)]

@@ -28,7 +28,7 @@ from ..tensor.dtensor import DTensor
 from ..comm import collectives
 from ..tensor.placements import Partial, Placement, Replicate, Shard
 from ..tensor.spec import DTensorSpec
-from ..fast.functions import direct_apply
+from ..fast.functions import compiler, direct_apply, dynamo_compiling
 from ..fast.linear import local_grad
 from ..fast.registry import enabled, register
 from ..fast.rules import keeps_layout
@@ -161,7 +161,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         w_sum = float(n_classes) if weight is None else weight.sum().item()
         if smoothing:  # torch's smoothing term: sum_c w_c * (lse - x_c) / n_classes
             loss = loss + torch.where(valid, w_sum * lse - stats[2], 0.0) * (smoothing / n_classes)
-        ctx.save_for_backward(probs, rel, mine, valid, w_target)
+        ctx.to_save = (probs, rel, mine, valid, w_target)
         ctx.w_local, ctx.w_sum, ctx.smoothing, ctx.n_classes = w_local, w_sum, smoothing, n_classes
         ctx.out_spec, ctx.divisor = out_spec, None
         if out_spec is None:
@@ -235,7 +235,7 @@ def _cross_entropy(
         weight = weight.full_tensor()
     n_classes = input.shape[class_dim]
     if (reduction != "none" and plain_target and fusable and enabled()
-            and not torch.compiler.is_compiling() and _rows_whole(spec, mesh_dim, rows)):
+            and not (dynamo_compiling() or compiler._is_compiling_flag) and _rows_whole(spec, mesh_dim, rows)):
         FUSED.hits += 1
         return _vocab_parallel_cross_entropy(input, target, offset, n_classes, weight, ignore_index,
                                              float(label_smoothing), group, reduction == "mean", out_spec)
