@@ -112,18 +112,36 @@ def wrap_output(y: torch.Tensor, out_spec: DTensorSpec | None) -> Any:
     return DTensor(y if y.is_contiguous() else y.contiguous(), out_spec)
 
 
-def _weight_grads(ctx, gy: torch.Tensor, x: torch.Tensor, weight: DTensor, bias: DTensor | None):
-    """(weight grad, bias grad) as DTensors of the parameters' specs, or None where unneeded
-    or already on the parameter's ``.grad`` (``fast.grads``; the weight and bias are the
-    Function's tensor inputs 1 and 2)."""
+def _linear_backward(ctx, gy):
+    """The backward of both Linear Functions: the output gradient's block (all-gathered after a
+    row Linear's reduce-scatter, ``ctx.route``), the input gradient (a column Linear's partial
+    sum reduce-scattered back to its sharded input (``ctx.gather``), handed back as a DTensor,
+    or all-reduced over ``ctx.comm`` for a plain input), and the parameter gradients as
+    DTensors of the parameters' specs, or None where unneeded or already on ``.grad``
+    (``fast.grads``; the weight and bias are the Function's tensor inputs 1 and 2)."""
+    spec = ctx.out_spec  # None: the output was handed on local, ``gy`` is its gradient
+    if spec is not None:  # (the gradient in the output's own spec, interned: its block without a call)
+        gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
+    x, weight = ctx.saved_tensors
+    if ctx.route is not None:
+        gy = ctx.route.gather(gy)
+    needs, bias = ctx.needs_input_grad, ctx.bias
+    gx = gw = gb = None
+    if needs[0]:
+        gx = gy.matmul(weight._local_tensor)
+        if ctx.gather is not None:
+            gx = DTensor(ctx.gather.reduce(gx), ctx.gather.in_spec)
+        elif ctx.x_spec is not None:
+            gx = DTensor(gx, ctx.x_spec)
+        elif ctx.comm is not None:
+            gx = collectives.all_reduce(gx, ctx.comm, "sum", inplace=True)
     rows = prod(gy.shape[:-1])  # not -1: a rank's block may be empty
     gy2 = gy.reshape(rows, gy.shape[-1])
-    gw = gb = None
-    if ctx.needs_input_grad[1]:
+    if needs[1]:
         gw = param_grad(ctx, 1, weight, gy2.t().mm(x.reshape(rows, x.shape[-1])), weight._spec)
-    if bias is not None and ctx.needs_input_grad[2]:
+    if bias is not None and needs[2]:
         gb = param_grad(ctx, 2, bias, gy2.sum(0), bias._spec)
-    return gw, gb
+    return gx, gw, gb, None, None, None, None
 
 
 class _ColwiseLinear(torch.autograd.Function):
@@ -138,28 +156,13 @@ class _ColwiseLinear(torch.autograd.Function):
         local = x if x_spec is None and gather is None else x._local_tensor
         if gather is not None:
             local = gather.gather(local)
-        ctx.comm, ctx.gather, ctx.x_spec = comm, gather, x_spec
+        ctx.comm, ctx.gather, ctx.x_spec, ctx.route = comm if comm.size > 1 else None, gather, x_spec, None
         ctx.bias, ctx.out_spec = bias, out_spec
         ctx.to_save = (local, weight)
         y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
         return y if out_spec is None else wrap_output(y, out_spec)
 
-    @staticmethod
-    def backward(ctx, gy):
-        spec = ctx.out_spec  # None: the output was handed on local, ``gy`` is its gradient
-        if spec is not None:  # (the gradient in the output's own spec, interned: its block without a call)
-            gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
-        x, weight = ctx.saved_tensors
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = gy.matmul(weight._local_tensor)
-            if ctx.gather is not None:
-                gx = DTensor(ctx.gather.reduce(gx), ctx.gather.in_spec)
-            elif ctx.x_spec is not None:
-                gx = DTensor(gx, ctx.x_spec)
-            elif ctx.comm.size > 1:
-                gx = collectives.all_reduce(gx, ctx.comm, "sum", inplace=True)
-        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None, None)
+    backward = staticmethod(_linear_backward)
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -170,26 +173,14 @@ class _RowwiseLinear(torch.autograd.Function):
     def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, route: Route | None,
                 out_spec: DTensorSpec | None, x_spec: DTensorSpec | None):
         local = x if x_spec is None else x._local_tensor
-        ctx.bias, ctx.out_spec, ctx.x_spec = bias, out_spec, x_spec
+        ctx.bias, ctx.out_spec, ctx.x_spec, ctx.comm, ctx.gather = bias, out_spec, x_spec, None, None
         ctx.to_save = (local, weight)
         y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, route)
         if bias is not None:
             y += bias._local_tensor
         return y if out_spec is None else wrap_output(y, out_spec)
 
-    @staticmethod
-    def backward(ctx, gy):
-        spec = ctx.out_spec  # None: the output was handed on local, ``gy`` is its gradient
-        if spec is not None:  # (the gradient in the output's own spec, interned: its block without a call)
-            gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
-        x, weight = ctx.saved_tensors
-        gy = gather_reduced_grad(ctx, gy)
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = gy.matmul(weight._local_tensor)
-            if ctx.x_spec is not None:
-                gx = DTensor(gx, ctx.x_spec)
-        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None, None)
+    backward = staticmethod(_linear_backward)
 
 
 # (``LocalLinearForward._plan`` rules out torch.compile before either runs)
