@@ -62,7 +62,7 @@ class _LocalRMSNorm(torch.autograd.Function):
     def forward(ctx, x: DTensor, weight: DTensor | None, shape: tuple[int, ...], eps: float | None,
                 sums: collectives.BySignature) -> DTensor:
         local = x._local_tensor
-        y, rstd = torch.ops.aten._fused_rms_norm(local, shape, None if weight is None else weight._local_tensor, eps)
+        y, rstd = torch._fused_rms_norm(local, shape, None if weight is None else weight._local_tensor, eps)
         ctx.x_spec, ctx.sums, ctx.ndims, ctx.weight = x._spec, sums, len(shape), weight
         ctx.to_save = (local, rstd)
         return DTensor(y, x._spec)
@@ -102,7 +102,7 @@ class _LocalLayerNorm(torch.autograd.Function):
                 sums: collectives.BySignature) -> DTensor:
         local = x._local_tensor
         w, b = (None if p is None else p._local_tensor for p in (weight, bias))
-        y, mean, rstd = torch.ops.aten.native_layer_norm(local, shape, w, b, eps)
+        y, mean, rstd = torch.native_layer_norm(local, shape, w, b, eps)
         ctx.x_spec, ctx.sums, ctx.shape, ctx.params = x._spec, sums, shape, (weight, bias)
         ctx.to_save = (local, mean, rstd)
         return DTensor(y, x._spec)
