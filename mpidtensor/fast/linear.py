@@ -160,7 +160,8 @@ class _ColwiseLinear(torch.autograd.Function):
         ctx.bias, ctx.out_spec = bias, out_spec
         ctx.to_save = (local, weight)
         y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
-        return y if out_spec is None else wrap_output(y, out_spec)
+        # (``wrap_output`` inline: a frame per Linear)
+        return y if out_spec is None else DTensor(y if y.is_contiguous() else y.contiguous(), out_spec)
 
     backward = staticmethod(_linear_backward)
 
@@ -178,7 +179,7 @@ class _RowwiseLinear(torch.autograd.Function):
         y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, route)
         if bias is not None:
             y += bias._local_tensor
-        return y if out_spec is None else wrap_output(y, out_spec)
+        return y if out_spec is None else DTensor(y if y.is_contiguous() else y.contiguous(), out_spec)
 
     backward = staticmethod(_linear_backward)
 
@@ -211,7 +212,7 @@ class LocalLinearForward:
         self.comm = mesh.comm_for((0,))
         self.checked: tuple = ()  # the rules' generation and the parameter specs ``plans`` were decided for
         self.plans: dict[tuple, tuple | None] = {}  # by input ndim and dtype (``_decide``)
-        self.out_specs: dict[tuple, DTensorSpec] = {}  # by input shape and dtype (``_out_spec``)
+        self.out_specs: dict[tuple, tuple] = {}  # by input shape and dtype (``_out_spec``)
         self.moves: dict[DTensorSpec, tuple] = {}  # a DTensor input's spec -> ``_input_facts``
 
     def __deepcopy__(self, memo: dict) -> "LocalLinearForward":
@@ -263,14 +264,13 @@ class LocalLinearForward:
             x = self.prepare_input(module, (x,), self.mesh)[0]
             x_spec = self._input_facts(x._spec, desired)[1]
         try:
-            spec = self.out_specs[(x.shape, x.dtype)]
+            spec, route = self.out_specs[(x.shape, x.dtype)]
         except KeyError:
-            spec = self._out_spec(module, x, natural)
+            spec, route = self._out_spec(module, x, natural)
         out_spec = None if self.local_out and not moves_natural else spec
         if self.colwise:
             y = _colwise_linear(x, weight, bias, self.comm, out_spec, x_spec, gather)
         else:
-            route = shard_route(spec) if isinstance(natural, Shard) else None
             y = _rowwise_linear(x, weight, bias, self.comm, route, out_spec, x_spec)
         if out_spec is None:
             return y
@@ -287,13 +287,15 @@ class LocalLinearForward:
             facts = self.moves[spec] = (spec.placements != (desired,), _grad_spec(spec, self.colwise))
         return facts
 
-    def _out_spec(self, module: nn.Linear, x: torch.Tensor, natural: Placement) -> DTensorSpec:
-        """The spec of the Function's DTensor output for the input ``x`` (whose leading dims
-        are whole here), C-contiguous in the ``natural`` layout; cached by shape and dtype."""
+    def _out_spec(self, module: nn.Linear, x: torch.Tensor, natural: Placement) -> tuple[DTensorSpec, Route | None]:
+        """(the spec of the Function's DTensor output for the input ``x`` (whose leading dims
+        are whole here), C-contiguous in the ``natural`` layout, and a Rowwise Linear's
+        reduce-scatter route to it, ``shard_route``'s, or None); cached by shape and dtype."""
         shape = (*x.shape[:-1], module.out_features)
-        spec = self.out_specs[(x.shape, x.dtype)] = DTensorSpec(self.mesh, (natural,), shape,
-                                                                contiguous_strides(shape), x.dtype)
-        return spec
+        spec = DTensorSpec(self.mesh, (natural,), shape, contiguous_strides(shape), x.dtype)
+        route = shard_route(spec) if not self.colwise and isinstance(natural, Shard) else None
+        self.out_specs[(x.shape, x.dtype)] = spec, route
+        return spec, route
 
     def _plan(self, x: Any, weight: Any, bias: Any) -> tuple | None:
         """``_decide``'s plan for an input ``x`` that ``__call__`` found fit (its type, mesh,
@@ -305,7 +307,7 @@ class LocalLinearForward:
         except AttributeError:  # a parameter that is not a DTensor: the general path
             return None
         if specs != self.checked:  # other parameters, or the rules changed (caches.clear_all)
-            self.checked, self.plans, self.moves = specs, {}, {}
+            self.checked, self.plans, self.moves, self.out_specs = specs, {}, {}, {}
         key = (x.ndim, x.dtype)
         try:  # (a subscript: ``dict.get`` is a call)
             return self.plans[key]
