@@ -36,7 +36,7 @@ from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..tensor.placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..tensor.spec import DTensorSpec
-from .functions import direct_apply
+from .functions import compiler, direct_apply, dynamo_compiling
 from .grads import param_grad
 from .gather import Route, shard_route
 from .linear import gather_reduced_grad, local_grad, reduce_partial, wrap_output
@@ -66,7 +66,7 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         else:
             y = w.new_zeros((*tokens.shape, w.shape[1]))
         ctx.out_spec, ctx.weight, ctx.padding = out_spec, weight, padding
-        ctx.save_for_backward(rel, outside)
+        ctx.to_save = (rel, outside)
         y = reduce_partial(ctx, y, comm, route)
         return wrap_output(y, out_spec)
 
@@ -140,7 +140,7 @@ class LocalEmbeddingForward:
                 return None
         elif type(x) is not torch.Tensor or self.given != Replicate():
             return None
-        if x.dtype not in (torch.int64, torch.int32) or torch.compiler.is_compiling():
+        if x.dtype not in (torch.int64, torch.int32) or dynamo_compiling() or compiler._is_compiling_flag:
             return None
         weight = module.weight
         if not isinstance(weight, DTensor) or module.max_norm is not None or module.scale_grad_by_freq \

@@ -13,7 +13,13 @@ this) the public ``apply`` runs, and so it does everywhere if this torch's
 ``Function`` lacks the C++ ``apply`` it relies on. A caller that takes its local path only
 outside ``torch.compile`` (it asked ``torch.compiler.is_compiling()`` itself, as the
 tensor-parallel Linears, norms, embeddings and gathers do) says so
-(``compiling_checked=True``) and the apply does not ask again (two Python calls a Function).
+(``compiling_checked=True``) and the apply does not ask again. Such a caller asks in one
+Python call, not ``torch.compiler.is_compiling()``'s two (it asks ``torch.jit.is_scripting()``
+first, False outside TorchScript): ``dynamo_compiling() or compiler._is_compiling_flag`` is
+the same answer (Dynamo folds ``is_dynamo_compiling`` to True while it traces, so the flag is
+not read there; the flag is True through a compile session and ``torch.export``). A
+Function's forward here sets ``ctx.to_save`` itself: that is all ``ctx.save_for_backward``
+does, a Python call each.
 
 :func:`once_differentiable_backward` is torch's ``once_differentiable`` for such a
 Function's backward without its cost where it has nothing to do: in a backward that builds
@@ -32,7 +38,8 @@ from torch.autograd.function import once_differentiable
 _C_APPLY = torch._C._FunctionBase.__dict__.get("apply")  # the classmethod ``Function.apply`` ends in
 _transforms_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-_is_compiling = torch.compiler.is_compiling
+compiler = torch.compiler  # ``compiler._is_compiling_flag``: see the module docstring
+dynamo_compiling = torch.compiler.is_dynamo_compiling
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -49,7 +56,7 @@ def direct_apply(cls: type[torch.autograd.Function], compiling_checked: bool = F
     tensor = torch.Tensor
 
     def apply(*args: Any) -> Any:
-        if _transforms_active() or (not compiling_checked and _is_compiling()):
+        if _transforms_active() or not compiling_checked and (dynamo_compiling() or compiler._is_compiling_flag):
             return public(*args)
         # functorch's wrappers reach Python as plain ``torch.Tensor`` objects (a subclass such as
         # DTensor is never one), so only those are looked at: ``map(type, ...)`` and ``in`` are no

@@ -28,7 +28,7 @@ from ..tensor.placements import Partial, Replicate, Shard
 from ..tensor.spec import DTensorSpec
 from ..tensor.redistribute import AllGather, plan
 from ..runtime.caches import cache
-from .functions import direct_apply
+from .functions import compiler, direct_apply, dynamo_compiling
 from .registry import register
 from ..runtime.settings import settings
 
@@ -141,7 +141,8 @@ def gather_shards(x: DTensor) -> DTensor | None:
     ``x.redistribute(x.device_mesh, [Replicate()])`` gives it; None where that path does
     not apply or fast paths are off (the caller takes the public one)."""
     # the Route (``gather`` the local block, ``reduce`` a partial gradient back to it)
-    route = shard_route(x._spec) if settings.fast_paths and not torch.compiler.is_compiling() else None
+    compiling = dynamo_compiling() or compiler._is_compiling_flag
+    route = shard_route(x._spec) if settings.fast_paths and not compiling else None
     if route is None:
         return None
     GATHER.hits += 1

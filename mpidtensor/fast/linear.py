@@ -50,7 +50,7 @@ from ..mesh import DeviceMesh
 from ..comm import collectives
 from ..tensor.placements import Partial, Placement, Replicate, Shard, normalize_placements
 from ..tensor.spec import DTensorSpec
-from .functions import direct_apply
+from .functions import compiler, direct_apply, dynamo_compiling
 from .gather import Route, shard_route
 from .grads import param_grad
 from ..runtime import caches
@@ -112,18 +112,36 @@ def wrap_output(y: torch.Tensor, out_spec: DTensorSpec | None) -> Any:
     return DTensor(y if y.is_contiguous() else y.contiguous(), out_spec)
 
 
-def _weight_grads(ctx, gy: torch.Tensor, x: torch.Tensor, weight: DTensor, bias: DTensor | None):
-    """(weight grad, bias grad) as DTensors of the parameters' specs, or None where unneeded
-    or already on the parameter's ``.grad`` (``fast.grads``; the weight and bias are the
-    Function's tensor inputs 1 and 2)."""
+def _linear_backward(ctx, gy):
+    """The backward of both Linear Functions: the output gradient's block (all-gathered after a
+    row Linear's reduce-scatter, ``ctx.route``), the input gradient (a column Linear's partial
+    sum reduce-scattered back to its sharded input (``ctx.gather``), handed back as a DTensor,
+    or all-reduced over ``ctx.comm`` for a plain input), and the parameter gradients as
+    DTensors of the parameters' specs, or None where unneeded or already on ``.grad``
+    (``fast.grads``; the weight and bias are the Function's tensor inputs 1 and 2)."""
+    spec = ctx.out_spec  # None: the output was handed on local, ``gy`` is its gradient
+    if spec is not None:  # (the gradient in the output's own spec, interned: its block without a call)
+        gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
+    x, weight = ctx.saved_tensors
+    if ctx.route is not None:
+        gy = ctx.route.gather(gy)
+    needs, bias = ctx.needs_input_grad, ctx.bias
+    gx = gw = gb = None
+    if needs[0]:
+        gx = gy.matmul(weight._local_tensor)
+        if ctx.gather is not None:
+            gx = DTensor(ctx.gather.reduce(gx), ctx.gather.in_spec)
+        elif ctx.x_spec is not None:
+            gx = DTensor(gx, ctx.x_spec)
+        elif ctx.comm is not None:
+            gx = collectives.all_reduce(gx, ctx.comm, "sum", inplace=True)
     rows = prod(gy.shape[:-1])  # not -1: a rank's block may be empty
     gy2 = gy.reshape(rows, gy.shape[-1])
-    gw = gb = None
-    if ctx.needs_input_grad[1]:
+    if needs[1]:
         gw = param_grad(ctx, 1, weight, gy2.t().mm(x.reshape(rows, x.shape[-1])), weight._spec)
-    if bias is not None and ctx.needs_input_grad[2]:
+    if bias is not None and needs[2]:
         gb = param_grad(ctx, 2, bias, gy2.sum(0), bias._spec)
-    return gw, gb
+    return gx, gw, gb, None, None, None, None
 
 
 class _ColwiseLinear(torch.autograd.Function):
@@ -138,28 +156,14 @@ class _ColwiseLinear(torch.autograd.Function):
         local = x if x_spec is None and gather is None else x._local_tensor
         if gather is not None:
             local = gather.gather(local)
-        ctx.comm, ctx.gather, ctx.x_spec = comm, gather, x_spec
+        ctx.comm, ctx.gather, ctx.x_spec, ctx.route = comm if comm.size > 1 else None, gather, x_spec, None
         ctx.bias, ctx.out_spec = bias, out_spec
-        ctx.save_for_backward(local, weight)
+        ctx.to_save = (local, weight)
         y = F.linear(local, weight._local_tensor, None if bias is None else bias._local_tensor)
-        return y if out_spec is None else wrap_output(y, out_spec)
+        # (``wrap_output`` inline: a frame per Linear)
+        return y if out_spec is None else DTensor(y if y.is_contiguous() else y.contiguous(), out_spec)
 
-    @staticmethod
-    def backward(ctx, gy):
-        spec = ctx.out_spec  # None: the output was handed on local, ``gy`` is its gradient
-        if spec is not None:  # (the gradient in the output's own spec, interned: its block without a call)
-            gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
-        x, weight = ctx.saved_tensors
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = gy.matmul(weight._local_tensor)
-            if ctx.gather is not None:
-                gx = DTensor(ctx.gather.reduce(gx), ctx.gather.in_spec)
-            elif ctx.x_spec is not None:
-                gx = DTensor(gx, ctx.x_spec)
-            elif ctx.comm.size > 1:
-                gx = collectives.all_reduce(gx, ctx.comm, "sum", inplace=True)
-        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None, None)
+    backward = staticmethod(_linear_backward)
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -170,26 +174,14 @@ class _RowwiseLinear(torch.autograd.Function):
     def forward(ctx, x, weight: DTensor, bias: DTensor | None, comm, route: Route | None,
                 out_spec: DTensorSpec | None, x_spec: DTensorSpec | None):
         local = x if x_spec is None else x._local_tensor
-        ctx.bias, ctx.out_spec, ctx.x_spec = bias, out_spec, x_spec
-        ctx.save_for_backward(local, weight)
+        ctx.bias, ctx.out_spec, ctx.x_spec, ctx.comm, ctx.gather = bias, out_spec, x_spec, None, None
+        ctx.to_save = (local, weight)
         y = reduce_partial(ctx, F.linear(local, weight._local_tensor), comm, route)
         if bias is not None:
             y += bias._local_tensor
-        return y if out_spec is None else wrap_output(y, out_spec)
+        return y if out_spec is None else DTensor(y if y.is_contiguous() else y.contiguous(), out_spec)
 
-    @staticmethod
-    def backward(ctx, gy):
-        spec = ctx.out_spec  # None: the output was handed on local, ``gy`` is its gradient
-        if spec is not None:  # (the gradient in the output's own spec, interned: its block without a call)
-            gy = gy._local_tensor if type(gy) is DTensor and gy._spec is spec else local_grad(gy, spec)
-        x, weight = ctx.saved_tensors
-        gy = gather_reduced_grad(ctx, gy)
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = gy.matmul(weight._local_tensor)
-            if ctx.x_spec is not None:
-                gx = DTensor(gx, ctx.x_spec)
-        return (gx, *_weight_grads(ctx, gy, x, weight, ctx.bias), None, None, None, None)
+    backward = staticmethod(_linear_backward)
 
 
 # (``LocalLinearForward._plan`` rules out torch.compile before either runs)
@@ -220,7 +212,7 @@ class LocalLinearForward:
         self.comm = mesh.comm_for((0,))
         self.checked: tuple = ()  # the rules' generation and the parameter specs ``plans`` were decided for
         self.plans: dict[tuple, tuple | None] = {}  # by input ndim and dtype (``_decide``)
-        self.out_specs: dict[tuple, DTensorSpec] = {}  # by input shape and dtype (``_out_spec``)
+        self.out_specs: dict[tuple, tuple] = {}  # by input shape and dtype (``_out_spec``)
         self.moves: dict[DTensorSpec, tuple] = {}  # a DTensor input's spec -> ``_input_facts``
 
     def __deepcopy__(self, memo: dict) -> "LocalLinearForward":
@@ -242,7 +234,8 @@ class LocalLinearForward:
         if (x is not None and settings.fast_paths
                 and (type(x) is torch.Tensor or (type(x) is DTensor or isinstance(x, DTensor))
                      and (x._spec.mesh is self.mesh or self._on_mesh(x._spec.mesh)))
-                and x.ndim and not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type)):
+                and x.ndim and not (dynamo_compiling() or compiler._is_compiling_flag)
+                and not torch.is_autocast_enabled(x.device.type)):
             try:  # (attribute reads and subscripts, not ``getattr`` / ``dict.get``: no calls)
                 if (caches.GENERATION, weight._spec, None if bias is None else bias._spec) == self.checked:
                     plan = self.plans[(x.ndim, x.dtype)]
@@ -271,14 +264,13 @@ class LocalLinearForward:
             x = self.prepare_input(module, (x,), self.mesh)[0]
             x_spec = self._input_facts(x._spec, desired)[1]
         try:
-            spec = self.out_specs[(x.shape, x.dtype)]
+            spec, route = self.out_specs[(x.shape, x.dtype)]
         except KeyError:
-            spec = self._out_spec(module, x, natural)
+            spec, route = self._out_spec(module, x, natural)
         out_spec = None if self.local_out and not moves_natural else spec
         if self.colwise:
             y = _colwise_linear(x, weight, bias, self.comm, out_spec, x_spec, gather)
         else:
-            route = shard_route(spec) if isinstance(natural, Shard) else None
             y = _rowwise_linear(x, weight, bias, self.comm, route, out_spec, x_spec)
         if out_spec is None:
             return y
@@ -295,13 +287,15 @@ class LocalLinearForward:
             facts = self.moves[spec] = (spec.placements != (desired,), _grad_spec(spec, self.colwise))
         return facts
 
-    def _out_spec(self, module: nn.Linear, x: torch.Tensor, natural: Placement) -> DTensorSpec:
-        """The spec of the Function's DTensor output for the input ``x`` (whose leading dims
-        are whole here), C-contiguous in the ``natural`` layout; cached by shape and dtype."""
+    def _out_spec(self, module: nn.Linear, x: torch.Tensor, natural: Placement) -> tuple[DTensorSpec, Route | None]:
+        """(the spec of the Function's DTensor output for the input ``x`` (whose leading dims
+        are whole here), C-contiguous in the ``natural`` layout, and a Rowwise Linear's
+        reduce-scatter route to it, ``shard_route``'s, or None); cached by shape and dtype."""
         shape = (*x.shape[:-1], module.out_features)
-        spec = self.out_specs[(x.shape, x.dtype)] = DTensorSpec(self.mesh, (natural,), shape,
-                                                                contiguous_strides(shape), x.dtype)
-        return spec
+        spec = DTensorSpec(self.mesh, (natural,), shape, contiguous_strides(shape), x.dtype)
+        route = shard_route(spec) if not self.colwise and isinstance(natural, Shard) else None
+        self.out_specs[(x.shape, x.dtype)] = spec, route
+        return spec, route
 
     def _plan(self, x: Any, weight: Any, bias: Any) -> tuple | None:
         """``_decide``'s plan for an input ``x`` that ``__call__`` found fit (its type, mesh,
@@ -313,7 +307,7 @@ class LocalLinearForward:
         except AttributeError:  # a parameter that is not a DTensor: the general path
             return None
         if specs != self.checked:  # other parameters, or the rules changed (caches.clear_all)
-            self.checked, self.plans, self.moves = specs, {}, {}
+            self.checked, self.plans, self.moves, self.out_specs = specs, {}, {}, {}
         key = (x.ndim, x.dtype)
         try:  # (a subscript: ``dict.get`` is a call)
             return self.plans[key]

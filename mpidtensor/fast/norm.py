@@ -33,7 +33,7 @@ from ..comm import collectives
 from ..tensor.placements import Shard
 from ..runtime import caches
 from ..tensor.spec import DTensorSpec
-from .functions import direct_apply, once_differentiable_backward
+from .functions import compiler, direct_apply, dynamo_compiling, once_differentiable_backward
 from .grads import param_grad
 from .linear import local_grad
 from .registry import register
@@ -62,9 +62,9 @@ class _LocalRMSNorm(torch.autograd.Function):
     def forward(ctx, x: DTensor, weight: DTensor | None, shape: tuple[int, ...], eps: float | None,
                 sums: collectives.BySignature) -> DTensor:
         local = x._local_tensor
-        y, rstd = torch.ops.aten._fused_rms_norm(local, shape, None if weight is None else weight._local_tensor, eps)
+        y, rstd = torch._fused_rms_norm(local, shape, None if weight is None else weight._local_tensor, eps)
         ctx.x_spec, ctx.sums, ctx.ndims, ctx.weight = x._spec, sums, len(shape), weight
-        ctx.save_for_backward(local, rstd)
+        ctx.to_save = (local, rstd)
         return DTensor(y, x._spec)
 
     @staticmethod
@@ -102,9 +102,9 @@ class _LocalLayerNorm(torch.autograd.Function):
                 sums: collectives.BySignature) -> DTensor:
         local = x._local_tensor
         w, b = (None if p is None else p._local_tensor for p in (weight, bias))
-        y, mean, rstd = torch.ops.aten.native_layer_norm(local, shape, w, b, eps)
+        y, mean, rstd = torch.native_layer_norm(local, shape, w, b, eps)
         ctx.x_spec, ctx.sums, ctx.shape, ctx.params = x._spec, sums, shape, (weight, bias)
-        ctx.save_for_backward(local, mean, rstd)
+        ctx.to_save = (local, mean, rstd)
         return DTensor(y, x._spec)
 
     @staticmethod
@@ -189,7 +189,8 @@ class LocalNormForward:
         return weight, None if isinstance(module, nn.RMSNorm) else getattr(module, "bias", None)
 
     def _applies(self, module: nn.Module, x: Any, params: tuple[Any, Any]) -> bool:
-        if not isinstance(x, DTensor) or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+        if (not isinstance(x, DTensor) or dynamo_compiling() or compiler._is_compiling_flag
+                or torch.is_autocast_enabled(x.device.type)):
             return False
         if self.generation != caches.GENERATION:  # the rules changed (caches.clear_all): decide again
             self.decided, self.rules, self.generation = {}, {}, caches.GENERATION

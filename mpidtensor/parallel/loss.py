@@ -28,9 +28,10 @@ from ..tensor.dtensor import DTensor
 from ..comm import collectives
 from ..tensor.placements import Partial, Placement, Replicate, Shard
 from ..tensor.spec import DTensorSpec
-from ..fast.functions import direct_apply
+from ..fast.functions import compiler, direct_apply, dynamo_compiling
 from ..fast.linear import local_grad
-from ..fast.registry import enabled, register
+from ..fast.registry import register
+from ..runtime.settings import settings
 from ..fast.rules import keeps_layout
 from ..runtime.caches import cache
 
@@ -161,7 +162,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         w_sum = float(n_classes) if weight is None else weight.sum().item()
         if smoothing:  # torch's smoothing term: sum_c w_c * (lse - x_c) / n_classes
             loss = loss + torch.where(valid, w_sum * lse - stats[2], 0.0) * (smoothing / n_classes)
-        ctx.save_for_backward(probs, rel, mine, valid, w_target)
+        ctx.to_save = (probs, rel, mine, valid, w_target)
         ctx.w_local, ctx.w_sum, ctx.smoothing, ctx.n_classes = w_local, w_sum, smoothing, n_classes
         ctx.out_spec, ctx.divisor = out_spec, None
         if out_spec is None:
@@ -234,8 +235,8 @@ def _cross_entropy(
     if isinstance(weight, DTensor):
         weight = weight.full_tensor()
     n_classes = input.shape[class_dim]
-    if (reduction != "none" and plain_target and fusable and enabled()
-            and not torch.compiler.is_compiling() and _rows_whole(spec, mesh_dim, rows)):
+    if (reduction != "none" and plain_target and fusable and settings.fast_paths
+            and not (dynamo_compiling() or compiler._is_compiling_flag)):
         FUSED.hits += 1
         return _vocab_parallel_cross_entropy(input, target, offset, n_classes, weight, ignore_index,
                                              float(label_smoothing), group, reduction == "mean", out_spec)
@@ -265,14 +266,15 @@ def _logits_layout(logits: DTensor) -> tuple:
     dim (or the ValueError of a layout loss_parallel cannot take), the per-row losses'
     placements, this rank's first class, the class dim's communicator, whether the fused
     path may take the logits (the class dim last, laid out C-contiguously: the gradient
-    takes their spec; :func:`_rows_whole` decides the rest), and its loss spec.
+    takes their spec, and :func:`_rows_whole`), and its loss spec.
     (Worked out per call, the placement checks and the span arithmetic were ~40 Python calls.)"""
     spec, mesh = logits._spec, logits._spec.mesh
     mesh_dim = _class_mesh_dim(logits)
     class_dim = 1 if len(spec.shape) >= 2 else 0
     rows = tuple(_row_placements(spec.placements, class_dim, mesh_dim))
     offset = spec.local_shape_and_offset()[1][class_dim]
-    fusable = class_dim == len(spec.shape) - 1 and spec.stride == contiguous_strides(spec.shape)
+    fusable = (class_dim == len(spec.shape) - 1 and spec.stride == contiguous_strides(spec.shape)
+               and _rows_whole(spec, mesh_dim, rows))
     out_spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, (), (), spec.dtype)
     return mesh_dim, rows, offset, mesh.comm_for((mesh_dim,)), fusable, out_spec
 

@@ -11,9 +11,12 @@ from ..tensor.api import distribute_module
 from ..tensor.dtensor import DTensor
 from ..fast.norm import LocalNormForward
 from ..mesh import DeviceMesh
+from ..runtime.caches import cache
 from ..tensor.placements import Replicate, Shard
 from .install import install, own_forward
 from .style import ParallelStyle, as_dtensor, require_1d_mesh, require_plain_parameters, to_layout
+
+_PLACED: dict = cache("parallel.sequence.placed")  # (input spec, sequence dim) -> whether it is sharded so
 
 
 def _supported(module: nn.Module) -> bool:
@@ -78,8 +81,14 @@ class SequenceParallel(ParallelStyle):
             if not inputs:
                 raise ValueError("SequenceParallel expects the module's input as its first positional argument")
             x = inputs[0]
-            if type(x) is DTensor and x._spec.placements == sharding:
-                return inputs  # already in place: what as_dtensor and to_layout give back (two calls fewer)
+            if type(x) is DTensor:  # already in place: what as_dtensor and to_layout give back (calls fewer)
+                key = (x._spec, layout.dim)
+                try:  # (by the interned spec: ``Placement.__eq__`` is a Python call)
+                    placed = _PLACED[key]
+                except KeyError:
+                    placed = _PLACED[key] = x._spec.placements == sharding
+                if placed:
+                    return inputs
             x = to_layout(as_dtensor(x, mesh, layout, "SequenceParallel input"), layout)
             return (x, *inputs[1:])
 

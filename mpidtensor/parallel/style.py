@@ -111,13 +111,14 @@ def as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, what: str,
 
 def to_layout(x: DTensor, layout: Placement) -> DTensor:
     """``x`` redistributed to ``layout`` on its 1-D mesh (no-op when it already has it);
-    ``Shard(d)`` -> ``Replicate`` by the local all-gather (``fast.gather``) where it applies."""
-    if x._spec.placements == (layout,):  # the common case, without normalizing
-        return x
+    ``Shard(d)`` -> ``Replicate`` by the local all-gather (``fast.gather``) where it applies
+    (asked first: a replicated ``x`` has no route, and ``Placement.__eq__`` is a Python call)."""
     if isinstance(layout, Replicate):
         y = gather_shards(x)
         if y is not None:
             return y
+    if x._spec.placements == (layout,):  # the common case, without normalizing
+        return x
     target = normalize_placements((layout,), 1, x.ndim)
     return x if x.placements == target else x.redistribute(x.device_mesh, target)
 
