@@ -12,7 +12,7 @@ The call may return an object with ``wait()`` (a started collective) or ``None``
 """
 from __future__ import annotations
 
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import Any, Sequence
 
 import torch
@@ -23,7 +23,7 @@ from ..comm.nonblocking import Handle, iall_gather, iall_reduce, ireduce_scatter
 from ..comm.buffers import reuse
 from ..comm.pool import pool, tracked_empty
 from ..comm.collectives import BySignature, prepare_reduce_scatter
-from .packing import pack_ranks
+from .packing import cat_rows, pack_ranks
 
 
 class _Done:
@@ -103,7 +103,7 @@ class GroupScatter:
     """The reduce-scatter of one FSDP group's gradients over ``comm`` in ``dtype``, worked out
     once per group (``GradientReduction._scatter``): the (world, total) send rows from a reused
     pooled buffer, whether one ``torch.cat`` packs them (every gradient split evenly along dim 0,
-    in ``dtype``: ``packing.pack_ranks``'s first case, its checks made here) and the prepared
+    in ``dtype``: ``packing.cat_rows``, ``pack_ranks``' first case, its checks made here) and the prepared
     ``Reduce_scatter`` (its count, datatype and output buffer made once). For host buffers over
     2+ ranks with torch's default collective and MPI progress ``"off"`` (then
     ``start_reduce_scatter`` is this same blocking call): ~8 Python calls a group fewer."""
@@ -123,9 +123,7 @@ class GroupScatter:
         """Pack ``grads`` ((parameter, unsharded gradient), the group's sharded parameters in
         order), divide by ``pre`` and reduce-scatter: done on return."""
         send = self.sends.take()[0]
-        if self.cat and set(map(_dtype_of, map(_second, grads))) == {send.dtype}:  # (C-level maps)
-            torch.cat(list(map(_reshape, map(_second, grads), self.shapes)), dim=1, out=send)
-        else:
+        if not (self.cat and cat_rows(send, map(_second, grads), self.shapes)):
             pack_ranks(send, grads)
         divide(send, pre)
         return _Done(None, self.run(send).view(-1))
@@ -169,7 +167,7 @@ def divide(tensor: torch.Tensor, factor: float | None) -> None:
         tensor.div_(factor)
 
 
-_dtype_of, _second, _reshape = attrgetter("dtype"), itemgetter(1), torch.Tensor.reshape
+_second = itemgetter(1)
 
 
 class NoGather:

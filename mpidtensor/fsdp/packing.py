@@ -31,7 +31,7 @@ import functools
 from itertools import accumulate, repeat
 from math import prod
 from operator import attrgetter
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -199,6 +199,18 @@ def keep_rows(kept: torch.Tensor, gathered: list[FSDPParam], pieces: list[list[P
 
 
 # --- the gradients' reduce-scatter input ------------------------------------------------------
+def cat_rows(per_rank: torch.Tensor, tensors: Iterable[torch.Tensor], shapes: Iterable[tuple[int, int]]) -> bool:
+    """:func:`pack_ranks`' common case: gradients split evenly along dim 0, each seen as its
+    ``shapes`` entry (world, piece), packed by one ``torch.cat`` along dim 1 into ``per_rank``
+    where all are in its dtype; False, with nothing written, where one is not. (C-level maps:
+    no Python call per gradient; ``collectives.GroupScatter`` calls it with shapes decided once.)"""
+    tensors = list(tensors)
+    if set(map(_dtype_of, tensors)) != {per_rank.dtype}:
+        return False
+    torch.cat(list(map(_reshape, tensors, shapes)), dim=1, out=per_rank)
+    return True
+
+
 def pack_ranks(per_rank: torch.Tensor, grads: list[tuple[FSDPParam, torch.Tensor]]) -> None:
     """Lay ``grads`` out for the reduce-scatter: row ``r`` of ``per_rank`` (world, total) holds
     rank r's padded piece of each gradient, back to back, zero-padded. Gradients split evenly
@@ -208,10 +220,8 @@ def pack_ranks(per_rank: torch.Tensor, grads: list[tuple[FSDPParam, torch.Tensor
     world = per_rank.size(0)
     if all([p.rows == p.pad_rows * world for p, _ in grads]):  # (lists, not generators: one call, not one per item)
         params, tensors = zip(*grads)
-        if set(map(_pre_of, params)) == _ONE and set(map(_dtype_of, tensors)) == {per_rank.dtype}:
-            # (C-level maps: no Python call per gradient)
-            torch.cat(list(map(_reshape, tensors, zip(repeat(world), map(_shard_numel_of, params)))), dim=1,
-                      out=per_rank)
+        if set(map(_pre_of, params)) == _ONE and cat_rows(per_rank, tensors,
+                                                          zip(repeat(world), map(_shard_numel_of, params))):
             return
         # sharded on a later dim (FSDP x TP's dim-1 shards) or cast: gradient i seen as (pre, world, pad, post)
         # is its ranks' pieces; one _foreach_copy_ into the rows, two views per gradient
