@@ -141,7 +141,7 @@ def test_large_unsharded_storage_asks_for_huge_pages(mesh1d, monkeypatch):
 
 
 # --- FSDP's registered fast paths, on against off --------------------------------------------------
-FSDP_PATHS = {"fsdp.posted_gather", "fsdp.placed_gather", "fsdp.prepared_scatter", "fsdp.placed_scatter"}  # tests/test_fast_paths.py checks every registered path has a case
+FSDP_PATHS = {"fsdp.posted_gather", "fsdp.placed_gather", "fsdp.prepared_scatter"}  # tests/test_fast_paths.py checks every registered path has a case
 
 
 def blocks() -> torch.nn.Sequential:
@@ -212,15 +212,9 @@ def fsdp_steps(build, options: dict, mesh, fast: bool, steps: int = 3):
 
 def check_on_equals_off(build, options: dict, mesh, path: str, what: str, runs: bool) -> None:
     """``fsdp_steps`` with fast paths on and off: the same bytes move, so losses, gradients and
-    parameters are bit-equal, except where ``fsdp.placed_scatter`` ran (torch sums the ranks'
-    terms in its own order, not MPI's: equal to rounding); ``path`` ran when on iff ``runs``,
-    never when off."""
+    parameters are bit-equal; ``path`` ran when on iff ``runs``, never when off."""
     on, off = fsdp_steps(build, options, mesh, True), fsdp_steps(build, options, mesh, False)
-    if on[3]["fsdp.placed_scatter"]:
-        same = torch.allclose(torch.tensor(on[0]), torch.tensor(off[0]), rtol=1e-5) and all(
-            torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(on[1] + on[2], off[1] + off[2]))
-    else:
-        same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1] + on[2], off[1] + off[2]))
+    same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1] + on[2], off[1] + off[2]))
     assert_all_ranks(same, f"{what}: losses {on[0]} vs {off[0]}, or gradients / parameters differ")
     assert_all_ranks((on[3][path] > 0) == runs and not off[3][path], f"{what}: hits on {on[3]}, off {off[3]}")
 
@@ -240,17 +234,13 @@ def test_placed_all_gather_equals_the_general_one(mesh1d, case):
 
 
 SCATTER_CASES = {  # name: (build, fully_shard keywords): each group kind the prepared reduce-scatter takes
-    "dim-1 shards": GATHER_CASES["dim-1 shards"],  # pack_ranks' strided copies
+    "uneven dim-0 shards": (blocks, {}),  # uneven at 2-4 ranks (pack_ranks' copies)
+    "even dim-0 shards": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12),
+                                                      torch.nn.Tanh(), torch.nn.Linear(12, 12)), {}),  # one cat
     "bfloat16": GATHER_CASES["bfloat16 packed"],  # reduced in float32 by the prepared collective's general call
     "bfloat16, reduce float32": (blocks, {"mp_policy": "bf16, reduce f32"}),
+    "accumulated without sync": (blocks, {"unsynced": 2}),
     "divide factor before the sum": (blocks, {"divide_factor": 5.0}),  # PREMUL_SUM's scaling
-}
-PLACED_SCATTER_CASES = {  # name: (build, fully_shard keywords): each group kind the placed reduce-scatter takes
-    "uneven dim-0 shards": (blocks, {}),  # uneven at 2-4 ranks, empty at 4: zeroed padding
-    "even dim-0 shards": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12),
-                                                      torch.nn.Tanh(), torch.nn.Linear(12, 12)), {}),
-    "accumulated without sync": (blocks, {"unsynced": 2}),  # gradients summed outside autograd's buffers
-    "divide factor after the sum": (blocks, {"divide_factor": float(WORLD.size)}),  # the shard size: AVG's split
 }
 
 
@@ -261,48 +251,7 @@ def test_prepared_reduce_scatter_equals_the_general_one(mesh1d, case):
     check_on_equals_off(*SCATTER_CASES[case], mesh1d, "fsdp.prepared_scatter", case, WORLD.size > 1)
 
 
-@pytest.mark.parametrize("case", list(PLACED_SCATTER_CASES))
-def test_placed_reduce_scatter_equals_the_general_one(mesh1d, case):
-    """``fsdp.placed_scatter`` (each rank's pieces sent straight from the gradients, summed by
-    torch) against the packed reduce-scatter (fast paths off); it runs on 2+ ranks only."""
-    check_on_equals_off(*PLACED_SCATTER_CASES[case], mesh1d, "fsdp.placed_scatter", case, WORLD.size > 1)
-
-
-def test_placed_paths_match_one_process(mesh1d):
-    """Three AdamW steps of ``blocks`` under FSDP (the placed all-gather and reduce-scatter,
-    uneven shards at 3 and 4 ranks), each rank a slice of one batch, against one process on
-    the whole batch: gradients and parameters equal to rounding."""
-    torch.manual_seed(0)
-    ref = blocks()
-    net = blocks()
-    net.load_state_dict(ref.state_dict())
-    for layer in (net[0], net[2], net):
-        fully_shard(layer, mesh=mesh1d)
-    opts = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(net.parameters(), lr=1e-2)
-    gen, world = torch.Generator().manual_seed(7), WORLD.size
-    hits = {p.name: p.hits for p in registry.paths()}
-    ok = True
-    for _ in range(3):
-        batch = torch.randn(4 * world, 5, generator=gen)
-        ref(batch).pow(2).sum().div(world).backward()  # FSDP averages the ranks' gradients
-        net(batch[4 * WORLD.rank:4 * WORLD.rank + 4]).pow(2).sum().backward()
-        ok &= all(torch.allclose(b.grad.full_tensor(), a.grad, rtol=1e-5, atol=1e-6)
-                  for a, b in zip(ref.parameters(), net.parameters()))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    ok &= all(torch.allclose(b.full_tensor(), a, rtol=1e-5, atol=1e-6) for a, b in zip(ref.parameters(), net.parameters()))
-    ran = {p.name: p.hits - hits[p.name] for p in registry.paths() if p.name in ("fsdp.placed_gather", "fsdp.placed_scatter")}
-    assert_all_ranks(ok and (world == 1 or min(ran.values()) > 0), f"gradients / parameters differ, or hits {ran}")
-
-
 def test_prepared_reduce_scatter_hsdp(mesh2d):
     """HSDP on the 2x2 mesh (replicate x shard): the prepared reduce-scatter over the shard
     ranks, then the all-reduce over the replicas, bit-equal to the general path."""
-    check_on_equals_off(*SCATTER_CASES["divide factor before the sum"], mesh2d, "fsdp.prepared_scatter", "HSDP", True)
-
-
-def test_placed_reduce_scatter_hsdp(mesh2d):
-    """HSDP on the 2x2 mesh: the placed reduce-scatter over the shard ranks, then the
-    all-reduce over the replicas, equal to the general path."""
-    check_on_equals_off(*PLACED_SCATTER_CASES["uneven dim-0 shards"], mesh2d, "fsdp.placed_scatter", "HSDP", True)
+    check_on_equals_off(*SCATTER_CASES["uneven dim-0 shards"], mesh2d, "fsdp.prepared_scatter", "HSDP", True)

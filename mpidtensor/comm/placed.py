@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from ..runtime import progress, watchdog
 from . import recorders
-from .buffers import from_address, reuse
+from .buffers import from_address
 
 Pieces = Sequence[tuple[int, int]]  # (byte offset, byte length) in a buffer
 
@@ -99,65 +99,3 @@ class PlacedAllGather:
     def test(self) -> bool:
         """One ``MPI_Test``: whether the posted data has arrived."""
         return self._request is None or self._request.Test()
-
-
-class PlacedReduceScatter:
-    """The sum over ``comm``'s ranks of tensors each rank holds whole in separate buffers
-    (FSDP's unsharded gradients), rank ``d``'s result its pieces of them: one ``Alltoallw``
-    sends every rank its pieces straight from the tensors (per-destination ``hindexed``
-    types at the tensors' addresses, ``MPI.BOTTOM``: no pack into send rows) into a
-    (ranks, ``row_numel``) buffer of ``dtype``, which torch sums over the ranks.
-
-    ``pieces[i][d]``: (byte offset, byte length) of tensor ``i`` that rank ``d`` reduces;
-    ``columns[i]``: the byte offset in a row where this rank's piece of tensor ``i`` goes.
-    The result's bytes outside the pieces (``padding``: (start, end) element ranges) are
-    zero. The send types depend on the tensors' addresses: the last addresses' types are
-    kept, and made again when a tensor moved."""
-
-    __slots__ = ("comm", "dtype", "_pieces", "_rows", "_outs", "_recv", "_padding", "_bases", "_send_types",
-                 "_send_counts", "_zeros", "__weakref__")
-
-    def __init__(self, comm: MPI.Intracomm, dtype: torch.dtype, pieces: Sequence[Sequence[tuple[int, int]]],
-                 columns: Sequence[int], row_numel: int, padding: Sequence[tuple[int, int]]) -> None:
-        world, rank = comm.size, comm.rank
-        self.comm, self.dtype = comm, dtype
-        # per destination: (tensor index, byte offset, byte length) of its non-empty pieces
-        self._pieces = [[(i, own[d][0], own[d][1]) for i, own in enumerate(pieces) if own[d][1]] for d in range(world)]
-        self._rows = reuse((world, row_numel), dtype)
-        self._outs = reuse((row_numel,), dtype)
-        recv_type, count = _byte_type([(column, own[rank][1]) for column, own in zip(columns, pieces)])
-        row_bytes = row_numel * dtype.itemsize
-        self._recv = ([count] * world, [s * row_bytes for s in range(world)], [recv_type] * world)
-        self._padding = list(padding)
-        self._zeros = [0] * world
-        self._bases: tuple[int, ...] | None = None
-        self._send_types: list[MPI.Datatype] = []  # per destination, at ``_bases`` (changed in place)
-        self._send_counts: list[int] = []
-        weakref.finalize(self, _free, [recv_type])
-        weakref.finalize(self, _free, self._send_types)
-
-    def run(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The summed pieces of ``tensors`` (C-contiguous host, ``dtype``) for this rank, as
-        one row of ``row_numel``; done on return (blocking, as FSDP's prepared reduce-scatter)."""
-        bases = tuple(map(torch.Tensor.data_ptr, tensors))
-        if bases != self._bases:
-            self._make_send_types(bases)
-        rows, rows_buffer = self._rows.take()
-        counts, displs, types = self._recv
-        if recorders.ACTIVE:
-            recorders.record("reduce_scatter", rows.nbytes)
-        self.comm.Alltoallw([MPI.BOTTOM, self._send_counts, self._zeros, self._send_types],
-                            [rows_buffer, counts, displs, types])
-        out = self._outs.take()[0]
-        torch.sum(rows, 0, out=out)
-        for start, end in self._padding:
-            out[start:end].zero_()
-        return out
-
-    def _make_send_types(self, bases: tuple[int, ...]) -> None:
-        """The per-destination send types at ``bases`` (the last ones freed)."""
-        _free(self._send_types)
-        made = [_byte_type([(bases[i] + offset, length) for i, offset, length in own]) for own in self._pieces]
-        self._send_types[:] = [datatype for datatype, _ in made]
-        self._send_counts = [count for _, count in made]
-        self._bases = bases

@@ -23,8 +23,7 @@ from ..comm.nonblocking import Handle, iall_gather, iall_reduce, ireduce_scatter
 from ..comm.buffers import reuse
 from ..comm.pool import pool, tracked_empty
 from ..comm.collectives import BySignature, prepare_reduce_scatter
-from ..comm.placed import PlacedReduceScatter
-from .packing import cat_rows, pack_ranks, scatter_pieces
+from .packing import cat_rows, pack_ranks
 
 
 class _Done:
@@ -107,11 +106,9 @@ class GroupScatter:
     in ``dtype``: ``packing.cat_rows``, ``pack_ranks``' first case, its checks made here) and the prepared
     ``Reduce_scatter`` (its count, datatype and output buffer made once). For host buffers over
     2+ ranks with torch's default collective and MPI progress ``"off"`` (then
-    ``start_reduce_scatter`` is this same blocking call): ~8 Python calls a group fewer.
-    ``placed``: for dim-0 shards in float32/float64 the ``comm.placed`` reduce-scatter,
-    which sends straight from the gradients (no pack; ``start_placed``)."""
+    ``start_reduce_scatter`` is this same blocking call): ~8 Python calls a group fewer."""
 
-    __slots__ = ("count", "shapes", "cat", "sends", "run", "dtype", "placed")
+    __slots__ = ("count", "shapes", "cat", "sends", "run")
 
     def __init__(self, params: list, comm: MPI.Intracomm, dtype: torch.dtype) -> None:
         world = comm.size
@@ -121,9 +118,6 @@ class GroupScatter:
         self.cat = all(p.pre == 1 and p.rows == p.pad_rows * world and p.param_dtype == dtype for p in params)
         self.sends = reuse((world, total), dtype)
         self.run = prepare_reduce_scatter((world, total), dtype, comm, "sum", dim=0, sizes=(1,) * world)
-        self.dtype = dtype
-        layout = scatter_pieces(params, world, comm.rank, dtype)
-        self.placed = None if layout is None else PlacedReduceScatter(comm, dtype, *layout)
 
     def start(self, grads: list[tuple[Any, torch.Tensor]], pre: float | None) -> _Done:
         """Pack ``grads`` ((parameter, unsharded gradient), the group's sharded parameters in
@@ -133,15 +127,6 @@ class GroupScatter:
             pack_ranks(send, grads)
         divide(send, pre)
         return _Done(None, self.run(send).view(-1))
-
-    def start_placed(self, grads: list[tuple[Any, torch.Tensor]]) -> _Done:
-        """Reduce-scatter ``grads`` as ``start`` does without a divide before the sum, sent
-        straight from the gradients (made contiguous in ``dtype`` here if one is not: a
-        local copy, the same collective on every rank): done on return."""
-        tensors = list(map(_second, grads))
-        if not all(map(torch.Tensor.is_contiguous, tensors)) or {t.dtype for t in tensors} != {self.dtype}:
-            tensors = [t.to(self.dtype).contiguous() for t in tensors]
-        return _Done(None, self.placed.run(tensors))
 
 
 def start_all_reduce(flat: torch.Tensor, comm: MPI.Intracomm) -> Handle | _Done:

@@ -40,15 +40,6 @@ PREPARED_SCATTER = register(
 )
 
 
-PLACED_SCATTER = register(
-    "fsdp.placed_scatter",
-    shortcuts="the prepared reduce-scatter's pack of the gradients into (ranks, total) send rows: one Alltoallw "
-              "sends each rank its pieces straight from the gradients, torch sums the received rows",
-    decided_by="the prepared reduce-scatter's conditions, and the group's layout (packing.scatter_pieces): "
-               "dim-0 shards in a float32/float64 reduce dtype, no divide before the sum",
-)
-
-
 class GradientReduction:
     """``post_backward``, ``finish_reduce`` and their state; the fields (``params``, ``info``,
     ``_pending``, ``_scatters``, the ``set_*`` switches...) are ``ParamGroup.__init__``'s."""
@@ -126,12 +117,8 @@ class GradientReduction:
             prepared = self._scatter
             if (prepared is not None and len(sharded) == prepared.count and settings.fast_paths
                     and self.custom_reduce_scatter is None and progress.mode() == "off"):
-                if prepared.placed is not None and pre is None:
-                    PLACED_SCATTER.hits += 1
-                    scatter = prepared.start_placed(sharded)
-                else:
-                    PREPARED_SCATTER.hits += 1
-                    scatter = prepared.start(sharded, pre)
+                PREPARED_SCATTER.hits += 1
+                scatter = prepared.start(sharded, pre)
             elif sharded:
                 total = sum(map(_shard_numel_of, map(_first, sharded)))
                 device = sharded[0][1].device

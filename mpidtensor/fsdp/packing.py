@@ -220,29 +220,6 @@ def keep_rows(kept: torch.Tensor, gathered: list[FSDPParam], pieces: list[list[P
 
 
 # --- the gradients' reduce-scatter input ------------------------------------------------------
-def scatter_pieces(params: list[FSDPParam], world: int, rank: int, dtype: torch.dtype):
-    """The layout of a reduce-scatter straight from the unsharded gradients (``comm.placed``)
-    of parameters sharded along dim 0 whose gradients are in ``dtype``, float32 or float64
-    (summed by torch as MPI would, no cast): per parameter, per destination rank its
-    (byte offset, byte length) of the gradient; per parameter the byte column of this
-    rank's piece in a (world, total) row buffer (``pack_ranks``' layout); the row's
-    elements; this rank's padding, (start, end) elements. ``None`` for other groups.
-    From global shapes only: every rank agrees."""
-    if dtype not in (torch.float32, torch.float64) or any(p.pre != 1 or p.param_dtype != dtype for p in params):
-        return None
-    item, pieces, columns, padding, column = dtype.itemsize, [], [], [], 0
-    for p in params:
-        row_bytes = p.post * item
-        spans = [chunk_span(p.rows, world, d) for d in range(world)]
-        pieces.append([(first * row_bytes, count * row_bytes) for first, count in spans])
-        columns.append(column * item)
-        mine = spans[rank][1] * p.post
-        if mine < p.shard_numel:
-            padding.append((column + mine, column + p.shard_numel))
-        column += p.shard_numel
-    return pieces, columns, column, padding
-
-
 def cat_rows(per_rank: torch.Tensor, tensors: Iterable[torch.Tensor], shapes: Iterable[tuple[int, int]]) -> bool:
     """:func:`pack_ranks`' common case: gradients split evenly along dim 0, each seen as its
     ``shapes`` entry (world, piece), packed by one ``torch.cat`` along dim 1 into ``per_rank``
