@@ -21,9 +21,10 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
-from ..runtime import progress, watchdog
+from ..runtime import progress
 from . import recorders
 from .buffers import from_address
+from .nonblocking import Posted
 
 Pieces = Sequence[tuple[int, int, int, int]]  # (byte offset, byte length, count, byte stride) in a buffer
 
@@ -56,15 +57,14 @@ def _free(types: list[MPI.Datatype]) -> None:
             datatype.Free()
 
 
-class PlacedAllGather:
+class PlacedAllGather(Posted):
     """Every rank of ``comm`` sends its ``send_pieces`` of a fixed send buffer (``send``, the
     same bytes to all); source ``s``'s bytes land at ``recv_pieces[s]`` of the output.
     ``recv_pieces[s]`` must total what rank ``s``'s send pieces do. Host tensors; one post
-    in flight at a time: the object is its own handle (``post`` starts, ``wait`` completes,
-    as ``nonblocking.PostedAllGather``'s)."""
+    in flight at a time: the object is its own handle (``post`` starts, ``Posted.wait``
+    completes)."""
 
-    __slots__ = ("comm", "send", "nbytes", "_send", "_recv_counts", "_recv_types", "_zeros",
-                 "_request", "_result", "_details", "__weakref__")
+    __slots__ = ("send", "nbytes", "_send", "_recv_counts", "_recv_types", "_zeros", "__weakref__")
 
     def __init__(self, comm: MPI.Intracomm, send: torch.Tensor, send_pieces: Pieces,
                  recv_pieces: Sequence[Pieces]) -> None:
@@ -94,17 +94,3 @@ class PlacedAllGather:
         self._result = out
         progress.started(self)
         return self
-
-    def wait(self) -> torch.Tensor | None:
-        """Block until the posted all-gather is done (watched); return its output, once."""
-        request, out = self._request, self._result
-        if request is not None:
-            watchdog.call("iall_gather", self.comm, request.Wait, details=self._details)
-            progress.finished(self)
-            self._request = None
-        self._result = None
-        return out
-
-    def test(self) -> bool:
-        """One ``MPI_Test``: whether the posted data has arrived."""
-        return self._request is None or self._request.Test()
