@@ -141,19 +141,32 @@ def test_large_unsharded_storage_asks_for_huge_pages(mesh1d, monkeypatch):
 
 
 # --- FSDP's registered fast paths, on against off --------------------------------------------------
-FSDP_PATHS = {"fsdp.posted_gather", "fsdp.prepared_scatter"}  # tests/test_fast_paths.py checks every registered path has a case
+FSDP_PATHS = {"fsdp.posted_gather", "fsdp.placed_gather", "fsdp.prepared_scatter"}  # tests/test_fast_paths.py checks every registered path has a case
+
+
+def blocks() -> torch.nn.Sequential:
+    """Two Linears of 7 and 3 output rows: uneven dim-0 shards at 2-4 ranks (empty at 4)."""
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def same_size_blocks() -> torch.nn.Sequential:
+    """Three groups of one size (prefetched two at once: receive buffers of one pool size)."""
+    return torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Tanh(), torch.nn.Linear(5, 5), torch.nn.Tanh(),
+                               torch.nn.Linear(5, 5))
+
+
 GATHER_CASES = {  # name: (build, fully_shard keywords): each group kind the posted all-gather takes
-    "blocks": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)), {}),
     "one weight in place": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12, bias=False), torch.nn.Tanh(),
                                                         torch.nn.Linear(12, 12, bias=False)), {}),
-    "bfloat16 packed": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)),
-                        {"mp_policy": "bf16"}),
-    "kept after forward": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
-                                                       torch.nn.Linear(7, 3)), {"reshard_after_forward": False}),
-    # groups of one size, two prefetched at once: their receive buffers come from one pool size
-    "same-size groups prefetched": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Tanh(),
-                                                                torch.nn.Linear(5, 5), torch.nn.Tanh(),
-                                                                torch.nn.Linear(5, 5)), {"prefetch": 2}),
+    "bfloat16 packed": (blocks, {"mp_policy": "bf16"}),
+    "same-size groups prefetched": (same_size_blocks, {"prefetch": 2, "mp_policy": "bf16"}),
+}
+PLACED_CASES = {  # name: (build, fully_shard keywords): each group kind the placed all-gather takes
+    "uneven blocks": (blocks, {}),
+    "even blocks": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12)), {}),
+    "kept after forward": (blocks, {"reshard_after_forward": False}),
+    "same-size groups prefetched": (same_size_blocks, {"prefetch": 2}),
+    "dim-1 shards": (blocks, {"shard_placement_fn": dim1_for_matrices}),  # a (7, 5) weight: a piece in every row
 }
 
 
@@ -213,14 +226,21 @@ def test_posted_all_gather_equals_the_general_one(mesh1d, case):
     check_on_equals_off(*GATHER_CASES[case], mesh1d, "fsdp.posted_gather", case, WORLD.size > 1)
 
 
+@pytest.mark.parametrize("case", list(PLACED_CASES))
+def test_placed_all_gather_equals_the_general_one(mesh1d, case):
+    """``fsdp.placed_gather`` (each rank's shards put in the unsharded parameters by MPI's
+    datatypes) against the general all-gather and copy out (fast paths off); 2+ ranks only."""
+    check_on_equals_off(*PLACED_CASES[case], mesh1d, "fsdp.placed_gather", case, WORLD.size > 1)
+
+
 SCATTER_CASES = {  # name: (build, fully_shard keywords): each group kind the prepared reduce-scatter takes
-    "uneven dim-0 shards": GATHER_CASES["blocks"],  # 7 and 3 rows: uneven at 2-4 ranks (pack_ranks' copies)
+    "uneven dim-0 shards": (blocks, {}),  # uneven at 2-4 ranks (pack_ranks' copies)
     "even dim-0 shards": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12),
                                                       torch.nn.Tanh(), torch.nn.Linear(12, 12)), {}),  # one cat
     "bfloat16": GATHER_CASES["bfloat16 packed"],  # reduced in float32 by the prepared collective's general call
-    "bfloat16, reduce float32": (GATHER_CASES["blocks"][0], {"mp_policy": "bf16, reduce f32"}),
-    "accumulated without sync": (GATHER_CASES["blocks"][0], {"unsynced": 2}),
-    "divide factor before the sum": (GATHER_CASES["blocks"][0], {"divide_factor": 5.0}),  # PREMUL_SUM's scaling
+    "bfloat16, reduce float32": (blocks, {"mp_policy": "bf16, reduce f32"}),
+    "accumulated without sync": (blocks, {"unsynced": 2}),
+    "divide factor before the sum": (blocks, {"divide_factor": 5.0}),  # PREMUL_SUM's scaling
 }
 
 
@@ -229,6 +249,34 @@ def test_prepared_reduce_scatter_equals_the_general_one(mesh1d, case):
     """``fsdp.prepared_scatter`` (a group's reduce-scatter worked out once) against
     ``collectives.start_reduce_scatter`` (fast paths off); it runs on 2+ ranks only."""
     check_on_equals_off(*SCATTER_CASES[case], mesh1d, "fsdp.prepared_scatter", case, WORLD.size > 1)
+
+
+def test_placed_all_gather_matches_one_process(mesh1d):
+    """Three AdamW steps of ``blocks`` under FSDP (the placed all-gather, uneven shards at 3
+    and 4 ranks, an empty one at 4), each rank a slice of one batch, against one process on
+    the whole batch: gradients and parameters equal to rounding."""
+    torch.manual_seed(0)
+    ref = blocks()
+    net = blocks()
+    net.load_state_dict(ref.state_dict())
+    for layer in (net[0], net[2], net):
+        fully_shard(layer, mesh=mesh1d)
+    opts = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(net.parameters(), lr=1e-2)
+    gen, world = torch.Generator().manual_seed(7), WORLD.size
+    hits = {p.name: p.hits for p in registry.paths()}
+    ok = True
+    for _ in range(3):
+        batch = torch.randn(4 * world, 5, generator=gen)
+        ref(batch).pow(2).sum().div(world).backward()  # FSDP averages the ranks' gradients
+        net(batch[4 * WORLD.rank:4 * WORLD.rank + 4]).pow(2).sum().backward()
+        ok &= all(torch.allclose(b.grad.full_tensor(), a.grad, rtol=1e-5, atol=1e-6)
+                  for a, b in zip(ref.parameters(), net.parameters()))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    ok &= all(torch.allclose(b.full_tensor(), a, rtol=1e-5, atol=1e-6) for a, b in zip(ref.parameters(), net.parameters()))
+    ran = {p.name: p.hits - hits[p.name] for p in registry.paths()}["fsdp.placed_gather"]
+    assert_all_ranks(ok and (world == 1 or ran > 0), f"gradients / parameters differ, or placed all-gathers {ran}")
 
 
 def test_prepared_reduce_scatter_hsdp(mesh2d):

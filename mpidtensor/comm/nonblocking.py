@@ -77,7 +77,30 @@ def iall_gather(send: torch.Tensor, comm: MPI.Intracomm, out: torch.Tensor | Non
                   ("iall_gather", comm, {"dtype": send.dtype, "bytes": src.nbytes}))
 
 
-class PostedAllGather:
+class Posted:
+    """An all-gather that one caller posts again and again, its own handle (one post in flight
+    at a time): a subclass's ``post`` sets ``_request`` and ``_result``; ``wait`` completes it
+    as :class:`Handle`'s does."""
+
+    __slots__ = ("comm", "_request", "_result", "_details")
+
+    def wait(self) -> torch.Tensor | None:
+        """Block until the posted all-gather is done (watched); return its output, once
+        (later calls ``None``: the output is no longer held here)."""
+        request, out = self._request, self._result
+        if request is not None:
+            watchdog.call("iall_gather", self.comm, request.Wait, details=self._details)
+            progress.finished(self)
+            self._request = None
+        self._result = None
+        return out
+
+    def test(self) -> bool:
+        """One ``MPI_Test`` (``Handle.test``'s): whether the posted data has arrived."""
+        return self._request is None or self._request.Test()
+
+
+class PostedAllGather(Posted):
     """An ``Iallgather`` of ``nbytes`` bytes per rank over ``comm`` that one caller posts again
     and again (FSDP's all-gather of one parameter group, every step), its MPI arguments made
     once: the count and datatype, the fixed ``send`` buffer's address (if it has one), and
@@ -87,7 +110,7 @@ class PostedAllGather:
     time: the object is its own handle (``post`` starts, ``wait`` completes, as
     :class:`Handle`'s), ~10 Python calls a post against ~30 for ``iall_gather``."""
 
-    __slots__ = ("comm", "nbytes", "send", "_source", "_rows", "_request", "_result", "_details")
+    __slots__ = ("nbytes", "send", "_source", "_rows")
 
     def __init__(self, comm: MPI.Intracomm, nbytes: int, send: torch.Tensor | None = None) -> None:
         self.comm, self.nbytes, self.send = comm, nbytes, send
@@ -112,21 +135,6 @@ class PostedAllGather:
         self._result = out
         progress.started(self)
         return self
-
-    def wait(self) -> torch.Tensor | None:
-        """Block until the posted all-gather is done (watched); return its output, once
-        (later calls ``None``: the output is no longer held here)."""
-        request, out = self._request, self._result
-        if request is not None:
-            watchdog.call("iall_gather", self.comm, request.Wait, details=self._details)
-            progress.finished(self)
-            self._request = None
-        self._result = None
-        return out
-
-    def test(self) -> bool:
-        """One ``MPI_Test`` (``Handle.test``'s): whether the posted data has arrived."""
-        return self._request is None or self._request.Test()
 
 
 def ireduce_scatter(

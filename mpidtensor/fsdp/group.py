@@ -7,13 +7,12 @@ transition is one method that checks the state it leaves:
 * ``start_unshard``: ``SHARDED`` or ``SHARDED_POST_FORWARD`` -> ``UNSHARDING``: one
   ``Iallgather`` of every rank's send buffer (``packing``), in rank order, into a pooled
   buffer (``comm.pool``); from ``SHARDED_POST_FORWARD`` over the subgroup of
-  ``reshard_after_forward=k`` ranks only, from the rows each rank kept. A group of one
-  plain parameter split evenly along dim 0 on the host is gathered straight into
-  ``unsharded_flat`` (the ranks' shards back to back are the parameter). Contiguous
-  ``Iallgather`` rather than an ``Ialltoallw`` whose datatypes place each rank's rows (no
-  copy out): the derived-datatype transfer took 2-3x as long on ranks that share cores
-  (docs/performance.md, "FSDP step").
-* ``finish_unshard``: ``UNSHARDING`` -> ``UNSHARDED``: wait, copy the rows into
+  ``reshard_after_forward=k`` ranks only, from the rows each rank kept. On the host, a group
+  of one plain parameter split evenly along dim 0 is gathered straight into
+  ``unsharded_flat`` (the ranks' shards back to back are the parameter), and any other group
+  of plain parameters in their own dtype by one ``Ialltoallw`` whose receive datatypes put
+  each rank's shards in their places there (``comm.placed``, ``PLACED_GATHER``: no copy out).
+* ``finish_unshard``: ``UNSHARDING`` -> ``UNSHARDED``: wait, copy the rows (if any) into
   ``unsharded_flat`` (or an extension's outputs, then its ``fsdp_post_all_gather``) and
   register the unsharded parameters on the modules.
 * ``reshard_post_forward``: ``UNSHARDED`` -> ``SHARDED_POST_FORWARD`` (keep this rank's
@@ -43,6 +42,7 @@ from mpi4py import MPI
 from ..comm import accounting
 from ..runtime.agreement import attempt, exchange
 from ..comm.nonblocking import Handle, PostedAllGather
+from ..comm.placed import PlacedAllGather
 from ..fast.registry import register
 from ..runtime.settings import settings
 from ..comm.pool import HUGE_PAGES_MIN, advise_huge_pages, tracked_empty
@@ -60,6 +60,13 @@ POSTED_GATHER = register(
               "(iall_gather: its checks, staging, buffer and MPI arguments made every step)",
     decided_by="the group's layout, made by its first all-gather: host buffers, 2+ shard ranks, torch's "
                "default collective (no set_custom_all_gather)",
+)
+PLACED_GATHER = register(
+    "fsdp.placed_gather",
+    shortcuts="FSDP's all-gather of a group into (ranks, bytes) rows and the copy out into the unsharded "
+              "parameters (split_with_sizes_copy or FromRanks): one Ialltoallw places each rank's shards",
+    decided_by="the group's layout (packing.placed_pieces): plain parameters in their own dtype, host buffers, "
+               "no offloading, 2+ shard ranks, torch's default collective",
 )
 
 
@@ -146,6 +153,7 @@ class ParamGroup(GradientReduction):
         # UNSHARDING: the all-gather and whether it writes into unsharded_flat itself
         self._gather: tuple[Handle | PostedAllGather | collectives.NoGather, bool] | None = None
         self._posted: PostedAllGather | None = None  # the prepared all-gather over the shard ranks (_prepare_gather)
+        self._placed: PlacedAllGather | None = None  # the all-gather straight into unsharded_flat (_prepare_gather)
         self._in_place = False  # the all-gather may write into unsharded_flat (_prepare_gather)
         self._meta: dict[int, object] = {}  # extensions' fsdp_pre_all_gather metadata, for the post hook
         self._kept: torch.Tensor | None = None  # SHARDED_POST_FORWARD: this rank's rows of a gather
@@ -217,7 +225,13 @@ class ParamGroup(GradientReduction):
             self._gather, self.sharded_state = (collectives.NO_GATHER, False), UNSHARDING
             return
         custom = self.custom_all_gather
-        posted = self._posted if custom is None and settings.fast_paths else None
+        fast = custom is None and settings.fast_paths
+        if self._placed is not None and fast:  # each rank's shards land in the unsharded parameters
+            PLACED_GATHER.hits += 1
+            self._ensure_unsharded_storage()
+            self._gather, self.sharded_state = (self._placed.post(self.unsharded_flat), True), UNSHARDING
+            return
+        posted = self._posted if fast else None
         if self._in_place and custom is None:  # the unsharded parameter is the ranks' shards back to back
             self._ensure_unsharded_storage()
             if posted is not None:
@@ -257,15 +271,21 @@ class ParamGroup(GradientReduction):
         the all-gather can write straight into ``unsharded_flat`` (``_in_place``: one plain
         parameter in its own dtype, split evenly along dim 0, its ranks' shards back to back,
         on the host; with torch's default collective), and the all-gather over the shard ranks
-        prepared (``_posted``, ``POSTED_GATHER``) where it gathers host buffers over 2+ ranks:
-        ``shard_flat`` its fixed send buffer unless a cast, an extension or offloading packs
-        or moves one each time."""
+        prepared where it gathers host buffers over 2+ ranks: placed straight into
+        ``unsharded_flat`` from ``shard_flat`` (``_placed``, ``PLACED_GATHER``) where the group
+        is plain parameters in their own dtype (``packing.placed_pieces``), else posted into
+        rows (``_posted``, ``POSTED_GATHER``): ``shard_flat`` its fixed send buffer unless a
+        cast, an extension or offloading packs or moves one each time."""
         on_host = self.shard_flat.device.type == "cpu" and self.device.type == "cpu"
         self._in_place = self._rank_major and self.direct and self.offload_to is None and on_host
-        comm, self._posted = self.info.shard_comm, None
+        comm, self._posted, self._placed = self.info.shard_comm, None, None
         if self.pieces is None or not on_host or comm.size == 1 or not self.gather_nbytes:
             return
         fixed = self.direct and self.offload_to is None
+        placed = packing.placed_pieces(self.gathered, comm.size) if fixed and not self._in_place else None
+        if placed is not None:
+            self._placed = PlacedAllGather(comm, self.shard_flat, *placed)
+            return
         only = self.gathered[0]
         nbytes = only.local_numel * only.orig_dtype.itemsize if self._in_place else self.gather_nbytes
         if nbytes:

@@ -36,6 +36,7 @@ from typing import Iterable, NamedTuple
 import torch
 
 from ..runtime import caches
+from ..tensor.layout import chunk_span
 from .param import FSDPParam
 
 ALIGN = 16  # bytes: every segment may be viewed as any dtype
@@ -118,6 +119,29 @@ def split_sizes(gathered: list[FSDPParam], pieces: list[list[Piece]], world: int
            and own[0].nbytes == p.shard_numel * p.param_dtype.itemsize for p, own in zip(gathered, pieces)):
         return [own[0].nbytes for own in pieces]
     return None
+
+
+def placed_pieces(gathered: list[FSDPParam], world: int) -> tuple[list[tuple[int, int, int, int]],
+                                                                     list[list[tuple[int, int, int, int]]]] | None:
+    """Where the all-gather of plain parameters in their own dtype moves bytes without a copy
+    out (``comm.placed``): this rank's pieces of ``shard_flat`` (each shard, padding left
+    out) and, per source rank, the pieces of ``unsharded_flat`` its rows fill
+    (``torch.chunk``'s split, so uneven and empty shards fit): (byte offset, byte length,
+    count, byte stride), the shard's rows of each of the ``pre`` slices before the shard
+    dim; ``None`` for a group with extensions or a cast. From global shapes only: every
+    rank agrees."""
+    if any(p.extension or p.param_dtype != p.orig_dtype for p in gathered):
+        return None
+    send = [(p.shard_offset, p.local_numel * p.orig_dtype.itemsize, 1, 0) for p in gathered]
+    recv = []
+    for source in range(world):
+        pieces = []
+        for p in gathered:
+            row_bytes = p.post * p.orig_dtype.itemsize
+            first, count = chunk_span(p.rows, world, source)
+            pieces.append((p.unsharded_offset + first * row_bytes, count * row_bytes, p.pre, p.rows * row_bytes))
+        recv.append(pieces)
+    return send, recv
 
 
 def split_views(unsharded_flat: torch.Tensor, gathered: list[FSDPParam], sizes: list[int],
