@@ -189,7 +189,7 @@ def group_method_cpu(row: Row, steps: int) -> dict[str, float]:
     targets = [(fsdp_group.ParamGroup, n) for n in ("start_unshard", "finish_unshard", "_ensure_unsharded_storage",
                                                     "_free_unsharded_storage", "post_backward", "_start_reduce",
                                                     "finish_reduce")]
-    targets += [(nonblocking.Handle, "wait"), (nonblocking.PostedAllGather, "wait"), (packing, "pack_ranks"),
+    targets += [(nonblocking.Handle, "wait"), (nonblocking.Posted, "wait"), (packing, "pack_ranks"),
                 (torch, "split_with_sizes_copy")]
     saved = [(owner, name, getattr(owner, name)) for owner, name in targets]
 
