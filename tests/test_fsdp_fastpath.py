@@ -159,6 +159,7 @@ GATHER_CASES = {  # name: (build, fully_shard keywords): each group kind the pos
     "one weight in place": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12, bias=False), torch.nn.Tanh(),
                                                         torch.nn.Linear(12, 12, bias=False)), {}),
     "bfloat16 packed": (blocks, {"mp_policy": "bf16"}),
+    "dim-1 shards": (blocks, {"shard_placement_fn": dim1_for_matrices}),  # a (7, 5) weight: pieces on every row
     "same-size groups prefetched": (same_size_blocks, {"prefetch": 2, "mp_policy": "bf16"}),
 }
 PLACED_CASES = {  # name: (build, fully_shard keywords): each group kind the placed all-gather takes
@@ -166,7 +167,6 @@ PLACED_CASES = {  # name: (build, fully_shard keywords): each group kind the pla
     "even blocks": (lambda: torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12)), {}),
     "kept after forward": (blocks, {"reshard_after_forward": False}),
     "same-size groups prefetched": (same_size_blocks, {"prefetch": 2}),
-    "dim-1 shards": (blocks, {"shard_placement_fn": dim1_for_matrices}),  # a (7, 5) weight: a piece in every row
 }
 
 

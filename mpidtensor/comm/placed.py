@@ -26,26 +26,17 @@ from . import recorders
 from .buffers import from_address
 from .nonblocking import Posted
 
-Pieces = Sequence[tuple[int, int, int, int]]  # (byte offset, byte length, count, byte stride) in a buffer
+Pieces = Sequence[tuple[int, int]]  # (byte offset, byte length) in a buffer
 
 
 def _byte_type(pieces: Pieces) -> tuple[MPI.Datatype, int]:
-    """A committed datatype of ``pieces`` (each ``count`` blocks of ``length`` bytes,
-    ``stride`` apart, from ``offset``; empty ones dropped) over bytes, and how many of it
-    move (0 when every piece is empty: ``MPI.BYTE``, nothing to free). One ``hindexed``
-    type when every piece is one block, else a struct of ``hvector``s."""
-    kept = [piece for piece in pieces if piece[1] and piece[2]]
+    """A committed datatype of ``pieces`` (empty ones dropped) over bytes, and how many of
+    it move (0 when every piece is empty: ``MPI.BYTE``, nothing to free)."""
+    kept = [(offset, length) for offset, length in pieces if length]
     if not kept:
         return MPI.BYTE, 0
-    offsets = [offset for offset, _, _, _ in kept]
-    if all(count == 1 for _, _, count, _ in kept):
-        return MPI.BYTE.Create_hindexed([length for _, length, _, _ in kept], offsets).Commit(), 1
-    runs = [MPI.BYTE.Create_hvector(count, length, stride) if count > 1 else MPI.BYTE
-            for _, length, count, stride in kept]
-    lengths = [1 if count > 1 else length for _, length, count, _ in kept]
-    datatype = MPI.Datatype.Create_struct(lengths, offsets, runs).Commit()
-    _free(runs)  # (the struct keeps what it needs of them)
-    return datatype, 1
+    lengths, offsets = [length for _, length in kept], [offset for offset, _ in kept]
+    return MPI.BYTE.Create_hindexed(lengths, offsets).Commit(), 1
 
 
 def _free(types: list[MPI.Datatype]) -> None:
@@ -72,7 +63,7 @@ class PlacedAllGather(Posted):
         if len(recv_pieces) != world:
             raise ValueError(f"{len(recv_pieces)} receive layouts for {world} ranks")
         self.comm, self.send = comm, send
-        self.nbytes = sum(length * count for _, length, count, _ in send_pieces)  # this rank's bytes to each rank
+        self.nbytes = sum(length for _, length in send_pieces)  # this rank's bytes to each rank
         send_type, send_count = _byte_type(send_pieces)
         received = [_byte_type(pieces) for pieces in recv_pieces]
         self._recv_types = [datatype for datatype, _ in received]

@@ -9,8 +9,8 @@ transition is one method that checks the state it leaves:
   buffer (``comm.pool``); from ``SHARDED_POST_FORWARD`` over the subgroup of
   ``reshard_after_forward=k`` ranks only, from the rows each rank kept. On the host, a group
   of one plain parameter split evenly along dim 0 is gathered straight into
-  ``unsharded_flat`` (the ranks' shards back to back are the parameter), and any other group
-  of plain parameters in their own dtype by one ``Ialltoallw`` whose receive datatypes put
+  ``unsharded_flat`` (the ranks' shards back to back are the parameter), and a group of
+  plain dim-0 shards in their own dtype by one ``Ialltoallw`` whose receive datatypes put
   each rank's shards in their places there (``comm.placed``, ``PLACED_GATHER``: no copy out).
 * ``finish_unshard``: ``UNSHARDING`` -> ``UNSHARDED``: wait, copy the rows (if any) into
   ``unsharded_flat`` (or an extension's outputs, then its ``fsdp_post_all_gather``) and
@@ -65,8 +65,8 @@ PLACED_GATHER = register(
     "fsdp.placed_gather",
     shortcuts="FSDP's all-gather of a group into (ranks, bytes) rows and the copy out into the unsharded "
               "parameters (split_with_sizes_copy or FromRanks): one Ialltoallw places each rank's shards",
-    decided_by="the group's layout (packing.placed_pieces): plain parameters in their own dtype, host buffers, "
-               "no offloading, 2+ shard ranks, torch's default collective",
+    decided_by="the group's layout (packing.placed_pieces): plain parameters sharded along dim 0 in their own "
+               "dtype, host buffers, no offloading, 2+ shard ranks, torch's default collective",
 )
 
 
@@ -273,7 +273,7 @@ class ParamGroup(GradientReduction):
         on the host; with torch's default collective), and the all-gather over the shard ranks
         prepared where it gathers host buffers over 2+ ranks: placed straight into
         ``unsharded_flat`` from ``shard_flat`` (``_placed``, ``PLACED_GATHER``) where the group
-        is plain parameters in their own dtype (``packing.placed_pieces``), else posted into
+        is plain dim-0 shards in their own dtype (``packing.placed_pieces``), else posted into
         rows (``_posted``, ``POSTED_GATHER``): ``shard_flat`` its fixed send buffer unless a
         cast, an extension or offloading packs or moves one each time."""
         on_host = self.shard_flat.device.type == "cpu" and self.device.type == "cpu"

@@ -121,25 +121,23 @@ def split_sizes(gathered: list[FSDPParam], pieces: list[list[Piece]], world: int
     return None
 
 
-def placed_pieces(gathered: list[FSDPParam], world: int) -> tuple[list[tuple[int, int, int, int]],
-                                                                     list[list[tuple[int, int, int, int]]]] | None:
-    """Where the all-gather of plain parameters in their own dtype moves bytes without a copy
-    out (``comm.placed``): this rank's pieces of ``shard_flat`` (each shard, padding left
-    out) and, per source rank, the pieces of ``unsharded_flat`` its rows fill
-    (``torch.chunk``'s split, so uneven and empty shards fit): (byte offset, byte length,
-    count, byte stride), the shard's rows of each of the ``pre`` slices before the shard
-    dim; ``None`` for a group with extensions or a cast. From global shapes only: every
-    rank agrees."""
-    if any(p.extension or p.param_dtype != p.orig_dtype for p in gathered):
+def placed_pieces(gathered: list[FSDPParam],
+                  world: int) -> tuple[list[tuple[int, int]], list[list[tuple[int, int]]]] | None:
+    """Where the all-gather of plain parameters sharded along dim 0 in their own dtype moves
+    bytes without a copy out (``comm.placed``): this rank's (offset, length) byte pieces of
+    ``shard_flat`` (each shard's rows, padding left out) and, per source rank, the pieces
+    of ``unsharded_flat`` its rows fill (``torch.chunk``'s split, so uneven and empty shards
+    fit); ``None`` for any other group. From global shapes only: every rank agrees."""
+    if any(p.extension or p.pre != 1 or p.param_dtype != p.orig_dtype for p in gathered):
         return None
-    send = [(p.shard_offset, p.local_numel * p.orig_dtype.itemsize, 1, 0) for p in gathered]
+    send = [(p.shard_offset, p.local_numel * p.orig_dtype.itemsize) for p in gathered]
     recv = []
     for source in range(world):
         pieces = []
         for p in gathered:
             row_bytes = p.post * p.orig_dtype.itemsize
             first, count = chunk_span(p.rows, world, source)
-            pieces.append((p.unsharded_offset + first * row_bytes, count * row_bytes, p.pre, p.rows * row_bytes))
+            pieces.append((p.unsharded_offset + first * row_bytes, count * row_bytes))
         recv.append(pieces)
     return send, recv
 
