@@ -25,6 +25,7 @@ from ..runtime import progress
 from . import recorders
 from .buffers import from_address
 from .nonblocking import Posted
+from .prepared import free_types
 
 Pieces = Sequence[tuple[int, int]]  # (byte offset, byte length) in a buffer
 
@@ -37,15 +38,6 @@ def _byte_type(pieces: Pieces) -> tuple[MPI.Datatype, int]:
         return MPI.BYTE, 0
     lengths, offsets = [length for _, length in kept], [offset for offset, _ in kept]
     return MPI.BYTE.Create_hindexed(lengths, offsets).Commit(), 1
-
-
-def _free(types: list[MPI.Datatype]) -> None:
-    """Free the committed datatypes (not after ``MPI_Finalize``: the process is ending)."""
-    if MPI.Is_finalized():
-        return
-    for datatype in types:
-        if datatype != MPI.BYTE:
-            datatype.Free()
 
 
 class PlacedAllGather(Posted):
@@ -74,7 +66,7 @@ class PlacedAllGather(Posted):
         self._request: MPI.Request | None = None
         self._result: torch.Tensor | None = None
         self._details = {"dtype": torch.uint8, "bytes": self.nbytes}
-        weakref.finalize(self, _free, [send_type, *self._recv_types])
+        weakref.finalize(self, free_types, [t for t in (send_type, *self._recv_types) if t != MPI.BYTE])
 
     def post(self, out: torch.Tensor) -> PlacedAllGather:
         """Start gathering into ``out`` (C-contiguous host bytes covering every receive piece)."""

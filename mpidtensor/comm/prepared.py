@@ -47,7 +47,7 @@ class Prepared:
         self.fast = fast  # None: this signature always takes the general function
         self.general = general
         if owned:
-            weakref.finalize(self, _free_types, owned)
+            weakref.finalize(self, free_types, owned)
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         if (type(tensor) is torch.Tensor and tensor.shape == self.shape and tensor.dtype is self.dtype
@@ -105,8 +105,9 @@ def owned_types() -> tuple[list[MPI.Datatype], Types]:
     return owned, own
 
 
-def _free_types(types: list[MPI.Datatype]) -> None:
-    """Free a prepared collective's datatypes (nothing to free once MPI is finalized)."""
+def free_types(types: list[MPI.Datatype]) -> None:
+    """Free the datatypes a collective committed for itself alone (nothing to free once MPI
+    is finalized: the process is ending); a ``weakref.finalize`` callback of their owner."""
     if not MPI.Is_finalized():
         for datatype in types:
             datatype.Free()
