@@ -16,6 +16,10 @@ one process (same seed, same data); a step that differs stops every rank. The ro
 * ``FSDP x TP``, 4 ranks only: the demo's own training step (TP + SP over ``tp`` of a 2x2
   mesh, then FSDP over ``dp``). mpi4py: ``record_2d.py``, ZeRO-3 over dp of Megatron-SP
   blocks over tp.
+* ``FSDP`` and ``FSDP x TP`` again on the demo's model four times wider (``WIDE``: dim 512,
+  hidden 1536): the same modules, parameters and collectives, 16x the matmul work. What
+  mpidtensor adds per module and collective is the same at both widths, so the two pairs
+  of rows show how much of a ratio is that fixed work (docs/performance.md, "Round 13").
 
 The model, sharding and step functions come from ``bench_fsdp.py``, ``bench_llama_tp.py``
 and ``examples/``; this module adds the MLP and the hand-written programs.
@@ -353,34 +357,42 @@ def stack_row(gloo, check_steps: int = 2, sizes: tuple[int, int, int] = STACK) -
     return StepRow(f"FSDP, {layers} x Linear({width}, {width}), {rows} rows/rank, fwd+bwd+AdamW", fns)
 
 
+WIDE = ("--dim", "512", "--hidden", "1536")  # the demo's model 4x wider (examples/train_fsdp_tp.py's flags)
+
+
 def fsdp_rows(gloo, check_steps: int = 2) -> list[StepRow]:
-    """FSDP over all ranks, and at 4 ranks FSDP x TP (the demo's step), checked by
-    ``bench_fsdp.setup`` (losses and every parameter against one process)."""
-    demo = demo_args([])
-    cfg = LlamaConfig(vocab_size=demo.vocab, dim=demo.dim, n_layers=demo.layers, n_heads=demo.heads,
-                      n_kv_heads=demo.kv_heads, hidden_dim=demo.hidden, max_seq_len=demo.seq)
+    """FSDP over all ranks, and at 4 ranks FSDP x TP (the demo's step), on the demo's model
+    and on it ``WIDE``, each checked by ``bench_fsdp.setup`` (losses and every parameter
+    against one process)."""
     factories = {"mpidtensor": md.init_device_mesh, **({"torch": gloo[1]} if gloo else {})}
     rows = []
-    for layout, dp in [("fsdp", N)] + ([("fsdp x tp", 2)] if N == 4 else []):
-        args = argparse.Namespace(seed=0, batch=4 * dp, lr=demo.lr, check_steps=check_steps, tol=demo.tol)
-        tokens = torch.randint(0, cfg.vocab_size, (args.batch, demo.seq + 1),
-                               generator=torch.Generator().manual_seed(1))
-        ref = build_model(cfg, args.seed)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr)
-        ref_losses = [train_step(ref, ref_opt, tokens, None) for _ in range(check_steps)]
-        ref_params = [p.detach() for p in ref.parameters()]
-        fns = {"torch": None}
-        for lib, factory in factories.items():
-            run = bench_fsdp.setup(lib, layout, factory, cfg, args, tokens, ref_losses, ref_params)
-            agreed(run is not None, f"{layout}, {lib}")
-            model, opt, backend, mine = run[0], run[1], run[2], tokens[run[3]]
-            fns[lib] = lambda model=model, opt=opt, backend=backend, mine=mine: train_step(model, opt, mine, backend)
-        fns["mpi4py"] = (zero3_step(cfg, args, tokens, ref_losses, ref, check_steps) if layout == "fsdp" else
-                         record_2d.zero3_tp_step(cfg, args, tokens, ref_losses, ref, check_steps, dp, N // dp, Zero3,
-                                                 agreed, close))
-        name = (f"FSDP, dim {cfg.dim}, {cfg.n_layers} layers, batch {args.batch}x{demo.seq}" if layout == "fsdp"
-                else f"FSDP x TP 2x2 (the demo's step), batch {args.batch}x{demo.seq}")
-        rows.append(StepRow(name, fns))
+    for demo in (demo_args([]), demo_args(list(WIDE))):
+        cfg = LlamaConfig(vocab_size=demo.vocab, dim=demo.dim, n_layers=demo.layers, n_heads=demo.heads,
+                          n_kv_heads=demo.kv_heads, hidden_dim=demo.hidden, max_seq_len=demo.seq)
+        wide = demo.dim != demo_args([]).dim
+        for layout, dp in [("fsdp", N)] + ([("fsdp x tp", 2)] if N == 4 else []):
+            args = argparse.Namespace(seed=0, batch=4 * dp, lr=demo.lr, check_steps=check_steps, tol=demo.tol)
+            tokens = torch.randint(0, cfg.vocab_size, (args.batch, demo.seq + 1),
+                                   generator=torch.Generator().manual_seed(1))
+            ref = build_model(cfg, args.seed)
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr)
+            ref_losses = [train_step(ref, ref_opt, tokens, None) for _ in range(check_steps)]
+            ref_params = [p.detach() for p in ref.parameters()]
+            fns = {"torch": None}
+            for lib, factory in factories.items():
+                run = bench_fsdp.setup(lib, layout, factory, cfg, args, tokens, ref_losses, ref_params)
+                agreed(run is not None, f"{layout}, dim {cfg.dim}, {lib}")
+                model, opt, backend, mine = run[0], run[1], run[2], tokens[run[3]]
+                fns[lib] = lambda model=model, opt=opt, backend=backend, mine=mine: train_step(model, opt, mine,
+                                                                                               backend)
+            fns["mpi4py"] = (zero3_step(cfg, args, tokens, ref_losses, ref, check_steps) if layout == "fsdp" else
+                             record_2d.zero3_tp_step(cfg, args, tokens, ref_losses, ref, check_steps, dp, N // dp,
+                                                     Zero3, agreed, close))
+            batch = f"batch {args.batch}x{demo.seq}"
+            name = (f"FSDP, dim {cfg.dim}, {cfg.n_layers} layers, {batch}" if layout == "fsdp"
+                    else f"FSDP x TP, dim {cfg.dim}, 2x2, {batch}" if wide
+                    else f"FSDP x TP 2x2 (the demo's step), {batch}")
+            rows.append(StepRow(name, fns))
     return rows
 
 

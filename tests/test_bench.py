@@ -38,6 +38,7 @@ def test_record_checks_every_cell_and_step():
     steps = {", ".join(row["step"].split(", ")[:2]).split(" 2x2")[0]: set(row["checked"]) for row in record["steps"]}
     everything = set(bench_record.LIBS)
     want = ["TP MLP 32x1024, hidden 4096", "FSDP, 4 x Linear(1024", "FSDP, dim 128", "FSDP x TP",
+            "FSDP, dim 512", "FSDP x TP, dim 512",
             "TP MLP (DTensor ops) 32x1024", "[S0] -> [S1] 256 KiB/rank"]
     assert_all_ranks(len(steps) == len(want) and all(any(k.startswith(w) for k in steps) for w in want)
                      and all(checked == everything for checked in steps.values()), str(steps))
