@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from helpers import assert_all_ranks
 from mpidtensor import Shard
+from mpidtensor.comm import placed
 from mpidtensor.fast import registry
 from mpidtensor.fsdp import MixedPrecisionPolicy, fully_shard
 from mpidtensor.fsdp.packing import chunk_views, pack_ranks
@@ -226,11 +227,22 @@ def test_posted_all_gather_equals_the_general_one(mesh1d, case):
     check_on_equals_off(*GATHER_CASES[case], mesh1d, "fsdp.posted_gather", case, WORLD.size > 1)
 
 
+BY_PIECE = {"one Ialltoallw": 1 << 62, "an Iallgatherv per piece": 0}  # placed.BY_PIECE_MIN for each form
+
+
+@pytest.mark.parametrize("form", list(BY_PIECE))
 @pytest.mark.parametrize("case", list(PLACED_CASES))
-def test_placed_all_gather_equals_the_general_one(mesh1d, case):
+def test_placed_all_gather_equals_the_general_one(mesh1d, case, form, monkeypatch):
     """``fsdp.placed_gather`` (each rank's shards put in the unsharded parameters by MPI's
-    datatypes) against the general all-gather and copy out (fast paths off); 2+ ranks only."""
-    check_on_equals_off(*PLACED_CASES[case], mesh1d, "fsdp.placed_gather", case, WORLD.size > 1)
+    datatypes, or by one all-gather per parameter) against the general all-gather and copy
+    out (fast paths off); 2+ ranks only."""
+    monkeypatch.setattr(placed, "BY_PIECE_MIN", BY_PIECE[form])
+    made, by_piece = [], placed._by_piece  # each PlacedAllGather's choice
+    monkeypatch.setattr(placed, "_by_piece", lambda *args: made.append(by_piece(*args)) or made[-1])
+    check_on_equals_off(*PLACED_CASES[case], mesh1d, "fsdp.placed_gather", f"{case}, {form}", WORLD.size > 1)
+    per_piece = form == "an Iallgatherv per piece"
+    assert_all_ranks(WORLD.size == 1 or (made and all((m is not None) == per_piece for m in made)),
+                     f"{case}: {len(made)} placed all-gathers made, by piece: {[m is not None for m in made]}")
 
 
 SCATTER_CASES = {  # name: (build, fully_shard keywords): each group kind the prepared reduce-scatter takes
@@ -251,10 +263,12 @@ def test_prepared_reduce_scatter_equals_the_general_one(mesh1d, case):
     check_on_equals_off(*SCATTER_CASES[case], mesh1d, "fsdp.prepared_scatter", case, WORLD.size > 1)
 
 
-def test_placed_all_gather_matches_one_process(mesh1d):
-    """Three AdamW steps of ``blocks`` under FSDP (the placed all-gather, uneven shards at 3
-    and 4 ranks, an empty one at 4), each rank a slice of one batch, against one process on
-    the whole batch: gradients and parameters equal to rounding."""
+@pytest.mark.parametrize("form", list(BY_PIECE))
+def test_placed_all_gather_matches_one_process(mesh1d, form, monkeypatch):
+    """Three AdamW steps of ``blocks`` under FSDP (the placed all-gather in either form,
+    uneven shards at 3 and 4 ranks, an empty one at 4), each rank a slice of one batch,
+    against one process on the whole batch: gradients and parameters equal to rounding."""
+    monkeypatch.setattr(placed, "BY_PIECE_MIN", BY_PIECE[form])
     torch.manual_seed(0)
     ref = blocks()
     net = blocks()

@@ -85,10 +85,15 @@ class Posted:
     __slots__ = ("comm", "_request", "_result", "_details")
 
     def wait(self) -> torch.Tensor | None:
-        """Block until the posted all-gather is done (watched); return its output, once
-        (later calls ``None``: the output is no longer held here)."""
+        """Block until the posted all-gather (one request, or a list of them) is done
+        (watched); return its output, once (later calls ``None``: the output is no longer
+        held here)."""
         request, out = self._request, self._result
-        if request is not None:
+        if type(request) is list:
+            watchdog.wait_all(request, "iall_gather", self.comm, details=self._details)
+            progress.finished(self)
+            self._request = None
+        elif request is not None:
             watchdog.call("iall_gather", self.comm, request.Wait, details=self._details)
             progress.finished(self)
             self._request = None
@@ -96,8 +101,12 @@ class Posted:
         return out
 
     def test(self) -> bool:
-        """One ``MPI_Test`` (``Handle.test``'s): whether the posted data has arrived."""
-        return self._request is None or self._request.Test()
+        """One ``MPI_Test`` (``Testall`` for a list; ``Handle.test``'s): whether the posted
+        data has arrived."""
+        request = self._request
+        if type(request) is list:
+            return MPI.Request.Testall(request)
+        return request is None or request.Test()
 
 
 class PostedAllGather(Posted):

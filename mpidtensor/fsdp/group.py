@@ -11,7 +11,8 @@ transition is one method that checks the state it leaves:
   of one plain parameter split evenly along dim 0 is gathered straight into
   ``unsharded_flat`` (the ranks' shards back to back are the parameter), and a group of
   plain dim-0 shards in their own dtype by one ``Ialltoallw`` whose receive datatypes put
-  each rank's shards in their places there (``comm.placed``, ``PLACED_GATHER``: no copy out).
+  each rank's shards in their places there, or for a large group one ``Iallgatherv`` per
+  parameter straight into it (``comm.placed``, ``PLACED_GATHER``: no copy out).
 * ``finish_unshard``: ``UNSHARDING`` -> ``UNSHARDED``: wait, copy the rows (if any) into
   ``unsharded_flat`` (or an extension's outputs, then its ``fsdp_post_all_gather``) and
   register the unsharded parameters on the modules.
@@ -64,7 +65,8 @@ POSTED_GATHER = register(
 PLACED_GATHER = register(
     "fsdp.placed_gather",
     shortcuts="FSDP's all-gather of a group into (ranks, bytes) rows and the copy out into the unsharded "
-              "parameters (split_with_sizes_copy or FromRanks): one Ialltoallw places each rank's shards",
+              "parameters (split_with_sizes_copy or FromRanks): one Ialltoallw places each rank's shards "
+              "(one Iallgatherv per parameter from comm.placed.BY_PIECE_MIN bytes per rank)",
     decided_by="the group's layout (packing.placed_pieces): plain parameters sharded along dim 0 in their own "
                "dtype, host buffers, no offloading, 2+ shard ranks, torch's default collective",
 )
