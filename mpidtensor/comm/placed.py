@@ -13,7 +13,7 @@ The datatypes are made once per layout (offsets are relative to the buffers, so 
 output may move between posts: FSDP's unsharded storage is freed and allocated again
 each step) and freed when the object goes.
 
-Where this rank sends ``BY_PIECE_MIN`` bytes or more, the same placement is one
+Where the largest source sends ``BY_PIECE_MIN`` bytes or more, the same placement is one
 contiguous ``Iallgatherv`` per piece instead (piece ``j`` of every source lands at its
 ``recv_pieces[s][j]``), with no datatype: MPICH moved a large contiguous message between
 local ranks faster than one through a derived type (docs/performance.md, round 13: one
@@ -35,7 +35,7 @@ from .nonblocking import Posted
 from .prepared import free_types
 
 Pieces = Sequence[tuple[int, int]]  # (byte offset, byte length) in a buffer
-BY_PIECE_MIN = 1 << 20  # bytes this rank sends from which each piece is its own Iallgatherv
+BY_PIECE_MIN = 1 << 20  # bytes the largest source sends from which each piece is its own Iallgatherv
 _INT_MAX = 2 ** 31 - 1  # MPI's counts and displacements are C ints
 
 
