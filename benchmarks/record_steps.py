@@ -366,10 +366,10 @@ def fsdp_rows(gloo, check_steps: int = 2) -> list[StepRow]:
     against one process)."""
     factories = {"mpidtensor": md.init_device_mesh, **({"torch": gloo[1]} if gloo else {})}
     rows = []
-    for demo in (demo_args([]), demo_args(list(WIDE))):
+    for wide in (False, True):
+        demo = demo_args(list(WIDE) if wide else [])
         cfg = LlamaConfig(vocab_size=demo.vocab, dim=demo.dim, n_layers=demo.layers, n_heads=demo.heads,
                           n_kv_heads=demo.kv_heads, hidden_dim=demo.hidden, max_seq_len=demo.seq)
-        wide = demo.dim != demo_args([]).dim
         for layout, dp in [("fsdp", N)] + ([("fsdp x tp", 2)] if N == 4 else []):
             args = argparse.Namespace(seed=0, batch=4 * dp, lr=demo.lr, check_steps=check_steps, tol=demo.tol)
             tokens = torch.randint(0, cfg.vocab_size, (args.batch, demo.seq + 1),

@@ -89,12 +89,11 @@ class Posted:
         (watched); return its output, once (later calls ``None``: the output is no longer
         held here)."""
         request, out = self._request, self._result
-        if type(request) is list:
-            watchdog.wait_all(request, "iall_gather", self.comm, details=self._details)
-            progress.finished(self)
-            self._request = None
-        elif request is not None:
-            watchdog.call("iall_gather", self.comm, request.Wait, details=self._details)
+        if request is not None:
+            if type(request) is list:
+                watchdog.wait_all(request, "iall_gather", self.comm, details=self._details)
+            else:
+                watchdog.call("iall_gather", self.comm, request.Wait, details=self._details)
             progress.finished(self)
             self._request = None
         self._result = None
