@@ -9,6 +9,8 @@ ranks left out) is checked on a small torch-style file on both sides.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 from mpi4py import MPI
 
@@ -46,6 +48,40 @@ def test_listed_differences_parse_and_unlisted_fail(tmp_path):
     doc.write_text("| test_x.py | A.test_one | because | why |\n")
     with pytest.raises(ValueError, match="cause"):
         compare.load_listed(doc)
+
+
+class _JobThatEndsAsItWrites:
+    """A finished job whose last result line lands between the driver's read and its poll."""
+
+    def __init__(self, out, line):
+        self.out, self.line, self.pid = out, line, -1
+
+    def poll(self):
+        with self.out.open("a") as f:
+            f.write(self.line)
+        return 0
+
+
+def test_watch_reads_the_last_result_of_a_job_that_just_ended(tmp_path):
+    """A race once recorded a passing test as a crash (CI, 2026-12-07): the job wrote its last
+    result and ended after the driver read the file but before it polled the job."""
+    out = tmp_path / "job1.jsonl"
+    out.write_text(json.dumps({"event": "start", "test": "A.test_x"}) + "\n")
+    line = json.dumps({"event": "result", "test": "A.test_x", "status": "pass", "message": ""}) + "\n"
+    records: dict[str, dict] = {}
+    current = driver._watch(_JobThatEndsAsItWrites(out, line), out, 2, driver.Settings("mdt"), records)
+    assert current is None and records == {"A.test_x": {"status": "pass", "message": ""}}
+
+
+def test_classes_at_one_world_size_get_their_own_files(tmp_path, monkeypatch):
+    """Two classes of a file at one world size once shared ``FILE-RANKS-JOB`` result files."""
+    seen = []
+    monkeypatch.setattr(driver, "_watch", lambda proc, out, ranks, settings, records: seen.append(out) or
+                        records.update({t: {"status": "pass", "message": ""} for t in ("A.t", "B.t")}))
+    monkeypatch.setattr(driver.launcher, "command", lambda ranks, argv: ["true"])
+    for test in ("A.t", "B.t"):
+        driver.run_tests(SAMPLE, [test], 2, driver.Settings("mdt"), tmp_path)
+    assert len(set(seen)) == 2, seen
 
 
 def test_every_listed_difference_names_a_known_cause():

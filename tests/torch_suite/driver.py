@@ -98,9 +98,11 @@ def run_tests(path: Path, tests: list[str], ranks: int, settings: Settings, work
     records: dict[str, dict] = {}
     pending = list(tests)
     job = 0
+    # Each call its own folder: two classes of one file at one world size must not share result files.
+    work_dir = Path(tempfile.mkdtemp(prefix=f"{path.stem}-{ranks}-", dir=work_dir))
     while pending:
         job += 1
-        out = work_dir / f"{path.stem}-{ranks}-{job}.jsonl"
+        out = work_dir / f"job{job}.jsonl"
         store = Path(tempfile.mkdtemp(prefix="store-", dir=work_dir))
         argv = [sys.executable, "-m", "torch_suite.worker", "run", "--backend", settings.backend, "--file", str(path),
                 "--tests", ",".join(pending), "--out", str(out), "--store", str(store),
@@ -131,6 +133,7 @@ def _watch(proc: subprocess.Popen, out: Path, ranks: int, settings: Settings, re
     makes no progress in time (recorded as a hang); the test it was in when it ended, if any."""
     seen, deadline, current = 0, time.monotonic() + STARTUP_S + settings.timeout, None
     while True:
+        ended = proc.poll() is not None  # before reading: the last lines come before the job's end
         lines = _read(out)
         for line in lines[seen:]:
             if line["event"] == "start":
@@ -140,7 +143,7 @@ def _watch(proc: subprocess.Popen, out: Path, ranks: int, settings: Settings, re
                 current = None
             deadline = time.monotonic() + settings.timeout
         seen = len(lines)
-        if proc.poll() is not None:
+        if ended:
             break
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)

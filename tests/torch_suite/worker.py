@@ -230,6 +230,11 @@ def run(args: argparse.Namespace) -> None:
         # connections while the others still make them ("Gloo connectFullMesh failed")
         if results:
             results.write(json.dumps({"event": "result", "test": test_id, **agreed}) + "\n")
+    if results:
+        results.close()
+    # MPICH's Hydra kills every rank with SIGKILL once one exits without MPI_Finalize, which
+    # ``main`` skips: no rank may exit before rank 0 has written the last result.
+    world.Barrier()
 
 
 def main(argv: list[str] | None = None) -> None:
