@@ -99,16 +99,16 @@ def run_tests(path: Path, tests: list[str], ranks: int, settings: Settings, work
     pending = list(tests)
     job = 0
     # Each call its own folder: two classes of one file at one world size must not share result files.
-    work_dir = Path(tempfile.mkdtemp(prefix=f"{path.stem}-{ranks}-", dir=work_dir))
+    folder = Path(tempfile.mkdtemp(prefix=f"{path.stem}-{ranks}-", dir=work_dir))
     while pending:
         job += 1
-        out = work_dir / f"job{job}.jsonl"
-        store = Path(tempfile.mkdtemp(prefix="store-", dir=work_dir))
+        out, log_path = folder / f"job{job}.jsonl", folder / f"job{job}.log"
+        store = Path(tempfile.mkdtemp(prefix="store-", dir=folder))
         argv = [sys.executable, "-m", "torch_suite.worker", "run", "--backend", settings.backend, "--file", str(path),
                 "--tests", ",".join(pending), "--out", str(out), "--store", str(store),
                 "--timeout", str(settings.timeout * 0.8)]
-        log = (work_dir / f"{out.stem}.log").open("w")
-        proc = subprocess.Popen(launcher.command(ranks, argv), env=_env(), cwd=work_dir, stdout=log,
+        log = log_path.open("w")
+        proc = subprocess.Popen(launcher.command(ranks, argv), env=_env(), cwd=folder, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             current = _watch(proc, out, ranks, settings, records)
@@ -118,10 +118,10 @@ def run_tests(path: Path, tests: list[str], ranks: int, settings: Settings, work
                 proc.wait()
             log.close()
         if current is not None and current not in records:  # the job died inside the test
-            tail = (work_dir / f"{out.stem}.log").read_text(errors="replace")[-800:]
+            tail = log_path.read_text(errors="replace")[-800:]
             records[current] = {"status": "crash", "message": f"job exited {proc.returncode} in the test: {tail}"}
         if not any(t in records for t in pending) and current is None:  # the job died before its first test
-            tail = (work_dir / f"{out.stem}.log").read_text(errors="replace")[-1500:]
+            tail = log_path.read_text(errors="replace")[-1500:]
             for test in pending:
                 records[test] = {"status": "crash", "message": f"job exited {proc.returncode} before the test: {tail}"}
         pending = [t for t in pending if t not in records]
