@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, global_tensor
-from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from mpidtensor import DTensor, Partial, Replicate, Shard, _StridedShard, distribute_tensor
 
 S0, S1, R, P = [Shard(0)], [Shard(1)], [Replicate()], [Partial()]
 SHAPE = (7, 9)
@@ -35,9 +35,9 @@ OPS = {
 }
 
 
-def _draw(op, mesh, placements, seed=1234) -> torch.Tensor:
+def _draw(op, mesh, placements, seed=1234, shape=SHAPE) -> torch.Tensor:
     torch.manual_seed(seed)
-    return OPS[op](_zeros(mesh, placements)).full_tensor()
+    return OPS[op](_zeros(mesh, placements, shape)).full_tensor()
 
 
 def _generators_in_step() -> None:
@@ -59,6 +59,23 @@ def test_layout_invariance_2d(mesh1d, mesh2d, op):
     expected = _draw(op, mesh1d, R)
     for placements in ([Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(1)], [Shard(1), Partial()]):
         assert_close(_draw(op, mesh2d, placements), expected, **EXACT)
+    _generators_in_step()
+
+
+STRIDED = [_StridedShard(0, split_factor=2), Shard(0)]  # FSDP's layout of a TP Shard(0) weight on (dp, tp)
+
+
+@pytest.mark.parametrize("op", ["uniform_", "normal_", "kaiming_uniform_", "randn_like", "dropout"])
+def test_layout_invariance_strided(mesh1d, mesh2d, op):
+    """A ``_StridedShard`` input draws its runs at their global indices: the same global
+    tensor as replicated, and an in-place fill keeps its placements and local tensor."""
+    expected = _draw(op, mesh1d, R, shape=(10, 3))
+    assert_close(_draw(op, mesh2d, STRIDED, shape=(10, 3)), expected, **EXACT)
+    w = _zeros(mesh2d, STRIDED, shape=(10, 3))
+    local = w._local_tensor
+    with torch.no_grad():
+        torch.nn.init.trunc_normal_(w, std=0.02)  # uniform_, erfinv_, mul_, add_, clamp_ in place
+    assert_all_ranks(w._local_tensor is local and w.placements == tuple(STRIDED), f"{w.placements}")
     _generators_in_step()
 
 

@@ -26,11 +26,11 @@ from typing import Sequence
 
 import torch
 
-from ..tensor.layout import contiguous_strides
+from ..tensor.layout import Runs, contiguous_strides, dim_runs
 from ..runtime import watchdog
-from ..tensor.placements import Partial, Replicate
+from ..tensor.placements import Partial, Replicate, _StridedShard
 from ..tensor.spec import DTensorSpec
-from .registry import OpCall, Sharding, register, replicate_all
+from .registry import OpCall, Sharding, register, replicate_all, takes_strided
 
 aten = torch.ops.aten
 
@@ -51,26 +51,39 @@ _BELOW_ONE = {torch.float16: 1 - 2.0 ** -11, torch.bfloat16: 1 - 2.0 ** -8}
 
 @dataclass(frozen=True)
 class Block:
-    """This rank's block of a global tensor: local shape and offset, global shape."""
+    """This rank's block of a global tensor: local shape and offset, global shape, and
+    where a ``_StridedShard`` gives a dim several runs of global indices, every dim's runs."""
 
     shape: tuple[int, ...]
     offset: tuple[int, ...]
     global_shape: tuple[int, ...]
+    runs: tuple[Runs, ...] | None = None  # per dim, (offset, size) runs; None: one span per dim
 
     @staticmethod
     def of(spec: DTensorSpec) -> "Block":
         shape, offset = spec.local_shape_and_offset()
-        return Block(tuple(shape), tuple(offset), tuple(spec.shape))
+        runs = None
+        if any(type(p) is _StridedShard for p in spec.placements):
+            runs = tuple(dim_runs(n, d, spec.placements, spec.mesh.shape, spec.mesh._coord)
+                         for d, n in enumerate(spec.shape))
+        return Block(tuple(shape), tuple(offset), tuple(spec.shape), runs)
+
+    def _indices(self, d: int, device) -> torch.Tensor:
+        """The global indices along dim ``d`` that this block holds, in order."""
+        if self.runs is None:
+            return torch.arange(self.offset[d], self.offset[d] + self.shape[d], device=device)
+        return torch.cat([torch.arange(o, o + n, device=device) for o, n in self.runs[d]] or
+                         [torch.zeros(0, dtype=torch.int64, device=device)])
 
     def linear_index(self, device) -> torch.Tensor:
         """The global row-major index of every local element (int64, local shape)."""
         strides = contiguous_strides(self.global_shape)
-        if self.shape[1:] == self.global_shape[1:]:  # whole rows: one contiguous range
+        if self.runs is None and self.shape[1:] == self.global_shape[1:]:  # whole rows: one contiguous range
             start = self.offset[0] * strides[0] if self.shape else 0
             return torch.arange(start, start + math.prod(self.shape), device=device).view(self.shape)
         index = torch.zeros((), dtype=torch.int64, device=device)
-        for n, o, s in zip(self.shape, self.offset, strides):
-            index = index.unsqueeze(-1) + torch.arange(o, o + n, device=device) * s
+        for d, s in enumerate(strides):
+            index = index.unsqueeze(-1) + self._indices(d, device) * s
         return index
 
 
@@ -198,8 +211,11 @@ def _supported(dtype: torch.dtype, func) -> bool:
     aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default,
     aten.randint_like.default, aten.randint_like.low_dtype,
 )
+@takes_strided
 def fill_random(call: OpCall) -> Sharding:
-    """Fresh values over the input's layout (Partial becomes Replicate); the input is not moved."""
+    """Fresh values over the input's layout (Partial becomes Replicate; a ``_StridedShard``
+    stays, its runs drawn at their global indices); the input is not moved, so an in-place
+    fill keeps a parameter's placements (FSDP's strided ones under TP included)."""
     sync_default_generator(call.mesh, _mesh_device(call.mesh))
     self = call.tensor_specs[0]
     out_dtype = call.out_metas()[0].dtype
