@@ -50,6 +50,13 @@ def make_model(kind: str, seed: int, mesh1d, mesh2d) -> nn.Module:
         fully_shard(model.fc1, mesh=mesh1d)
         fully_shard(model.fc2, mesh=mesh1d)
         return fully_shard(model, mesh=mesh1d)
+    if kind.startswith("fsdp_tp"):  # FSDP x TP; "fsdp_tp_dim1": fc1's weight on dim 1, the layout before round 15
+        from mpidtensor.fsdp import fully_shard
+
+        parallelize_module(model, mesh2d["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        dim1 = (lambda p: Shard(1) if p.ndim == 2 and p.placements == (Shard(0),) else None) if kind.endswith("dim1") \
+            else None
+        return fully_shard(model, mesh=mesh2d["dp"], shard_placement_fn=dim1)
     return model  # "plain": every rank holds the whole model
 
 
@@ -91,12 +98,12 @@ def mesh2d_or_none():
 
 
 RESUMES = [("tp", "tp"), ("tp", "plain"), ("plain", "tp"), ("2d", "2d"), ("2d", "tp"), ("fsdp", "fsdp"),
-           ("fsdp", "tp")]
+           ("fsdp", "tp"), ("fsdp_tp", "fsdp_tp"), ("fsdp_tp_dim1", "fsdp_tp"), ("fsdp_tp", "tp")]
 
 
 @pytest.mark.parametrize("saved,resumed", RESUMES)
 def test_resume_continues_with_same_losses(mesh1d, mesh2d_or_none, ckpt_dir, saved, resumed):
-    if "2d" in (saved, resumed) and mesh2d_or_none is None:
+    if any(k in ("2d", "fsdp_tp", "fsdp_tp_dim1") for k in (saved, resumed)) and mesh2d_or_none is None:
         pytest.skip("2-D mesh tests run with 4 ranks")
     if "fsdp" in (saved, resumed):
         pytest.importorskip("mpidtensor.fsdp")

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from torch import nn
 
 from helpers import assert_all_ranks, assert_close, raises_everywhere
-from mpidtensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor, init_device_mesh
+from mpidtensor import DTensor, Replicate, Shard, _StridedShard, distribute_module, distribute_tensor, init_device_mesh
 from mpidtensor.debug import CommDebugMode
 from mpidtensor.fsdp import DataParallelMeshDims, FSDPModule, fully_shard, share_comm_ctx
 from mpidtensor.mesh.relations import joint_mesh
@@ -69,13 +69,14 @@ def _reference(dp_size: int, **kwargs):
 # --- DataParallelMeshDims -----------------------------------------------------------------------
 def test_dp_mesh_dims_fsdp_x_tp_2x2(mesh2d):
     """FSDP over "dp" of the full ("dp", "tp") mesh whose parameters TP already shards on
-    "tp": the sharded parameters stay on the full mesh, FSDP's Shard on the dim TP leaves
-    whole, and training equals one process."""
+    "tp": the sharded parameters stay on the full mesh, FSDP's placement on dim 0 (strided
+    where TP shards dim 0, as torch's), and training equals one process."""
     ref, ref_losses = _reference(2, **NET)
     net = shard_all(spmd_net(mesh2d, "tp", **NET), mesh=mesh2d, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     fc1, fc2 = net.blocks[0].fc1, net.blocks[0].fc2
-    assert_all_ranks(fc1.weight.device_mesh is mesh2d and fc1.weight.placements == (Shard(1), Shard(0))
-                     and fc1.bias.placements == (Replicate(), Shard(0))
+    strided = _StridedShard(0, split_factor=2)
+    assert_all_ranks(fc1.weight.device_mesh is mesh2d and fc1.weight.placements == (strided, Shard(0))
+                     and fc1.bias.placements == (strided, Shard(0))
                      and fc2.weight.placements == (Shard(0), Shard(1))
                      and net.inp.weight.placements == (Shard(0), Replicate()), f"{fc1.weight.placements}")
     _train_on(net, ref_losses, ref, mesh2d.get_group("dp"))
@@ -109,7 +110,7 @@ def test_dp_mesh_dims_hsdp_2x2(dims):
 
 def test_dp_mesh_dims_hsdp_x_tp_3d():
     """HSDP x TP on a (2, 1, 2) ("dp_replicate", "fsdp", "tp") SPMD mesh: the sharded
-    parameters stay on it, ``[Replicate(), Shard(d), <tp>]``; training equals one process."""
+    parameters stay on it, ``[Replicate(), _StridedShard(0, sf=2), <tp>]``; training equals one process."""
     if WORLD.size != 4:
         pytest.skip("a (2, 1, 2) mesh")
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "fsdp", "tp"))
@@ -117,7 +118,8 @@ def test_dp_mesh_dims_hsdp_x_tp_3d():
     net = shard_all(spmd_net(mesh, "tp", **NET), mesh=mesh,
                     dp_mesh_dims=DataParallelMeshDims(shard="fsdp", replicate="dp_replicate"))
     fc1 = net.blocks[0].fc1
-    assert_all_ranks(fc1.weight.device_mesh is mesh and fc1.weight.placements == (Replicate(), Shard(1), Shard(0)),
+    assert_all_ranks(fc1.weight.device_mesh is mesh
+                     and fc1.weight.placements == (Replicate(), _StridedShard(0, split_factor=2), Shard(0)),
                      f"{fc1.weight.placements}")
     _train_on(net, ref_losses, ref, mesh["dp_replicate", "fsdp"]._flatten().get_group())
 

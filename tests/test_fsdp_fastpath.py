@@ -230,18 +230,31 @@ def test_posted_all_gather_equals_the_general_one(mesh1d, case):
 BY_PIECE = {"one Ialltoallw": 1 << 62, "an Iallgatherv per piece": 0}  # placed.BY_PIECE_MIN for each form
 
 
+def placed_runs(form: str) -> bool:
+    """Whether FSDP places its all-gathers in ``form`` at this world size (``placed.pays``:
+    the one ``Ialltoallw`` from 3 ranks, by piece from 2)."""
+    return WORLD.size > 2 or (WORLD.size == 2 and form == "an Iallgatherv per piece")
+
+
+def test_placed_pays_from_three_ranks_or_by_piece():
+    """``placed.pays``: a two-rank layout is placed only by piece (from ``BY_PIECE_MIN``
+    bytes for the largest source), a larger one always."""
+    small, large = [[(0, 64)], [(64, 64)]], [[(0, placed.BY_PIECE_MIN)], [(placed.BY_PIECE_MIN, 8)]]
+    assert not placed.pays(small) and placed.pays(large) and placed.pays(small + [[(128, 64)]])
+
+
 @pytest.mark.parametrize("form", list(BY_PIECE))
 @pytest.mark.parametrize("case", list(PLACED_CASES))
 def test_placed_all_gather_equals_the_general_one(mesh1d, case, form, monkeypatch):
     """``fsdp.placed_gather`` (each rank's shards put in the unsharded parameters by MPI's
     datatypes, or by one all-gather per parameter) against the general all-gather and copy
-    out (fast paths off); 2+ ranks only."""
+    out (fast paths off); from 3 ranks, or 2 by piece (``placed_runs``)."""
     monkeypatch.setattr(placed, "BY_PIECE_MIN", BY_PIECE[form])
     made, by_piece = [], placed._by_piece  # each PlacedAllGather's choice
     monkeypatch.setattr(placed, "_by_piece", lambda *args: made.append(by_piece(*args)) or made[-1])
-    check_on_equals_off(*PLACED_CASES[case], mesh1d, "fsdp.placed_gather", f"{case}, {form}", WORLD.size > 1)
+    check_on_equals_off(*PLACED_CASES[case], mesh1d, "fsdp.placed_gather", f"{case}, {form}", placed_runs(form))
     per_piece = form == "an Iallgatherv per piece"
-    assert_all_ranks(WORLD.size == 1 or (made and all((m is not None) == per_piece for m in made)),
+    assert_all_ranks(not placed_runs(form) or (made and all((m is not None) == per_piece for m in made)),
                      f"{case}: {len(made)} placed all-gathers made, by piece: {[m is not None for m in made]}")
 
 
@@ -290,7 +303,7 @@ def test_placed_all_gather_matches_one_process(mesh1d, form, monkeypatch):
             opt.zero_grad()
     ok &= all(torch.allclose(b.full_tensor(), a, rtol=1e-5, atol=1e-6) for a, b in zip(ref.parameters(), net.parameters()))
     ran = {p.name: p.hits - hits[p.name] for p in registry.paths()}["fsdp.placed_gather"]
-    assert_all_ranks(ok and (world == 1 or ran > 0), f"gradients / parameters differ, or placed all-gathers {ran}")
+    assert_all_ranks(ok and (ran > 0) == placed_runs(form), f"gradients / parameters differ, or placed all-gathers {ran}")
 
 
 def test_prepared_reduce_scatter_hsdp(mesh2d):

@@ -1,8 +1,9 @@
 """HSDP x TP on a 3-D (dp_replicate, dp_shard, tp) mesh: tensor-parallel modules on
 ``mesh["tp"]``, then ``fully_shard`` over ``mesh["dp_replicate", "dp_shard"]``.
 
-Parameters end up ``[Replicate(), Shard(d), <tp placement>]`` on the 3-D mesh (``d``: the
-first dim TP leaves whole); gradients are reduce-scattered over dp_shard and all-reduced
+Parameters end up ``[Replicate(), Shard(0), <tp placement>]`` on the 3-D mesh, the
+``Shard(0)`` a ``_StridedShard(0, sf=tp)`` where TP shards dim 0 too (as torch's FSDP2);
+gradients are reduce-scattered over dp_shard and all-reduced
 over dp_replicate. Training matches one process on the whole batch. Mesh shapes per
 world size: 1 (1,1,1); 2 (1,2,1), (1,1,2); 3 (1,3,1); 4 (2,1,2), (1,2,2), (2,2,1);
 8 (2,2,2) (run by hand: ``mpiexec -n 8``).
@@ -18,12 +19,12 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close, raises_everywhere
-from mpidtensor import DTensor, Replicate, Shard, init_device_mesh
+from mpidtensor import DTensor, Replicate, Shard, _StridedShard, init_device_mesh
 from mpidtensor.debug import CommDebugMode
 from mpidtensor.fsdp import fully_shard
 from mpidtensor.parallel import loss_parallel
 from test_fsdp import TOL, assert_same_model, batch, make_net, train
-from test_fsdp_tp import NET, fsdp_net, tp_net  # dim 7: FSDP's Shard(1) of a Colwise weight is uneven
+from test_fsdp_tp import NET, fsdp_net, tp_net
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from llama import build_model, cross_entropy, parallelize_llama  # noqa: E402
@@ -51,6 +52,11 @@ def mesh3d(request):
     return mesh_of(request.param)
 
 
+def _dim0(mesh3d):
+    """FSDP's placement of a block TP shards on dim 0 as well."""
+    return _StridedShard(0, split_factor=mesh3d.size(2)) if mesh3d.size(2) > 1 else Shard(0)
+
+
 def _dp(mesh3d):
     """The HSDP mesh and its flat communicator (the data-parallel rank picks the batch slice)."""
     dp = mesh3d["dp_replicate", "dp_shard"]
@@ -64,7 +70,8 @@ def test_mlp_placements_and_training(mesh3d):
     dp, comm = _dp(mesh3d)
     net = tp_net(mesh3d)
     fsdp_net(net, dp, net.blocks)
-    expected = {"fc1.weight": Shard(1), "fc1.bias": Replicate(), "fc2.weight": Shard(0), "fc2.bias": Shard(0)}
+    strided = _dim0(mesh3d)
+    expected = {"fc1.weight": strided, "fc1.bias": strided, "fc2.weight": Shard(0), "fc2.bias": Shard(0)}
     tp_side = {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1), "fc2.bias": Replicate()}
     for block in net.blocks:
         for name, own in expected.items():
@@ -87,17 +94,16 @@ def _counts(net, x, target):
 def test_mlp_collective_counts(mesh3d):
     """One step: TP's collectives plus FSDP's: an all-gather per group in forward and per
     non-root group in backward, a reduce-scatter (over dp_shard) and an all-reduce (over
-    dp_replicate) per group, and an all-reduce per block for its replicated Colwise bias;
-    none over a mesh dim (or data-parallel mesh) of one rank."""
+    dp_replicate) per group; none over a mesh dim (or data-parallel mesh) of one rank."""
     dp, comm = _dp(mesh3d)
     _, (x, target) = batch(comm.size, comm.rank)
     tp_only = _counts(tp_net(mesh3d), x, target)
     net = tp_net(mesh3d)
     fsdp_net(net, dp, net.blocks)
-    groups, blocks = 3, 2
+    groups = 3
     shard, replicate = mesh3d.size(1) > 1, mesh3d.size(0) > 1  # a one-rank dim runs no collective (as torch)
     want = tp_only + Counter(all_gather=(2 * groups - 1) * shard, reduce_scatter=groups * shard,
-                             all_reduce=groups * replicate + blocks * (shard or replicate))
+                             all_reduce=groups * replicate)
     for _ in range(2):
         got = _counts(net, x, target)
         assert_all_ranks(got == want, f"HSDP x TP {got} vs TP {tp_only}")
@@ -111,7 +117,7 @@ def test_llama_matches_single_process(mesh3d):
     dp, comm = _dp(mesh3d)
     fsdp_net(model, dp, model.layers)
     wq = model.layers[0].attention.wq.weight
-    assert_all_ranks(wq.device_mesh == mesh3d and wq.placements == (Replicate(), Shard(1), Shard(0)),
+    assert_all_ranks(wq.device_mesh == mesh3d and wq.placements == (Replicate(), _dim0(mesh3d), Shard(0)),
                      f"{wq.placements}")
     rows = max(2, comm.size)  # one or more whole sequences per data-parallel rank
     data = torch.randint(0, cfg.vocab_size, (rows, 13), generator=torch.Generator().manual_seed(5))

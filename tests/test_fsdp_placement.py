@@ -10,7 +10,10 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close
-from mpidtensor import DTensor, Replicate, Shard
+from mpidtensor import DTensor, Replicate, Shard, _StridedShard, distribute_tensor
+from mpidtensor.fsdp.api import _shard_dim
+from mpidtensor.fsdp.param import _strided_exact
+from mpidtensor.tensor.layout import dim_runs
 from mpidtensor.tools import memory
 from mpidtensor.fsdp import MixedPrecisionPolicy, fully_shard
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -62,17 +65,55 @@ def test_bad_shard_placement_fn(mesh1d, fn, error):
     assert_all_ranks(all(p is before[n] for n, p in net.named_parameters()))
 
 
-def test_shard_placement_fn_on_a_tp_sharded_dim_is_refused(mesh2d):
-    net = make_net()
+def test_shard_placement_fn_on_a_tp_sharded_dim_is_strided(mesh2d):
+    """``Shard(0)`` for a ColwiseParallel weight (TP shards dim 0 too): as torch's FSDP2,
+    ``_StridedShard(0, sf=tp)`` on dp, each rank's rows its chunk of its TP block."""
+    net = make_net(hidden=10)
     parallelize_module(net.blocks[0], mesh2d["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    before = dict(net.blocks[0].named_parameters())
-    try:
-        fully_shard(net.blocks[0], mesh=mesh2d["dp"], shard_placement_fn=lambda p: Shard(0))
-        message = None
-    except ValueError as exc:
-        message = str(exc)
-    assert_all_ranks(message is not None and "strided" in message, f"{message}")
-    assert_all_ranks(all(p is before[n] for n, p in net.blocks[0].named_parameters()))
+    tp_block = net.blocks[0].fc1.weight.to_local().clone()
+    fully_shard(net.blocks[0], mesh=mesh2d["dp"], shard_placement_fn=lambda p: Shard(0))
+    weight, dp = net.blocks[0].fc1.weight, mesh2d.get_group("dp")
+    assert_all_ranks(weight.placements == (_StridedShard(0, split_factor=2), Shard(0)), f"{weight.placements}")
+    assert_all_ranks(torch.equal(weight.to_local(), tp_block.chunk(dp.size)[dp.rank]))
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 2), (3, 2), (2, 3), (4, 2), (3, 3)])
+def test_strided_layout_exact_against_torch_chunk(dp, tp):
+    """``param._strided_exact`` (whether ``[_StridedShard(0, sf=tp), Shard(0)]`` describes
+    FSDP's rows, a ``torch.chunk`` of each rank's TP block) against torch.chunk itself: the
+    verdict is true exactly where every rank's indices agree. Uneven lengths over 3+
+    data-parallel ranks are where the two differ (7 rows over (3, 2))."""
+    layout = (_StridedShard(0, split_factor=tp), Shard(0))
+    for length in range(0, 30):
+        rows = torch.arange(length)
+        agree = True
+        for d in range(dp):
+            for t in range(tp):
+                block = rows.chunk(tp)[t] if t < len(rows.chunk(tp)) else rows[:0]
+                pieces = block.chunk(dp)
+                mine = pieces[d] if d < len(pieces) else rows[:0]
+                runs = dim_runs(length, 0, layout, (dp, tp), (d, t))
+                agree &= mine.tolist() == [i for o, n in runs for i in range(o, o + n)]
+        assert _strided_exact(length, 0, layout, (dp, tp), 0) == agree, (length, agree)
+    assert dp != 3 or tp != 2 or not _strided_exact(7, 0, layout, (3, 2), 0)
+
+
+class _Uneven:
+    """A mesh info whose strided layouts never describe FSDP's rows (3+ data-parallel ranks, uneven)."""
+
+    def layout_exact(self, tp_spec, dim, length):
+        return False
+
+
+def test_uneven_strided_layout_falls_back_or_is_refused(mesh1d):
+    """Where the strided layout cannot describe the rows, the default shards the first dim
+    TP leaves whole (``None`` if there is none: a Colwise bias stays replicated), and
+    ``shard_placement_fn`` asking for the TP-sharded dim gets a ValueError."""
+    weight = distribute_tensor(torch.randn(10, 7), mesh1d, [Shard(0)])
+    bias = distribute_tensor(torch.randn(10), mesh1d, [Shard(0)])
+    assert _shard_dim(weight, None, _Uneven(), None) == 1 and _shard_dim(bias, None, _Uneven(), None) is None
+    with pytest.raises(ValueError, match="unevenly on dim 0"):
+        _shard_dim(weight, lambda p: Shard(0), _Uneven(), None)
 
 
 def _tp_mlp(mesh):

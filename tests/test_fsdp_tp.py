@@ -1,21 +1,27 @@
 """FSDP x TP on a 2x2 (dp, tp) mesh: tensor-parallel modules, then fully_shard over dp.
 
-FSDP shards the first dim TP leaves whole: ``[Shard(1), Shard(0)]`` for a ColwiseParallel
-weight, ``[Shard(0), Shard(1)]`` for a RowwiseParallel one; a Colwise bias (no free dim)
-stays replicated over dp. Training matches one process on the whole batch, and every
-step runs TP's collectives plus exactly FSDP's own.
+FSDP shards dim 0, as torch's FSDP2: ``[_StridedShard(0, sf=2), Shard(0)]`` for a
+ColwiseParallel weight or bias (dim 0 of its TP block), ``[Shard(0), Shard(1)]`` for a
+RowwiseParallel weight. The ``dim1`` layout (``shard_placement_fn`` choosing dim 1 for a
+TP ``Shard(0)`` weight, what FSDP gives by default where the strided layout cannot
+describe the rows: uneven, 3+ data-parallel ranks) is trained as well: its groups are
+gathered into rows and copied out. Training matches one process on the whole batch, and
+every step runs TP's collectives plus exactly FSDP's own.
 """
 import copy
 import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from helpers import assert_all_ranks, assert_close
-from mpidtensor import DTensor, Replicate, Shard
+from mpidtensor import DTensor, Replicate, Shard, _StridedShard
+from mpidtensor.comm import placed
 from mpidtensor.debug import CommDebugMode
+from mpidtensor.fast import registry
 from mpidtensor.fsdp import fully_shard
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from test_fsdp import TOL, assert_same_model, batch, make_net, train
@@ -25,6 +31,15 @@ from llama import build_model, cross_entropy, parallelize_llama  # noqa: E402
 from test_llama_tp import PARAM_ATOL, config, tokens  # noqa: E402
 
 NET = dict(dim=7, hidden=10)  # dim 7: FSDP's Shard(1) of a Colwise weight is uneven (4 + 3)
+STRIDED = _StridedShard(0, split_factor=2)
+
+
+def dim1(param):
+    """``shard_placement_fn`` of the ``dim1`` layout: dim 1 for a weight TP shards on dim 0."""
+    return Shard(1) if isinstance(param, DTensor) and param.ndim == 2 and param.placements[-1] == Shard(0) else None
+
+
+LAYOUTS = {"strided": None, "dim1": dim1}
 
 
 def tp_net(mesh, colwise: bool = True):
@@ -37,25 +52,26 @@ def tp_net(mesh, colwise: bool = True):
     return net
 
 
-def fsdp_net(net, mesh, blocks):
-    """``fully_shard`` each of ``blocks``, then the whole net, over ``mesh``."""
+def fsdp_net(net, mesh, blocks, layout="strided"):
+    """``fully_shard`` each of ``blocks``, then the whole net, over ``mesh``, in ``layout``."""
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    return fully_shard(net, mesh=mesh)
+        fully_shard(block, mesh=mesh, shard_placement_fn=LAYOUTS[layout])
+    return fully_shard(net, mesh=mesh, shard_placement_fn=LAYOUTS[layout])
 
 
 def _placements(net):
     return {name: tuple(p.placements) for name, p in net.named_parameters()}
 
 
-def test_colwise_rowwise_mlp_matches_single_process(mesh2d):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_colwise_rowwise_mlp_matches_single_process(mesh2d, layout):
     ref = make_net(**NET)
     (x, target), _ = batch(2, 0)
     ref_losses, _ = train(ref, x, target)
     net = tp_net(mesh2d)
-    fsdp_net(net, mesh2d["dp"], net.blocks)
+    fsdp_net(net, mesh2d["dp"], net.blocks, layout)
     placements = _placements(net)
-    expected = {"fc1.weight": (Shard(1), Shard(0)), "fc1.bias": (Replicate(), Shard(0)),
+    expected = {"fc1.weight": (STRIDED if layout == "strided" else Shard(1), Shard(0)), "fc1.bias": (STRIDED, Shard(0)),
                 "fc2.weight": (Shard(0), Shard(1)), "fc2.bias": (Shard(0), Replicate())}
     for name, want in expected.items():
         assert_all_ranks(placements[f"blocks.0.{name}"] == want, f"{name}: {placements[f'blocks.0.{name}']}")
@@ -64,6 +80,27 @@ def test_colwise_rowwise_mlp_matches_single_process(mesh2d):
     dp = mesh2d.get_group("dp")
     _, (local_x, local_t) = batch(2, dp.rank)
     losses, _ = train(net, local_x, local_t, comm=dp)
+    assert_close(losses, ref_losses, **TOL)
+    assert_same_model(net, ref, **TOL)
+
+
+def test_strided_layout_placed_by_piece_matches_single_process(mesh2d, monkeypatch):
+    """The strided layout's groups are dim-0 pieces: with ``placed.BY_PIECE_MIN`` at 0 the
+    data-parallel pairs gather each parameter by one ``Iallgatherv`` straight into place
+    (``fsdp.placed_gather``; at the test's sizes they gather into rows otherwise), and
+    training still equals one process."""
+    monkeypatch.setattr(placed, "BY_PIECE_MIN", 0)
+    ref = make_net(**NET)
+    (x, target), _ = batch(2, 0)
+    ref_losses, _ = train(ref, x, target)
+    net = tp_net(mesh2d)
+    fsdp_net(net, mesh2d["dp"], net.blocks)
+    before = {p.name: p.hits for p in registry.paths()}
+    dp = mesh2d.get_group("dp")
+    _, (local_x, local_t) = batch(2, dp.rank)
+    losses, _ = train(net, local_x, local_t, comm=dp)
+    ran = {p.name: p.hits - before[p.name] for p in registry.paths()}["fsdp.placed_gather"]
+    assert_all_ranks(ran > 0, f"placed all-gathers: {ran}")
     assert_close(losses, ref_losses, **TOL)
     assert_same_model(net, ref, **TOL)
 
@@ -99,23 +136,24 @@ def _step_counts(net, x, target, opt):
     return counts
 
 
-def test_mlp_collective_counts(mesh2d):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mlp_collective_counts(mesh2d, layout):
     """Per step, on top of TP's own collectives (measured on the TP-only model): one
     all-gather per group in forward, one more per non-root group in backward, one
-    reduce-scatter per group, and one all-reduce per group holding replicated biases."""
+    reduce-scatter per group (the Colwise biases are sharded too: no all-reduce)."""
     dp = mesh2d.get_group("dp")
     _, (x, target) = batch(2, dp.rank)
     tp_only = tp_net(mesh2d)
     net = tp_net(mesh2d)
-    fsdp_net(net, mesh2d["dp"], net.blocks)
+    fsdp_net(net, mesh2d["dp"], net.blocks, layout)
     tp_opt = torch.optim.AdamW(tp_only.parameters(), lr=0.01)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     for _ in range(2):
         tp_fwd, tp_bwd, _ = _step_counts(tp_only, x, target, tp_opt)
         fwd, bwd, step = _step_counts(net, x, target, opt)
-        groups, blocks = 3, 2
+        groups = 3
         assert_all_ranks(fwd == tp_fwd + Counter(all_gather=groups), f"forward {fwd} vs TP {tp_fwd}")
-        want = tp_bwd + Counter(all_gather=groups - 1, reduce_scatter=groups, all_reduce=blocks)
+        want = tp_bwd + Counter(all_gather=groups - 1, reduce_scatter=groups)
         assert_all_ranks(bwd == want, f"backward {bwd} vs TP {tp_bwd}")
         assert_all_ranks(sum(step.values()) == 0, f"optimizer {step}")
 
@@ -134,15 +172,17 @@ def _llama_train(model, batch, dp, steps=4):
     return torch.tensor(losses)
 
 
-def test_llama_fsdp_tp_matches_single_process(mesh2d):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_llama_fsdp_tp_matches_single_process(mesh2d, layout):
     cfg = config(2)
     ref = build_model(cfg, seed=3)
     model = parallelize_llama(copy.deepcopy(ref), mesh2d["tp"])
-    fsdp_net(model, mesh2d["dp"], model.layers)
+    fsdp_net(model, mesh2d["dp"], model.layers, layout)
     placements = _placements(model)
-    assert_all_ranks(placements["layers.0.attention.wq.weight"] == (Shard(1), Shard(0)), f"{placements}")
+    colwise = (STRIDED if layout == "strided" else Shard(1), Shard(0))
+    assert_all_ranks(placements["layers.0.attention.wq.weight"] == colwise, f"{placements}")
     assert_all_ranks(placements["layers.0.feed_forward.w2.weight"] == (Shard(0), Shard(1)), f"{placements}")
-    assert_all_ranks(placements["tok_embeddings.weight"] == (Shard(1), Shard(0)), f"{placements}")
+    assert_all_ranks(placements["tok_embeddings.weight"] == colwise, f"{placements}")
     assert_all_ranks(placements["norm.weight"] == (Shard(0), Replicate()), f"{placements}")
     batch = tokens(cfg)
     ref_opt, ref_losses = torch.optim.AdamW(ref.parameters(), lr=1e-2), []

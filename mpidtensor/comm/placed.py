@@ -18,7 +18,8 @@ contiguous ``Iallgatherv`` per piece instead (piece ``j`` of every source lands 
 ``recv_pieces[s][j]``), with no datatype: MPICH moved a large contiguous message between
 local ranks faster than one through a derived type (docs/performance.md, round 13: one
 Llama layer group of 3.15 MB per rank at 4 ranks, 2.8-2.9 ms against 3.6), while below
-about 1 MiB the one ``Ialltoallw`` wins (0.20 MB: 282-285 µs against 438-453).
+about 1 MiB the one ``Ialltoallw`` wins (0.20 MB: 282-285 µs against 438-453). Between two
+ranks it does not (:func:`pays`: the caller gathers into rows and copies out instead).
 """
 from __future__ import annotations
 
@@ -99,12 +100,27 @@ class PlacedAllGather(Posted):
         return self
 
 
+def _largest(recv_pieces: Sequence[Pieces]) -> int:
+    """The bytes the largest source sends."""
+    return max(sum(length for _, length in pieces) for pieces in recv_pieces)
+
+
+def pays(recv_pieces: Sequence[Pieces]) -> bool:
+    """Whether a :class:`PlacedAllGather` of this receive layout beats a contiguous
+    all-gather into rows and a copy out: by piece always; through the one ``Ialltoallw``
+    from 3 ranks. Between 2 ranks (a 2x2 mesh's data-parallel pairs) the ``Ialltoallw``
+    lost to rows + copy: FSDP x TP at dim 128, md / hand-written step 1.39-1.40 against
+    1.29-1.30 (docs/performance.md, round 15), where on 4 ranks it wins (FSDP Llama 1.15
+    against 1.17)."""
+    return len(recv_pieces) > 2 or _largest(recv_pieces) >= BY_PIECE_MIN
+
+
 def _by_piece(send: torch.Tensor, send_pieces: Pieces, recv_pieces: Sequence[Pieces]) -> list[tuple] | None:
     """The ``Iallgatherv`` arguments of each piece (this rank's send buffer, then the receive
     span's offset and length in the output, every source's count and displacement in it),
     pieces no rank sends left out; None where the largest source sends under
     ``BY_PIECE_MIN`` bytes or a count or offset exceeds MPI's ints (one ``Ialltoallw`` then)."""
-    if max(sum(length for _, length in pieces) for pieces in recv_pieces) < BY_PIECE_MIN:
+    if _largest(recv_pieces) < BY_PIECE_MIN:
         return None
     runs = []
     for j, (offset, length) in enumerate(send_pieces):

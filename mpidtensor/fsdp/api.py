@@ -2,7 +2,8 @@
 
 ``fully_shard(module)`` turns the parameters that ``module`` owns (those not already
 owned by a ``fully_shard``-ed descendant) into ``Shard(d)`` DTensors (``d`` from
-``shard_placement_fn``, else 0, else under TP the first dim TP leaves whole), gathers them
+``shard_placement_fn``, else 0: a ``_StridedShard`` where TP shards it too, as torch's,
+unless that cannot describe the rows, then the first dim TP leaves whole), gathers them
 as one group (``group.ParamGroup``) around the module's forward and backward (the hooks of
 ``state.FSDPState``), and swaps the module's class for ``FSDP<Cls>`` so that it gains the
 ``module.FSDPModule`` methods. Every argument check happens before anything changes, and
@@ -25,7 +26,7 @@ from ..mesh.foreign import require_mesh
 from ..runtime import caches
 from ..runtime.agreement import attempt, raise_agreed
 from ..mesh.relations import joint_mesh
-from ..tensor.placements import Shard
+from ..tensor.placements import Shard, shard_dim
 from .group import ParamGroup
 from .module import FSDPModule
 from .param import FSDPParam, MeshInfo
@@ -65,10 +66,13 @@ def fully_shard(
     (``mesh3d["dp_replicate", "dp_shard"]`` beside ``mesh3d["tp"]``). Apply to sub-modules
     first, then to the root.
     ``shard_placement_fn(param)``: the ``Shard(dim)`` FSDP shards ``param`` on (of its TP
-    block under FSDP x TP, a dim TP does not shard), or ``None`` for the default:
-    ``Shard(0)``, or for a TP parameter the first dim TP leaves whole; a TP parameter
-    with no such dim (a ColwiseParallel bias) stays replicated over ``mesh``: used as
-    is, without an all-gather, its gradient all-reduced instead of reduce-scattered.
+    block under FSDP x TP), or ``None`` for the default, ``Shard(0)``. Where TP shards
+    that dim too the sharded parameter carries ``_StridedShard(dim, sf=<TP shards>)`` on
+    the data-parallel dim, as torch's FSDP2 gives it. That placement cannot describe
+    every uneven split over 3+ data-parallel ranks: there the default is the first dim
+    TP leaves whole (a TP parameter with none, a ColwiseParallel bias, stays replicated
+    over ``mesh``: used as is, its gradient all-reduced) and asking for the TP-sharded
+    dim raises ``ValueError``.
     ``reshard_after_forward``: ``None`` (the default, as torch's) is ``True`` (the root
     keeps its parameters while gradients are on either way); ``True`` frees the gathered parameters after forward (backward
     gathers them again), ``False`` keeps them; an int ``k`` (a divisor of the shard group
@@ -105,8 +109,8 @@ def fully_shard(
     _check_params(managed, mesh, mp_policy, offload_policy, spmd)
     shared_elsewhere = _shared_with_other_groups(managed)
     classes = [_fsdp_class(type(m)) for m in modules]  # (before any change: a class that cannot be subclassed raises here)
-    dims = [_shard_dim(param, shard_placement_fn) for _, param in managed]
     info = MeshInfo(mesh)
+    dims = [_shard_dim(param, shard_placement_fn, info, spmd) for _, param in managed]
     params, error = attempt(lambda: [FSDPParam(users, param, info, mp_policy, dim, spmd)
                                      for (users, param), dim in zip(managed, dims)])
     if any(hasattr(_data(param), "fsdp_pre_all_gather") for _, param in managed):
@@ -254,12 +258,22 @@ def _shared_with_other_groups(managed: list) -> list[tuple[nn.Module, str]]:
             if (ref := _REPLACED.get(id(param))) is not None and ref() is param]
 
 
-def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] | None) -> int | None:
-    """The dim FSDP shards ``param`` on (``None``: replicated), from global metadata only."""
-    tp_dims = {pl.dim for pl in param.placements if pl.is_shard()} if isinstance(param, DTensor) else set()
+def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] | None, info: MeshInfo,
+               spmd: SpmdLayout | None) -> int | None:
+    """The dim FSDP shards ``param`` on (``None``: replicated), from global metadata only:
+    ``shard_placement_fn``'s, else 0 as in torch, also where TP shards dim 0 already
+    (``_StridedShard`` over the data-parallel dim) unless that layout cannot describe
+    the rows exactly (uneven), then the first dim TP leaves whole."""
+    tp_spec = None
+    if isinstance(param, DTensor):
+        tp_spec = spmd.tp_view(param._spec) if spmd is not None else param._spec
+    tp_dims = {shard_dim(pl) for pl in tp_spec.placements} - {None} if tp_spec is not None else set()
+
+    def fits(d: int) -> bool:  # FSDP may shard dim d with a placement that describes its rows
+        return d not in tp_dims or info.layout_exact(tp_spec, d, tp_spec.shape[d])
     choice = fn(param) if fn is not None else None
     if choice is None:
-        dim = next((d for d in range(param.ndim) if d not in tp_dims), None)
+        dim = next((d for d in range(param.ndim) if fits(d)), None)
     elif type(choice) is not Shard:
         raise TypeError(f"shard_placement_fn must return a Shard or None, got {choice!r}")
     else:
@@ -267,11 +281,12 @@ def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] |
         if not 0 <= dim < param.ndim:
             raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: {param.shape} "
                                  f"(shard_placement_fn returned {choice})")
-        if dim in tp_dims:
+        if not fits(dim):
             raise ValueError(
-                f"shard_placement_fn returned {choice} for a parameter tensor parallelism already shards on "
-                f"dim {dim} ({list(param.placements)}): that would need a strided-shard placement mpidtensor "
-                f"does not have; pick a dim TP leaves whole (or None for the default)"
+                f"shard_placement_fn returned {choice} for a parameter tensor parallelism already shards "
+                f"unevenly on dim {dim} ({list(param.placements)}, shape {tuple(param.shape)}): the strided "
+                f"placement FSDP would give it cannot describe those rows; pick a dim TP leaves whole "
+                f"(or None for the default)"
             )
     data = _data(param)
     extension = hasattr(data, "fsdp_pre_all_gather")

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from ..tensor.dtensor import DTensor
 from ..comm.collectives import all_reduce
-from ..tensor.placements import Replicate
+from ..tensor.placements import Replicate, shard_dim
 
 
 def clip_grad_norm_(
@@ -103,7 +103,7 @@ def _sharded_dims(grad: torch.Tensor) -> tuple:
     (their contributions are summed there); ``()`` if none."""
     if not isinstance(grad, DTensor):
         return ()
-    dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+    dims = tuple(i for i, p in enumerate(grad.placements) if shard_dim(p) is not None)  # _StridedShard too
     return (grad.device_mesh, dims) if dims else ()
 
 

@@ -43,7 +43,7 @@ from mpi4py import MPI
 from ..comm import accounting
 from ..runtime.agreement import attempt, exchange
 from ..comm.nonblocking import Handle, PostedAllGather
-from ..comm.placed import PlacedAllGather
+from ..comm.placed import PlacedAllGather, pays as placed_pays
 from ..fast.registry import register
 from ..runtime.settings import settings
 from ..comm.pool import HUGE_PAGES_MIN, advise_huge_pages, tracked_empty
@@ -68,7 +68,8 @@ PLACED_GATHER = register(
               "parameters (split_with_sizes_copy or FromRanks): one Ialltoallw places each rank's shards "
               "(one Iallgatherv per parameter from comm.placed.BY_PIECE_MIN bytes per rank)",
     decided_by="the group's layout (packing.placed_pieces): plain parameters sharded along dim 0 in their own "
-               "dtype, host buffers, no offloading, 2+ shard ranks, torch's default collective",
+               "dtype, host buffers, no offloading, 3+ shard ranks (2 from BY_PIECE_MIN bytes per rank: "
+               "comm.placed.pays), torch's default collective",
 )
 
 
@@ -275,7 +276,8 @@ class ParamGroup(GradientReduction):
         on the host; with torch's default collective), and the all-gather over the shard ranks
         prepared where it gathers host buffers over 2+ ranks: placed straight into
         ``unsharded_flat`` from ``shard_flat`` (``_placed``, ``PLACED_GATHER``) where the group
-        is plain dim-0 shards in their own dtype (``packing.placed_pieces``), else posted into
+        is plain dim-0 shards in their own dtype (``packing.placed_pieces``) and that pays
+        (``comm.placed.pays``), else posted into
         rows (``_posted``, ``POSTED_GATHER``): ``shard_flat`` its fixed send buffer unless a
         cast, an extension or offloading packs or moves one each time."""
         on_host = self.shard_flat.device.type == "cpu" and self.device.type == "cpu"
@@ -285,7 +287,7 @@ class ParamGroup(GradientReduction):
             return
         fixed = self.direct and self.offload_to is None
         placed = packing.placed_pieces(self.gathered, comm.size) if fixed and not self._in_place else None
-        if placed is not None:
+        if placed is not None and placed_pays(placed[1]):
             self._placed = PlacedAllGather(comm, self.shard_flat, *placed)
             return
         only = self.gathered[0]

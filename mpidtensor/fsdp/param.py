@@ -3,11 +3,14 @@
 The *sharded* form is an ``nn.Parameter`` holding a ``DTensor`` (``Shard(d)`` over the
 shard dim, ``d = 0`` unless ``shard_placement_fn`` says otherwise; ``[Replicate(), Shard(d)]``
 for HSDP; ``[Shard(d), <tp placement>]`` on the parent mesh under FSDP x TP and
-``[Replicate(), Shard(d), <tp placement>]`` under HSDP x TP, where ``d`` defaults to the
-first dim TP leaves whole). Its local tensor is this rank's
-``torch.chunk`` piece of dim ``d``. A TP parameter whose every dim TP already shards
-(a ColwiseParallel bias) is not sharded by FSDP: ``[Replicate(), <tp placement>]``, its
-unsharded form aliases the local block (no all-gather) and its gradient is all-reduced.
+``[Replicate(), Shard(d), <tp placement>]`` under HSDP x TP). Its local tensor is this
+rank's ``torch.chunk`` piece of dim ``d`` (of its TP block under TP). Where TP shards dim
+``d`` too, FSDP's placement is torch's ``_StridedShard(d, split_factor=<TP shards>)``,
+which describes those rows exactly except at some uneven lengths over 3+ data-parallel
+ranks (:meth:`MeshInfo.layout_exact`); there ``d`` defaults to the first dim TP leaves
+whole, and a TP parameter with no such dim (a ColwiseParallel bias) is not sharded by
+FSDP: ``[Replicate(), <tp placement>]``, its unsharded form aliases the local block (no
+all-gather) and its gradient is all-reduced.
 The *unsharded* form is a plain ``nn.Parameter`` (or the TP ``DTensor``) that the module
 uses between all-gather and reshard. Everything here is computed from global shapes, so
 all ranks agree on every size and offset.
@@ -15,6 +18,7 @@ all ranks agree on every size and offset.
 from __future__ import annotations
 
 import inspect
+import itertools
 from math import prod
 
 import torch
@@ -22,12 +26,13 @@ from mpi4py import MPI
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..tensor.layout import chunk_span, contiguous_strides
+from ..tensor.layout import chunk_span, compose_runs, contiguous_strides, dim_runs
 from ..tensor.dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..comm import accounting
+from ..runtime import caches
 from ..mesh.relations import joint_mesh
-from ..tensor.placements import Placement, Replicate, Shard
+from ..tensor.placements import Placement, Replicate, Shard, _StridedShard, shard_dim
 from ..tensor.spec import DTensorSpec
 from .policies import MixedPrecisionPolicy
 from ..runtime import watchdog
@@ -73,19 +78,42 @@ class MeshInfo:
 
     def spec_for(self, tp_spec: DTensorSpec | None, dim: int | None) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """Mesh and placements of a sharded parameter (``tp_spec``: its TP layout, if any;
-        ``dim``: the dim FSDP shards, ``None``: replicated over the data-parallel mesh)."""
+        ``dim``: the dim FSDP shards, ``None``: replicated over the data-parallel mesh). Where
+        TP shards ``dim`` too on mesh dims after the data-parallel one, the data-parallel
+        placement is ``_StridedShard(dim, split_factor=<those TP shards>)``, as torch's FSDP2
+        gives it: each rank's rows are its ``torch.chunk`` piece of its TP block
+        (:meth:`layout_exact` says whether the placement describes them)."""
+        return self._layout(tp_spec, dim)[:2]
+
+    def _layout(self, tp_spec: DTensorSpec | None, dim: int | None
+                ) -> tuple[DeviceMesh, tuple[Placement, ...], int]:
+        """``spec_for``'s mesh and placements, and the mesh dim FSDP shards on."""
         own = Replicate() if dim is None else Shard(dim)
         dp = (Replicate(), own) if self.mesh.ndim == 2 else (own,)
         if tp_spec is None:
-            return self.mesh, dp
+            return self.mesh, dp, self.mesh.ndim - 1
         parent, dp_dims, tp_dims = joint_mesh(self.mesh, tp_spec.mesh)  # fully_shard checked it exists
         placements: list[Placement] = [Replicate()] * parent.ndim
-        for dim, p in zip(dp_dims, dp):
-            placements[dim] = p
-        for dim, p in zip(tp_dims, tp_spec.placements):
-            placements[dim] = p
-        return parent, tuple(placements)
+        for m, p in zip(dp_dims, dp):
+            placements[m] = p
+        for m, p in zip(tp_dims, tp_spec.placements):
+            placements[m] = p
+        at = dp_dims[-1]
+        if dim is not None:
+            split = prod(parent.size(m) for m in tp_dims if m > at and shard_dim(placements[m]) == dim)
+            if split > 1:
+                placements[at] = _StridedShard(dim, split_factor=split)
+        return parent, tuple(placements), at
 
+    def layout_exact(self, tp_spec: DTensorSpec | None, dim: int, length: int) -> bool:
+        """Whether :meth:`spec_for`'s placements give every rank the rows FSDP keeps on it
+        (its ``torch.chunk`` piece, along ``dim`` of ``length``, of its TP block): always for
+        a ``Shard``; for a ``_StridedShard`` where the block splits evenly enough (at
+        uneven lengths torch's strided layout and the chunk of a chunk can differ)."""
+        mesh, placements, at = self._layout(tp_spec, dim)
+        if type(placements[at]) is not _StridedShard:
+            return True
+        return _strided_exact(length, dim, placements, tuple(mesh.shape), at)
 
 class FSDPParam:
     """Layout and state of one managed parameter (shared parameters: several ``users``)."""
@@ -281,3 +309,26 @@ def _own_rows(rows: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"{type(rows).__name__}.new_zeros() returned a {type(own).__name__}: FSDP keeps each rank's "
                         "shard of a parameter with fsdp_pre_all_gather in a new tensor of its type")
     return own.copy_(rows)
+
+
+_EXACT: dict = caches.cache("fsdp.strided_exact", maxsize=1024, holds_meshes=False)  # _strided_exact's arguments -> verdict
+
+
+def _strided_exact(length: int, dim: int, placements: tuple[Placement, ...], shape: tuple[int, ...], at: int) -> bool:
+    """:meth:`MeshInfo.layout_exact` for a strided placement on mesh dim ``at``: every
+    coordinate's rows under ``placements`` against its ``torch.chunk`` piece (over mesh dim
+    ``at``) of the TP block the other mesh dims give it (cached: one verdict per layout)."""
+    key = (length, dim, placements, shape, at)
+    verdict = _EXACT.get(key)
+    if verdict is None:
+        tp_only = tuple(Replicate() if m == at else p for m, p in enumerate(placements))
+        verdict = True
+        for coord in itertools.product(*map(range, shape)):
+            block = dim_runs(length, dim, tp_only, shape, coord)
+            offset, size = chunk_span(sum(n for _, n in block), shape[at], coord[at])
+            if dim_runs(length, dim, placements, shape, coord) != compose_runs(block, ((offset, size),) if size else ()):
+                verdict = False
+                break
+        _EXACT[key] = verdict
+    return verdict
+

@@ -78,7 +78,7 @@ def inverse_order(order: Sequence[int]) -> list[int]:
     return inverse
 
 
-def _compose(outer: Runs, inner: Runs) -> Runs:
+def compose_runs(outer: Runs, inner: Runs) -> Runs:
     """The runs of global indices held when ``inner`` (positions in the block) selects
     from a block whose positions are the global indices ``outer``."""
     out = []
@@ -114,7 +114,7 @@ def dim_runs(
         p = placements[m]
         if shard_dim(p) == tensor_dim:
             held = sum(n for _, n in runs)
-            runs = _compose(runs, split_runs(p, held, mesh_shape[m], coord[m]))
+            runs = compose_runs(runs, split_runs(p, held, mesh_shape[m], coord[m]))
     return runs
 
 
