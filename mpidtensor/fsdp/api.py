@@ -268,9 +268,12 @@ def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] |
     if isinstance(param, DTensor):
         tp_spec = spmd.tp_view(param._spec) if spmd is not None else param._spec
     tp_dims = {shard_dim(pl) for pl in tp_spec.placements} - {None} if tp_spec is not None else set()
+    data = _data(param)
+    extension = hasattr(data, "fsdp_pre_all_gather")
 
     def fits(d: int) -> bool:  # FSDP may shard dim d with a placement that describes its rows
-        return d not in tp_dims or info.layout_exact(tp_spec, d, tp_spec.shape[d])
+        # (not an all-gather extension's subclass on a strided layout: untested, refused as before)
+        return d not in tp_dims or (not extension and info.layout_exact(tp_spec, d, tp_spec.shape[d]))
     choice = fn(param) if fn is not None else None
     if choice is None:
         dim = next((d for d in range(param.ndim) if fits(d)), None)
@@ -282,14 +285,13 @@ def _shard_dim(param: nn.Parameter, fn: Callable[[nn.Parameter], Shard | None] |
             raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: {param.shape} "
                                  f"(shard_placement_fn returned {choice})")
         if not fits(dim):
+            why = ("FSDP's all-gather extension on a strided layout is not supported" if extension else
+                   "the strided placement FSDP would give it cannot describe those rows (uneven)")
             raise ValueError(
-                f"shard_placement_fn returned {choice} for a parameter tensor parallelism already shards "
-                f"unevenly on dim {dim} ({list(param.placements)}, shape {tuple(param.shape)}): the strided "
-                f"placement FSDP would give it cannot describe those rows; pick a dim TP leaves whole "
-                f"(or None for the default)"
+                f"shard_placement_fn returned {choice} for a parameter tensor parallelism already shards on "
+                f"dim {dim} ({list(param.placements)}, shape {tuple(param.shape)}): {why}; pick a dim TP leaves "
+                f"whole (or None for the default)"
             )
-    data = _data(param)
-    extension = hasattr(data, "fsdp_pre_all_gather")
     if extension != hasattr(data, "fsdp_post_all_gather"):
         raise TypeError(f"a {type(data).__name__} parameter defines only one of fsdp_pre_all_gather and "
                         "fsdp_post_all_gather: FSDP's all-gather extension needs both")
