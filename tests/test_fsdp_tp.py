@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from mpi4py import MPI
 
 from helpers import assert_all_ranks, assert_close
-from mpidtensor import DTensor, Replicate, Shard, _StridedShard
+from mpidtensor import DTensor, Replicate, Shard, _StridedShard, init_device_mesh
 from mpidtensor.comm import placed
 from mpidtensor.debug import CommDebugMode
 from mpidtensor.fast import registry
-from mpidtensor.fsdp import fully_shard
+from mpidtensor.fsdp import clip_grad_norm_, fully_shard
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from test_fsdp import TOL, assert_same_model, batch, make_net, train
 
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from llama import build_model, cross_entropy, parallelize_llama  # noqa: E402
 from test_llama_tp import PARAM_ATOL, config, tokens  # noqa: E402
 
+WORLD = MPI.COMM_WORLD
 NET = dict(dim=7, hidden=10)  # dim 7: FSDP's Shard(1) of a Colwise weight is uneven (4 + 3)
 STRIDED = _StridedShard(0, split_factor=2)
 
@@ -103,6 +105,36 @@ def test_strided_layout_placed_by_piece_matches_single_process(mesh2d, monkeypat
     assert_all_ranks(ran > 0, f"placed all-gathers: {ran}")
     assert_close(losses, ref_losses, **TOL)
     assert_same_model(net, ref, **TOL)
+
+
+@pytest.mark.parametrize("hidden", [13, 12])
+def test_three_dp_ranks_uneven_fallback_and_strided(hidden):
+    """On a (dp 3, tp 2) mesh (6 ranks: run by hand, ``mpiexec -n 6``): 13 rows (7 + 6 over
+    tp, then chunked over 3 dp ranks) are where ``_StridedShard`` cannot describe FSDP's
+    rows, so fc1 keeps the earlier layout (weight on dim 1, bias replicated over dp); 12
+    rows are strided. Both train like one process, and FSDP's clip norm equals torch's."""
+    if WORLD.size != 6:
+        pytest.skip("a (3, 2) mesh: 6 ranks")
+    mesh = init_device_mesh("cpu", (3, 2), mesh_dim_names=("dp", "tp"))
+    net_sizes = dict(dim=7, hidden=hidden)
+    ref = make_net(**net_sizes)
+    (x, target), _ = batch(3, 0)
+    ref_losses, _ = train(ref, x, target)
+    net = make_net(**net_sizes)
+    for block in net.blocks:
+        parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    fsdp_net(net, mesh["dp"], net.blocks)
+    fc1 = net.blocks[0].fc1
+    want = ((Shard(1), Shard(0)), (Replicate(), Shard(0))) if hidden % 6 else ((STRIDED, Shard(0)),) * 2
+    assert_all_ranks((fc1.weight.placements, fc1.bias.placements) == want, f"{fc1.weight.placements}")
+    dp = mesh.get_group("dp")
+    _, (local_x, local_t) = batch(3, dp.rank)
+    losses, _ = train(net, local_x, local_t, comm=dp)
+    assert_close(losses, ref_losses, **TOL)
+    assert_same_model(net, ref, **TOL)
+    F.cross_entropy(ref(x), target).backward()
+    F.cross_entropy(net(local_x), local_t).backward()
+    assert_close(clip_grad_norm_(net.parameters(), 1e9), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9), **TOL)
 
 
 def test_rowwise_only_keeps_dim0(mesh2d):
