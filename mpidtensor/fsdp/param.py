@@ -115,6 +115,7 @@ class MeshInfo:
             return True
         return _strided_exact(length, dim, placements, tuple(mesh.shape), at)
 
+
 class FSDPParam:
     """Layout and state of one managed parameter (shared parameters: several ``users``)."""
 
@@ -311,7 +312,8 @@ def _own_rows(rows: torch.Tensor) -> torch.Tensor:
     return own.copy_(rows)
 
 
-_EXACT: dict = caches.cache("fsdp.strided_exact", maxsize=1024, holds_meshes=False)  # _strided_exact's arguments -> verdict
+# _strided_exact's arguments -> its verdict
+_EXACT: dict = caches.cache("fsdp.strided_exact", maxsize=1024, holds_meshes=False)
 
 
 def _strided_exact(length: int, dim: int, placements: tuple[Placement, ...], shape: tuple[int, ...], at: int) -> bool:
@@ -326,9 +328,9 @@ def _strided_exact(length: int, dim: int, placements: tuple[Placement, ...], sha
         for coord in itertools.product(*map(range, shape)):
             block = dim_runs(length, dim, tp_only, shape, coord)
             offset, size = chunk_span(sum(n for _, n in block), shape[at], coord[at])
-            if dim_runs(length, dim, placements, shape, coord) != compose_runs(block, ((offset, size),) if size else ()):
+            fsdp_rows = compose_runs(block, ((offset, size),) if size else ())
+            if dim_runs(length, dim, placements, shape, coord) != fsdp_rows:
                 verdict = False
                 break
         _EXACT[key] = verdict
     return verdict
-
