@@ -148,6 +148,33 @@ def test_ops_against_one_process(mesh):
     assert_all_ranks(not bad, str(bad))
 
 
+def test_inplace_ops_keep_strided_layout(mesh):
+    """An in-place op whose rule does not place ``_StridedShard`` (it computes on Replicate)
+    writes its result back into the strided DTensor's own local tensor: the placements and
+    the storage stay (FSDP's sharded parameters are views of a flat buffer), the values
+    equal one process."""
+    a, w, v = global_tensor((7, 5)), global_tensor((5, 5), seed=3), global_tensor((7, 5), seed=4)
+    rep = [Replicate()] * mesh.ndim
+    ops = {
+        "index_fill_": lambda t, r: t.index_fill_(1, torch.tensor([1, 3]), 2.5),
+        "index_put_": lambda t, r: t.index_put_((torch.tensor([0, 4, 6]),), torch.tensor(-1.0)),
+        "scatter_": lambda t, r: t.scatter_(1, torch.tensor([[0], [2], [4], [1], [3], [0], [2]]), 9.0),
+        "addmm_": lambda t, r: t.addmm_(r(v), r(w)),
+        "tril_": lambda t, r: t.tril_(),
+    }
+    bad = []
+    for name, op in ops.items():
+        x = distribute_tensor(a, mesh, _strided(mesh))
+        local = x._local_tensor
+        op(x, lambda t: distribute_tensor(t, mesh, rep))
+        want = op(a.clone(), lambda t: t)
+        if not torch.allclose(x.full_tensor(), want, atol=1e-5):
+            bad.append(f"{name}: values")
+        if x.placements != tuple(_strided(mesh)) or x._local_tensor is not local:
+            bad.append(f"{name}: layout {x.placements}, same local {x._local_tensor is local}")
+    assert_all_ranks(not bad, str(bad))
+
+
 def test_gradients_and_optimizer(mesh):
     a = global_tensor((9, 4))
     param = torch.nn.Parameter(distribute_tensor(a, mesh, _strided(mesh)))

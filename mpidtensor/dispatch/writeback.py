@@ -11,6 +11,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from ..tensor.dtensor import DTensor
 from ..ops import registry
+from ..tensor.placements import _StridedShard
 from ..tensor.redistribute import redistribute_local
 from .args import is_view_op, local_of, mutated_inputs, tensors
 
@@ -49,8 +50,11 @@ def write_into(func, dst, spec, local, inplace_view: bool = False, a=(), k=None,
     moved back into its own block, which its base shares. A plain tensor written through
     a moved copy, or given a Partial or sharded value, gets the whole result copied in.
     An in-place view op (``squeeze_``…, rerun on ``a``, ``k``) also changes the wrapper's
-    own shape and strides. ``keep_placements`` (an ``out=`` DTensor, as torch's): the value
-    is moved into ``dst``'s own placements and block instead."""
+    own shape and strides. ``keep_placements`` (an ``out=`` DTensor, as torch's), and any
+    ``dst`` with a ``_StridedShard``: the value is moved into ``dst``'s own placements and
+    block instead. A strided DTensor is usually FSDP's sharded parameter, a view of its flat
+    storage, and a rule that does not place ``_StridedShard`` computes on ``Replicate``
+    (:func:`registry.strided_safe`): taking that layout would detach it silently."""
     if getattr(dst, "_not_a_view_of", None) is not None:
         raise RuntimeError(
             f"{func} writes into the result of {dst._not_a_view_of}, which mpidtensor computed on a "
@@ -61,6 +65,7 @@ def write_into(func, dst, spec, local, inplace_view: bool = False, a=(), k=None,
                            f"had redistributed: the write cannot be placed back")
     rep = registry.replicated(spec.mesh.ndim)
     if isinstance(dst, DTensor):
+        keep_placements = keep_placements or any(type(p) is _StridedShard for p in dst._spec.placements)
         if inplace_view:
             with no_dispatch():
                 func(*a, **(k or {}))
