@@ -1,7 +1,8 @@
 """transformers' own parallelism unmodified under the switch (issue 38): tiny random Llama,
 Qwen2 and Qwen3-MoE models saved locally (no hub) loaded with ``from_pretrained(path,
-tp_plan="auto")`` (tensor parallel) or ``distributed_config=DistributedConfig(fsdp_size=N)``
-(transformers' FSDP2), 3 AdamW steps, under ``mpiexec -n N python -m mpidtensor.run``: the
+tp_plan="auto")`` (tensor parallel), ``distributed_config=DistributedConfig(fsdp_size=N)``
+(transformers' FSDP2) or ``DistributedConfig(tp_size=2, fsdp_size=2)`` (both on a 2x2 mesh, 4
+ranks; its weight loading slices the mesh from several threads at once), 3 AdamW steps, under ``mpiexec -n N python -m mpidtensor.run``: the
 losses and the logits' checksum equal one process and torch's own run on gloo within 1e-5. The
 tensor-parallel model is then saved with ``save_pretrained`` and reloaded in one process: no
 key missing or unexpected, and its loss equals that of the one-process model saved alike."""
@@ -27,6 +28,8 @@ SCRIPT = str(PROGRAMS / "hf_parallel.py")
 def _run(model: str, mode: str) -> list[str]:
     if N not in (2, 4):
         pytest.skip("the models' 4 heads split over 2 or 4 ranks")
+    if mode == "tp_fsdp" and N != 4:
+        pytest.skip("tensor parallel over 2 ranks, FSDP over the other mesh dim of 2")
     folder = WORLD.bcast(tempfile.mkdtemp(prefix="mpidtensor-hf-tp-") if WORLD.rank == 0 else None)
     saved = {side: f"{folder}/saved-{side}" for side in ("alone", "switch", "gloo")} if mode == "tp" else {}
 
@@ -70,4 +73,12 @@ def test_tp_plan_auto(model):
 @pytest.mark.timeout(900)
 def test_llama_transformers_fsdp():
     problems = _run("llama", "fsdp")
+    assert_all_ranks(not problems, "\n".join(problems))
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("model", ["llama", pytest.param("qwen2", marks=pytest.mark.exhaustive),
+                                   pytest.param("qwen3_moe", marks=pytest.mark.exhaustive)])
+def test_tp_and_fsdp_2d(model):
+    problems = _run(model, "tp_fsdp")
     assert_all_ranks(not problems, "\n".join(problems))

@@ -50,6 +50,44 @@ def test_2d_mesh_coordinates_and_slices(mesh2d):
     assert peers == tp.mesh.tolist()
 
 
+def test_slices_borrow_the_parents_communicators():
+    """A slice runs no collective: its communicators are its parent's over the same dims
+    (made with the parent), so slicing one more time, freeing a slice, or slicing again
+    leaves the parent's communicators working."""
+    if WORLD.size != 4:
+        pytest.skip("a 3-D mesh of 4 ranks")
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    tp, dp_tp = mesh["tp"], mesh["dp", "tp"]
+    assert_all_ranks(tp.comm is mesh.comm_for((2,)) and tp.get_group() is not None
+                     and tp.comm_for((0,)) is mesh.comm_for((2,)), "a 1-D slice is the parent's dim communicator")
+    assert_all_ranks(dp_tp.comm is mesh.comm_for((1, 2)) and dp_tp.comm_for((1,)) is mesh.comm_for((2,))
+                     and dp_tp["tp"].comm is mesh.comm_for((2,)), "a 2-D slice lends its parent's communicators")
+    tp.free()  # frees nothing the parent owns
+    again = mesh["tp"]
+    assert_all_ranks(again is not tp and again.get_group().allgather(WORLD.rank) == again.mesh.tolist()
+                     and mesh.get_group("tp").allreduce(1) == 2, "the parent's communicator outlives its slice")
+
+
+def test_slicing_from_threads():
+    """transformers slices its mesh from several weight-loading threads at once: slices made
+    concurrently, in another order on every rank, are the same meshes on every rank and their
+    communicators match (a slice that ran a collective would mismatch and abort the job)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if WORLD.size != 4:
+        pytest.skip("a 2x2 mesh")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    names = ["dp", "tp"] * 8
+    order = names[WORLD.rank % 2:] + names[:WORLD.rank % 2]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        slices = list(pool.map(lambda n: (n, mesh[n].get_local_rank(), mesh[n].size()), order))
+    row, col = divmod(WORLD.rank, 2)
+    want = {"dp": (row, 2), "tp": (col, 2)}
+    ok = all((rank, size) == want[n] for n, rank, size in slices) and mesh["tp"] is mesh["tp"]
+    ok = ok and mesh["tp"].get_group().allgather(WORLD.rank) == mesh["tp"].mesh.tolist()
+    assert_all_ranks(ok and mesh["dp"].get_group().allgather(WORLD.rank) == mesh["dp"].mesh.tolist(), str(slices))
+
+
 @pytest.mark.parametrize("shape, names", [((1, 2, 2), ("dp", "cp", "tp")), ((2, 2, 1), ("dp", "cp", "tp")),
                                           ((2, 1, 2), ("dp", "tp", "cp"))])
 def test_joint_mesh_of_a_flattened_slice_and_the_rest(shape, names):

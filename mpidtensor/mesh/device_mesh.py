@@ -5,7 +5,11 @@ coordinates. Every mesh dimension, and every group of dimensions taken together
 (a slice or a flattened view), is a ``Cart_sub`` of it. Communicators for single
 dimensions are made when the mesh is made; others on first use (a collective
 call, made by all ranks in the same order because plans are the same on all
-ranks) and then cached. ``free()`` releases them all and marks the mesh freed: every
+ranks) and then cached. A slice (``mesh["tp"]``) holds no communicator of its own:
+its mesh communicator and its dims' are its parent's over the same dims, so slicing
+a mesh by single dims runs no collective, as torch's slicing does not (transformers
+slices meshes from several weight-loading threads at once, and concurrent collectives
+on one communicator would not match across ranks). ``free()`` releases them all and marks the mesh freed: every
 later use of it raises the same error on every rank (the mark is set by the collective
 ``free()`` on all of them), and the caches that may hold its communicators are emptied.
 The first mesh built installs mpidtensor's process-wide effects
@@ -101,12 +105,14 @@ class DeviceMesh:
             bind_local_gpu(comm)
 
     @classmethod
-    def _from_cart(cls, device_type, ranks, names, parent_comm, cart, grid=None) -> "DeviceMesh":
+    def _from_cart(cls, device_type, ranks, names, parent_comm, cart, grid=None, parent=None) -> "DeviceMesh":
+        """A mesh over ``cart``; ``parent``: ``(mesh, dims)`` when it is that mesh's slice over
+        ``dims`` (``cart`` is then the parent's communicator over them, borrowed)."""
         mesh = cls.__new__(cls)
-        mesh._setup(device_type, ranks, names, parent_comm, cart, grid)
+        mesh._setup(device_type, ranks, names, parent_comm, cart, grid, parent)
         return mesh
 
-    def _setup(self, device_type, ranks, names, parent_comm, cart, grid=None) -> None:
+    def _setup(self, device_type, ranks, names, parent_comm, cart, grid=None, parent=None) -> None:
         self.device_type = device_type
         self.mesh = ranks
         self.mesh_dim_names = names
@@ -116,8 +122,10 @@ class DeviceMesh:
         self._parent_comm = parent_comm
         self._cart = cart
         self._coord = tuple(cart.Get_coords(cart.rank)) if cart is not None else None
-        self._parent: DeviceMesh | None = None  # the mesh this one was sliced from (FSDP x TP)
-        self._parent_dims: tuple[int, ...] | None = None  # its dims in that mesh
+        # the mesh this one was sliced from (FSDP x TP) and its dims in that mesh: a slice's
+        # communicators are the parent's (``comm_for``), which frees them
+        self._parent, self._parent_dims = parent if parent is not None else (None, None)
+        self._borrowed: set[tuple[int, ...]] = set()  # keys of ``_subcomms`` the parent owns
         self._flattened_from: DeviceMesh | None = None  # the mesh _flatten() made this one of
         self._unflattened_from: tuple | None = None  # (mesh, dim, sizes, names) of _unflatten()
         self._subcomms: dict[tuple[int, ...], MPI.Cartcomm] = {}
@@ -264,12 +272,17 @@ class DeviceMesh:
     # --- communicators ---------------------------------------------------------------------
     def comm_for(self, dims: Iterable[int]) -> MPI.Cartcomm:
         """The communicator over mesh dims ``dims`` (ascending) through this rank, rank order
-        row-major in their coordinates. Collective over the mesh on first use."""
+        row-major in their coordinates. Collective over the mesh on first use; a slice's is
+        its parent's over the same dims (made with the parent for a single dim)."""
         dims = tuple(dims)
         comm = self._subcomms.get(dims)
         if comm is None:
             self._require_member()
-            comm = self._cart.Sub([d in dims for d in range(self.ndim)])
+            if self._parent is not None:  # a slice: the parent's communicator over the same dims
+                comm = self._parent.comm_for(tuple(self._parent_dims[d] for d in dims))
+                self._borrowed.add(dims)
+            else:
+                comm = self._cart.Sub([d in dims for d in range(self.ndim)])
             self._subcomms[dims] = comm
         return comm
 
@@ -294,12 +307,13 @@ class DeviceMesh:
         for sub in self._submeshes.values():
             if not sub._freed:
                 sub._release()
-        for comm in self._subcomms.values():
-            comm.Free()
+        for key, comm in self._subcomms.items():
+            if key not in self._borrowed:
+                comm.Free()
         self._subcomms.clear()
         self._groups.clear()
         self._submeshes.clear()
-        if self._cart is not None and self._cart != MPI.COMM_NULL:
+        if self._cart is not None and self._cart != MPI.COMM_NULL and self._parent is None:  # (a slice's is lent)
             self._cart.Free()
         self._cart = None
         self._freed = True
@@ -320,16 +334,19 @@ class DeviceMesh:
         sub = self._submeshes.get(key)
         if sub is None or sub._freed:  # a sub-mesh freed on its own is made anew
             self._require_member()
-            comm = self._cart.Sub([d in dims for d in range(self.ndim)])
             index = tuple(slice(None) if d in dims else self._coord[d] for d in range(self.ndim))
             ranks = self.mesh[index]
-            if flatten:
+            if flatten:  # a mesh of its own (collective)
                 ranks = ranks.flatten()
-                comm = _flat_cart(comm)
-            grid = grids.flat_grid(self._grid) if flatten else grids.sub_grid(self._grid, dims)
-            sub = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, comm, grid)
-            if not flatten:
-                sub._parent, sub._parent_dims = self, dims
+                comm = _flat_cart(self._cart.Sub([d in dims for d in range(self.ndim)]))
+                sub = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, comm,
+                                            grids.flat_grid(self._grid))
+            else:  # a slice: this mesh's communicators (no collective once those over ``dims`` exist)
+                sub = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, self.comm_for(dims),
+                                            grids.sub_grid(self._grid, dims), parent=(self, dims))
+            made = self._submeshes.get(key)
+            if made is not None and not made._freed:  # another thread sliced it meanwhile: one object
+                return made
             self._submeshes[key] = sub
         return sub
 

@@ -1,6 +1,7 @@
 """transformers' own parallelism, unmodified: a tiny random MODEL (llama, qwen2 or qwen3_moe)
-saved locally, loaded with ``from_pretrained(path, tp_plan="auto")`` (MODE tp) or
-``distributed_config=DistributedConfig(fsdp_size=N)`` (MODE fsdp: transformers' FSDP2), 3 AdamW
+saved locally, loaded with ``from_pretrained(path, tp_plan="auto")`` (MODE tp),
+``distributed_config=DistributedConfig(fsdp_size=N)`` (MODE fsdp: transformers' FSDP2) or
+``DistributedConfig(tp_size=2, fsdp_size=N // 2)`` (MODE tp_fsdp: both, on a 2-D mesh), 3 AdamW
 steps; rank 0 prints each loss and a checksum of the last logits. With SAVE, the trained model
 is then written with ``save_pretrained(SAVE)``. Without a launcher (one process) it loads the
 model plainly: the reference. MODE reload (one process): loads each SAVE given (SAVE...), prints
@@ -45,8 +46,8 @@ if not os.path.exists(os.path.join(path, "config.json")):
 if distributed and mode == "tp":
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
 elif distributed:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 distributed_config=DistributedConfig(fsdp_size=world))
+    config = DistributedConfig(tp_size=2, fsdp_size=world // 2) if mode == "tp_fsdp" else DistributedConfig(fsdp_size=world)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config)
 else:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
