@@ -144,3 +144,32 @@ def test_rooted_calls_on_a_mesh_group(switched, mesh1d):
         problems.append(f"scatter {mine}")
     user_dist.monitored_barrier(group=group, timeout=timedelta(seconds=60))
     assert_all_ranks(not problems, f"{problems}")
+
+
+def test_all_to_all_single_and_ranks_on_a_mesh_group(switched, mesh1d):
+    """transformers' expert parallelism on a mesh's group: the token counts by an even
+    ``all_to_all_single``, the tokens by an uneven one (rows a rank sends nobody included),
+    the group's global ranks; splits that do not match across ranks raise everywhere."""
+    import torch.distributed as user_dist
+
+    group = mesh1d.get_group()
+    problems = []
+    counts = torch.tensor([[RANK * 10 + k] for k in range(N)], dtype=torch.long)
+    got = torch.empty_like(counts)
+    user_dist.all_to_all_single(got, counts, group=group)
+    if got.flatten().tolist() != [r * 10 + RANK for r in range(N)]:
+        problems.append(f"even {got.flatten().tolist()}")
+    sends = [[(r + k) % 3 for k in range(N)] for r in range(N)]
+    rows = torch.arange(sum(sends[RANK]), dtype=torch.float64).unsqueeze(1) + 100 * RANK
+    out = torch.empty(sum(sends[r][RANK] for r in range(N)), 1, dtype=torch.float64)
+    user_dist.all_to_all_single(out, rows, [sends[r][RANK] for r in range(N)], sends[RANK], group=group)
+    want = [100 * r + sum(sends[r][:RANK]) + i for r in range(N) for i in range(sends[r][RANK])]
+    if out.flatten().tolist() != want:
+        problems.append(f"uneven {out.flatten().tolist()} != {want}")
+    if user_dist.get_process_group_ranks(group) != list(range(N)):
+        problems.append("get_process_group_ranks")
+    assert_all_ranks(not problems, f"{problems}")
+    if N > 1:
+        wrong = [1] * N if RANK == 0 else [0] * N  # rank 0 expects a row from each, nobody sends one
+        raises_everywhere(ValueError, lambda: user_dist.all_to_all_single(
+            torch.empty(sum(wrong), 1), torch.empty(0, 1), wrong, [0] * N, group=group), "expects")

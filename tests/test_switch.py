@@ -89,8 +89,9 @@ def test_user_imports_get_mpidtensor(switched):
                           mpidtensor.fsdp.fully_shard),
         "dist.init_process_group": (dist.init_process_group, switch_dist.init_process_group),
         "torch.nn (not aliased)": (torch.nn, nn),
-        "dist.all_to_all_single (torch's)": (dist.all_to_all_single, torch_dist.all_to_all_single),
+        "dist.all_gather_object (torch's)": (dist.all_gather_object, torch_dist.all_gather_object),
         "dist.all_reduce (mesh groups too)": (dist.all_reduce, mesh_groups.all_reduce),
+        "dist.all_to_all_single (mesh groups too)": (dist.all_to_all_single, mesh_groups.all_to_all_single),
     }
     import torch.distributed.pipelining as pipelining  # mpidtensor's once it exists, until then torch's
 

@@ -7,7 +7,12 @@ mpidtensor's meshes and MPI communicators, which torch's ``_resolve_group`` refu
 here every group form resolves to an MPI communicator and the collective runs at once
 on it (mpidtensor's collectives) and its result comes back as torch's does, an
 ``AsyncCollectiveTensor`` (``.wait()``, ``wait_tensor``; the first op on it unwraps it), with
-nothing left to wait for. Group forms: an mpidtensor ``DeviceMesh`` (1-D, or ``(mesh, dim)``),
+nothing left to wait for. As torch 2.13's, each is differentiable: the backward of a sum
+all-reduce is a sum all-reduce, of an all-gather a sum reduce-scatter, of a sum
+reduce-scatter an all-gather, of an all-to-all the reverse all-to-all (torch's formulas;
+other reductions raise torch's ``RuntimeError`` in backward), and the wrapper stays on
+the graph (torch's ``_maybe_wrap_tensor``): a plain wrapper would be a leaf that stops the
+gradient, silently (transformers' expert parallelism sends its tokens this way). Group forms: an mpidtensor ``DeviceMesh`` (1-D, or ``(mesh, dim)``),
 an MPI communicator (what ``mesh.get_group()`` returns), a torch ``ProcessGroup`` of the
 MPI backend, or a group name. Names not here are torch's module's (the alias view makes
 each a ``NotImplementedError`` stand-in)."""
@@ -17,26 +22,28 @@ from typing import Any
 
 import torch
 from mpi4py import MPI
+import torch.distributed._functional_collectives as torch_funcol
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from ..comm import collectives
 from ..mesh import DeviceMesh
+from . import c10d_checks as checks
+from .process_group import agreed_exchange
 
-__all__ = ["AsyncCollectiveTensor", "all_gather_tensor", "all_reduce", "reduce_scatter_tensor", "wait_tensor"]
+__all__ = ["AsyncCollectiveTensor", "all_gather_tensor", "all_reduce", "all_to_all_single",
+           "all_to_all_single_autograd", "reduce_scatter_tensor", "wait_tensor"]
 
 _OPS = {"sum": "sum", "avg": "avg", "min": "min", "max": "max", "product": "product", "prod": "product"}
 
 
 def all_reduce(self: torch.Tensor, reduceOp: Any, group: Any, tag: str = "") -> torch.Tensor:  # noqa: N803
     """``self`` reduced over ``group`` (a new tensor); ``reduceOp``: a name or a ``ReduceOp``."""
-    return _done(collectives.all_reduce(self.contiguous(), _comm(group), _op(reduceOp)))
+    return _run(_AllReduce, self, _op(reduceOp), _comm(group))
 
 
 def all_gather_tensor(self: torch.Tensor, gather_dim: int, group: Any, tag: str = "") -> torch.Tensor:
     """Every rank's ``self`` concatenated along ``gather_dim``, in rank order."""
-    comm = _comm(group)
-    dim = gather_dim % self.ndim
-    return _done(collectives.all_gather(self.contiguous(), comm, dim=dim, sizes=[self.shape[dim]] * comm.size))
+    return _run(_AllGather, self, gather_dim % self.ndim, _comm(group))
 
 
 def reduce_scatter_tensor(self: torch.Tensor, reduceOp: Any, scatter_dim: int, group: Any,  # noqa: N803
@@ -47,16 +54,113 @@ def reduce_scatter_tensor(self: torch.Tensor, reduceOp: Any, scatter_dim: int, g
     if self.shape[dim] % comm.size:
         raise ValueError(f"reduce_scatter_tensor: dim {dim} of size {self.shape[dim]} does not split into "
                          f"{comm.size} equal pieces")
-    return _done(collectives.reduce_scatter(self.contiguous(), comm, _op(reduceOp), dim=dim,
-                                            sizes=[self.shape[dim] // comm.size] * comm.size))
+    return _run(_ReduceScatter, self, _op(reduceOp), dim, comm)
 
 
-def _done(result: torch.Tensor) -> torch.Tensor:
-    """A completed collective's result as torch's functional collectives return theirs (under
-    ``torch.compile`` a plain tensor: torch's own return no wrapper when traced)."""
+def all_to_all_single(self: torch.Tensor, output_split_sizes: list[int] | None, input_split_sizes: list[int] | None,
+                      group: Any, tag: str = "") -> torch.Tensor:
+    """Rows of ``self`` to each rank (``input_split_sizes``, even when None), the rows from
+    each in rank order (``output_split_sizes``); every rank's splits agreed first."""
+    return _run(_AllToAll, self, output_split_sizes, input_split_sizes, _comm(group))
+
+
+all_to_all_single_autograd = all_to_all_single  # torch 2.13's: the plain one is differentiable too
+
+
+def _summed(op: str, name: str) -> None:
+    if op != "sum":
+        raise RuntimeError(f"{name} backward only supports 'sum' reduction, got '{op}'")
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def compute(t, op, comm):
+        return collectives.all_reduce(t.detach().contiguous(), comm, op)
+
+    @staticmethod
+    def forward(ctx, t, op, comm):
+        ctx.op, ctx.comm = op, comm
+        return _AllReduce.compute(t, op, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _summed(ctx.op, "all_reduce")
+        return collectives.all_reduce(grad.contiguous(), ctx.comm, "sum"), None, None
+
+
+def _gather(t: torch.Tensor, dim: int, comm: MPI.Intracomm) -> torch.Tensor:
+    return collectives.all_gather(t.contiguous(), comm, dim=dim, sizes=[t.shape[dim]] * comm.size)
+
+
+def _scatter(t: torch.Tensor, op: str, dim: int, comm: MPI.Intracomm) -> torch.Tensor:
+    return collectives.reduce_scatter(t.contiguous(), comm, op, dim=dim,
+                                      sizes=[t.shape[dim] // comm.size] * comm.size)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def compute(t, dim, comm):
+        return _gather(t.detach(), dim, comm)
+
+    @staticmethod
+    def forward(ctx, t, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
+        return _AllGather.compute(t, dim, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter(grad, "sum", ctx.dim, ctx.comm), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def compute(t, op, dim, comm):
+        return _scatter(t.detach(), op, dim, comm)
+
+    @staticmethod
+    def forward(ctx, t, op, dim, comm):
+        ctx.op, ctx.dim, ctx.comm = op, dim, comm
+        return _ReduceScatter.compute(t, op, dim, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _summed(ctx.op, "reduce_scatter_tensor")
+        return _gather(grad, ctx.dim, ctx.comm), None, None, None
+
+
+def _exchange(t: torch.Tensor, output_split_sizes: list[int] | None, input_split_sizes: list[int] | None,
+              comm: MPI.Intracomm) -> torch.Tensor:
+    send = checks.splits(input_split_sizes, t, comm.size)
+    recv = list(output_split_sizes) if output_split_sizes is not None else checks.splits(None, t, comm.size)
+    return agreed_exchange(t, comm, send, recv, sum(recv))
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def compute(t, output_split_sizes, input_split_sizes, comm):
+        return _exchange(t.detach(), output_split_sizes, input_split_sizes, comm)
+
+    @staticmethod
+    def forward(ctx, t, output_split_sizes, input_split_sizes, comm):
+        ctx.comm = comm
+        ctx.sizes = (None if output_split_sizes is None else list(output_split_sizes),
+                     None if input_split_sizes is None else list(input_split_sizes))
+        return _AllToAll.compute(t, output_split_sizes, input_split_sizes, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_split_sizes, input_split_sizes = ctx.sizes  # the rows go back the way they came
+        return _exchange(grad, input_split_sizes, output_split_sizes, ctx.comm), None, None, None
+
+
+def _run(function: type, *args: Any) -> torch.Tensor:
+    """``function``'s collective, its result as torch's functional collectives return theirs:
+    the wrapper through torch's own op, so that autograd reaches the result through it. Under
+    ``torch.compile``, the collective alone and a plain tensor (torch's own return no wrapper
+    when traced; the collectives trace as mpidtensor's ops)."""
     if torch.compiler.is_compiling():
-        return result
-    return AsyncCollectiveTensor(result)
+        return function.compute(*args)
+    return torch_funcol._maybe_wrap_tensor(function.apply(*args))
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ from mpi4py import MPI
 
 from ..comm import collectives
 from ..runtime import watchdog
-from .process_group import Completed, outside_autograd, premultiplied, reduce_op_of
+from . import c10d_checks as checks
+from .process_group import Completed, agreed_exchange, outside_autograd, premultiplied, reduce_op_of
 
 __all__ = ["OVERRIDES"]
 
@@ -134,6 +135,23 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     return _done([tensor], async_op)
 
 
+@outside_autograd
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,  # noqa: A002
+                      input_split_sizes: list[int] | None = None, group: Any = None, async_op: bool = False) -> Any:
+    """Rows of ``input`` to each rank, rows from each into ``output`` (transformers' expert
+    parallelism exchanges its token counts, then its tokens, this way): the splits agreed
+    by every rank first, as the MPI backend's."""
+    if not isinstance(group, MPI.Intracomm):
+        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                      async_op=async_op)
+    if input.dtype != output.dtype:
+        raise RuntimeError(f"all_to_all_single: input {input.dtype} and output {output.dtype} differ")
+    send, recv = checks.splits(input_split_sizes, input, group.size), checks.splits(output_split_sizes, output,
+                                                                                   group.size)
+    output.copy_(agreed_exchange(input, group, send, recv, output.shape[0]))
+    return _done([output], async_op)
+
+
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
     if not isinstance(group, MPI.Intracomm):
         return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
@@ -142,4 +160,5 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -
 
 
 OVERRIDES: dict[str, Any] = {f.__name__: f for f in (all_reduce, broadcast, all_gather_into_tensor, all_gather,
-                                                     reduce_scatter_tensor, reduce, gather, scatter, barrier)}
+                                                     reduce_scatter_tensor, reduce, gather, scatter,
+                                                     all_to_all_single, barrier)}

@@ -261,13 +261,11 @@ class MPIProcessGroup(dist.ProcessGroup):
     @outside_autograd
     def alltoall_base(self, output: torch.Tensor, t: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any) -> Completed:
-        n = self.comm.size
-        send = checks.splits(input_split_sizes, t, n)
-        recv = checks.splits(output_split_sizes, output, n)
         if t.dtype != output.dtype:
             raise RuntimeError(f"all_to_all_single: input {t.dtype} and output {output.dtype} differ")
-        _check_splits(self.comm, (send, recv, t.shape[0], output.shape[0]))
-        output.copy_(exchange_rows(t, self.comm, send_rows=send, recv_rows=recv))
+        n = self.comm.size
+        output.copy_(agreed_exchange(t, self.comm, checks.splits(input_split_sizes, t, n),
+                                     checks.splits(output_split_sizes, output, n), output.shape[0]))
         return Completed([output])
 
     @outside_autograd
@@ -371,6 +369,16 @@ def all_reduce(t: torch.Tensor, comm: MPI.Intracomm, reduce_op: Any) -> torch.Te
         return send
     op, factor = reduce_op_of(reduce_op, t.dtype)
     return collectives.all_reduce(premultiplied(t, factor), comm, op)
+
+
+def agreed_exchange(t: torch.Tensor, comm: MPI.Intracomm, send: list[int], recv: list[int],
+                    rows_out: int) -> torch.Tensor:
+    """``all_to_all_single``'s exchange over ``comm``: ``send[k]`` rows of ``t`` to rank k, the
+    ``recv[k]`` rows from rank k back, in rank order (``rows_out`` rows in all), once every
+    rank has checked every rank's splits (:func:`_check_splits`). The process group's, a mesh
+    group's under the switch (``mesh_groups``) and the functional collectives' (``funcol``)."""
+    _check_splits(comm, (send, recv, t.shape[0], rows_out))
+    return exchange_rows(t.contiguous(), comm, send_rows=send, recv_rows=recv)
 
 
 def _check_splits(comm: MPI.Intracomm, mine: tuple[list[int], list[int], int, int]) -> None:

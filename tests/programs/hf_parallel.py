@@ -1,8 +1,9 @@
 """transformers' own parallelism, unmodified: a tiny random MODEL (llama, qwen2 or qwen3_moe)
 saved locally, loaded with ``from_pretrained(path, tp_plan="auto")`` (MODE tp),
 ``distributed_config=DistributedConfig(fsdp_size=N)`` (MODE fsdp: transformers' FSDP2) or
-``DistributedConfig(tp_size=2, fsdp_size=N // 2)`` (MODE tp_fsdp: both, on a 2-D mesh), 3 AdamW
-steps; rank 0 prints each loss and a checksum of the last logits. With SAVE, the trained model
+``DistributedConfig(tp_size=2, fsdp_size=N // 2)`` (MODE tp_fsdp: both, on a 2-D mesh) or
+``DistributedConfig(tp_size=2, fsdp_size=N // 2, ep_size=2)`` (MODE tp_fsdp_ep: the experts over
+2 ranks besides, qwen3_moe), 3 AdamW steps; rank 0 prints each loss and a checksum of the last logits. With SAVE, the trained model
 is then written with ``save_pretrained(SAVE)``. Without a launcher (one process) it loads the
 model plainly: the reference. MODE reload (one process): loads each SAVE given (SAVE...), prints
 how many keys were missing or unexpected and the loss of the reloaded model, each line marked
@@ -46,7 +47,9 @@ if not os.path.exists(os.path.join(path, "config.json")):
 if distributed and mode == "tp":
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
 elif distributed:
-    config = DistributedConfig(tp_size=2, fsdp_size=world // 2) if mode == "tp_fsdp" else DistributedConfig(fsdp_size=world)
+    sizes = {"tp_fsdp": dict(tp_size=2, fsdp_size=world // 2), "tp_fsdp_ep": dict(tp_size=2, fsdp_size=world // 2,
+                                                                                    ep_size=2)}
+    config = DistributedConfig(**sizes.get(mode, dict(fsdp_size=world)))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config)
 else:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
