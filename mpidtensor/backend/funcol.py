@@ -18,7 +18,7 @@ MPI backend, or a group name. Names not here are torch's module's (the alias vie
 each a ``NotImplementedError`` stand-in)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from mpi4py import MPI
@@ -38,12 +38,12 @@ _OPS = {"sum": "sum", "avg": "avg", "min": "min", "max": "max", "product": "prod
 
 def all_reduce(self: torch.Tensor, reduceOp: Any, group: Any, tag: str = "") -> torch.Tensor:  # noqa: N803
     """``self`` reduced over ``group`` (a new tensor); ``reduceOp``: a name or a ``ReduceOp``."""
-    return _run(_AllReduce, self, _op(reduceOp), _comm(group))
+    return _run(_all_reduce, _all_reduce_backward, self, _op(reduceOp), _comm(group))
 
 
 def all_gather_tensor(self: torch.Tensor, gather_dim: int, group: Any, tag: str = "") -> torch.Tensor:
     """Every rank's ``self`` concatenated along ``gather_dim``, in rank order."""
-    return _run(_AllGather, self, gather_dim % self.ndim, _comm(group))
+    return _run(_gather, _gather_backward, self, gather_dim % self.ndim, _comm(group))
 
 
 def reduce_scatter_tensor(self: torch.Tensor, reduceOp: Any, scatter_dim: int, group: Any,  # noqa: N803
@@ -54,42 +54,38 @@ def reduce_scatter_tensor(self: torch.Tensor, reduceOp: Any, scatter_dim: int, g
     if self.shape[dim] % comm.size:
         raise ValueError(f"reduce_scatter_tensor: dim {dim} of size {self.shape[dim]} does not split into "
                          f"{comm.size} equal pieces")
-    return _run(_ReduceScatter, self, _op(reduceOp), dim, comm)
+    return _run(_scatter, _scatter_backward, self, _op(reduceOp), dim, comm)
 
 
 def all_to_all_single(self: torch.Tensor, output_split_sizes: list[int] | None, input_split_sizes: list[int] | None,
                       group: Any, tag: str = "") -> torch.Tensor:
     """Rows of ``self`` to each rank (``input_split_sizes``, even when None), the rows from
     each in rank order (``output_split_sizes``); every rank's splits agreed first."""
-    return _run(_AllToAll, self, output_split_sizes, input_split_sizes, _comm(group))
+    sizes = (None if output_split_sizes is None else list(output_split_sizes),
+             None if input_split_sizes is None else list(input_split_sizes))
+    return _run(_exchange, _exchange_backward, self, *sizes, _comm(group))
 
 
 all_to_all_single_autograd = all_to_all_single  # torch 2.13's: the plain one is differentiable too
 
 
-def _summed(op: str, name: str) -> None:
-    if op != "sum":
-        raise RuntimeError(f"{name} backward only supports 'sum' reduction, got '{op}'")
+# Each collective as (forward, backward) on plain tensors, the backward given the gradient and
+# the forward's arguments after the tensor: torch 2.13's formulas.
+def _all_reduce(t: torch.Tensor, op: str, comm: MPI.Intracomm) -> torch.Tensor:
+    return collectives.all_reduce(t.contiguous(), comm, op)
 
 
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def compute(t, op, comm):
-        return collectives.all_reduce(t.detach().contiguous(), comm, op)
-
-    @staticmethod
-    def forward(ctx, t, op, comm):
-        ctx.op, ctx.comm = op, comm
-        return _AllReduce.compute(t, op, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        _summed(ctx.op, "all_reduce")
-        return collectives.all_reduce(grad.contiguous(), ctx.comm, "sum"), None, None
+def _all_reduce_backward(grad: torch.Tensor, op: str, comm: MPI.Intracomm) -> torch.Tensor:
+    _summed(op, "all_reduce")
+    return _all_reduce(grad, "sum", comm)
 
 
 def _gather(t: torch.Tensor, dim: int, comm: MPI.Intracomm) -> torch.Tensor:
     return collectives.all_gather(t.contiguous(), comm, dim=dim, sizes=[t.shape[dim]] * comm.size)
+
+
+def _gather_backward(grad: torch.Tensor, dim: int, comm: MPI.Intracomm) -> torch.Tensor:
+    return _scatter(grad, "sum", dim, comm)
 
 
 def _scatter(t: torch.Tensor, op: str, dim: int, comm: MPI.Intracomm) -> torch.Tensor:
@@ -97,70 +93,49 @@ def _scatter(t: torch.Tensor, op: str, dim: int, comm: MPI.Intracomm) -> torch.T
                                       sizes=[t.shape[dim] // comm.size] * comm.size)
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def compute(t, dim, comm):
-        return _gather(t.detach(), dim, comm)
-
-    @staticmethod
-    def forward(ctx, t, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _AllGather.compute(t, dim, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _scatter(grad, "sum", ctx.dim, ctx.comm), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def compute(t, op, dim, comm):
-        return _scatter(t.detach(), op, dim, comm)
-
-    @staticmethod
-    def forward(ctx, t, op, dim, comm):
-        ctx.op, ctx.dim, ctx.comm = op, dim, comm
-        return _ReduceScatter.compute(t, op, dim, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        _summed(ctx.op, "reduce_scatter_tensor")
-        return _gather(grad, ctx.dim, ctx.comm), None, None, None
+def _scatter_backward(grad: torch.Tensor, op: str, dim: int, comm: MPI.Intracomm) -> torch.Tensor:
+    _summed(op, "reduce_scatter_tensor")
+    return _gather(grad, dim, comm)
 
 
 def _exchange(t: torch.Tensor, output_split_sizes: list[int] | None, input_split_sizes: list[int] | None,
               comm: MPI.Intracomm) -> torch.Tensor:
     send = checks.splits(input_split_sizes, t, comm.size)
-    recv = list(output_split_sizes) if output_split_sizes is not None else checks.splits(None, t, comm.size)
+    recv = output_split_sizes if output_split_sizes is not None else checks.splits(None, t, comm.size)
     return agreed_exchange(t, comm, send, recv, sum(recv))
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def compute(t, output_split_sizes, input_split_sizes, comm):
-        return _exchange(t.detach(), output_split_sizes, input_split_sizes, comm)
+def _exchange_backward(grad: torch.Tensor, output_split_sizes: list[int] | None, input_split_sizes: list[int] | None,
+                       comm: MPI.Intracomm) -> torch.Tensor:
+    return _exchange(grad, input_split_sizes, output_split_sizes, comm)  # the rows go back the way they came
+
+
+def _summed(op: str, name: str) -> None:
+    if op != "sum":
+        raise RuntimeError(f"{name} backward only supports 'sum' reduction, got '{op}'")
+
+
+class _Collective(torch.autograd.Function):
+    """One collective ``forward(t, *args)`` whose gradient is ``backward(grad, *args)``."""
 
     @staticmethod
-    def forward(ctx, t, output_split_sizes, input_split_sizes, comm):
-        ctx.comm = comm
-        ctx.sizes = (None if output_split_sizes is None else list(output_split_sizes),
-                     None if input_split_sizes is None else list(input_split_sizes))
-        return _AllToAll.compute(t, output_split_sizes, input_split_sizes, comm)
+    def forward(ctx, t, forward, backward, *args):
+        ctx.backward, ctx.args = backward, args
+        return forward(t.detach(), *args)
 
     @staticmethod
     def backward(ctx, grad):
-        output_split_sizes, input_split_sizes = ctx.sizes  # the rows go back the way they came
-        return _exchange(grad, input_split_sizes, output_split_sizes, ctx.comm), None, None, None
+        return (ctx.backward(grad, *ctx.args), None, None) + (None,) * len(ctx.args)
 
 
-def _run(function: type, *args: Any) -> torch.Tensor:
-    """``function``'s collective, its result as torch's functional collectives return theirs:
-    the wrapper through torch's own op, so that autograd reaches the result through it. Under
-    ``torch.compile``, the collective alone and a plain tensor (torch's own return no wrapper
-    when traced; the collectives trace as mpidtensor's ops)."""
+def _run(forward: Callable, backward: Callable, t: torch.Tensor, *args: Any) -> torch.Tensor:
+    """The collective ``forward`` on ``t``, its result as torch's functional collectives return
+    theirs: the wrapper through torch's own op, so that autograd reaches the result through
+    it. Under ``torch.compile``, the collective alone and a plain tensor (torch's own return no
+    wrapper when traced; the collectives trace as mpidtensor's ops)."""
     if torch.compiler.is_compiling():
-        return function.compute(*args)
-    return torch_funcol._maybe_wrap_tensor(function.apply(*args))
+        return forward(t.detach(), *args)
+    return torch_funcol._maybe_wrap_tensor(_Collective.apply(t, forward, backward, *args))
 
 
 def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
