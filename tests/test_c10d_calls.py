@@ -173,3 +173,44 @@ def test_all_to_all_single_and_ranks_on_a_mesh_group(switched, mesh1d):
         wrong = [1] * N if RANK == 0 else [0] * N  # rank 0 expects a row from each, nobody sends one
         raises_everywhere(ValueError, lambda: user_dist.all_to_all_single(
             torch.empty(sum(wrong), 1), torch.empty(0, 1), wrong, [0] * N, group=group), "expects")
+
+
+def test_point_to_point_on_a_mesh_group(switched, mpi_group):
+    """transformers' pipeline stages on their mesh's group: ``P2POp`` of the switch's
+    ``isend``/``irecv`` through ``batch_isend_irecv``, blocking ``send``/``recv``, ``get_backend``,
+    peers as global ranks on a group whose order is not the world's (``group_peer`` too)."""
+    import torch.distributed as user_dist
+
+    from mpidtensor import DeviceMesh
+
+    if N < 2:
+        pytest.skip("a peer")
+    mesh = DeviceMesh("cpu", list(reversed(range(N))))  # group rank g is global rank N - 1 - g
+    group, problems = mesh.get_group(), []
+    nxt, prv = (RANK - 1) % N, (RANK + 1) % N  # the next group rank's global rank, and the previous one's
+    got = torch.zeros(3)
+    ops = [user_dist.P2POp(user_dist.isend, torch.full((3,), float(RANK)), nxt, group=group),
+           user_dist.P2POp(user_dist.irecv, got, prv, group=group)]
+    for work in user_dist.batch_isend_irecv(ops):
+        work.wait()
+    if got.tolist() != [float(prv)] * 3 or ops[0].group_peer != (mesh.get_local_rank() + 1) % N:
+        problems.append(f"batch_isend_irecv {got.tolist()}, group peer {ops[0].group_peer}")
+    if user_dist.get_backend(group) != "mpidtensor":
+        problems.append(f"get_backend {user_dist.get_backend(group)}")
+    into = torch.zeros(2, dtype=torch.complex64)
+    if mesh.get_local_rank() % 2 == 0 and mesh.get_local_rank() + 1 < N:
+        user_dist.send(torch.full((2,), 1 + 2j, dtype=torch.complex64), group=group,
+                       group_dst=mesh.get_local_rank() + 1)
+    elif mesh.get_local_rank() % 2 == 1:
+        sender = user_dist.recv(into, group=group, group_src=mesh.get_local_rank() - 1)
+        if into.tolist() != [1 + 2j] * 2 or sender != RANK + 1:
+            problems.append(f"send/recv {into.tolist()} from {sender}")
+    # the default group keeps torch's own path, the switch's isend accepted in its P2POp
+    got = torch.zeros(1)
+    works = user_dist.batch_isend_irecv([user_dist.P2POp(user_dist.isend, torch.ones(1) * RANK, (RANK + 1) % N),
+                                         user_dist.P2POp(user_dist.irecv, got, (RANK - 1) % N)])
+    for work in works:
+        work.wait()
+    if got.item() != (RANK - 1) % N:
+        problems.append(f"default group {got.item()}")
+    assert_all_ranks(not problems, f"{problems}")

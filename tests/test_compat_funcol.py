@@ -9,7 +9,7 @@ from mpi4py import MPI
 from helpers import assert_all_ranks, assert_close, global_tensor, raises_everywhere
 
 from mpidtensor import DeviceMesh, init_device_mesh
-from mpidtensor.backend import distributed as switch_dist, funcol
+from mpidtensor.backend import distributed as switch_dist, funcol, mesh_groups
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.size, WORLD.rank
@@ -96,12 +96,12 @@ def test_rank_of_a_communicator(mesh):
     ok = switch_dist.get_rank(group) == group.Get_rank() and switch_dist.get_world_size(group) == N
     assert_all_ranks(ok, "get_rank/get_world_size of a mesh communicator")
     flipped = DeviceMesh("cpu", list(reversed(range(N))))  # group rank 0 is global rank N - 1
-    ranks = switch_dist.get_process_group_ranks(flipped.get_group())
-    ok = ranks == list(reversed(range(N))) and switch_dist.get_global_rank(flipped.get_group(), 0) == N - 1
-    ok = ok and switch_dist.get_group_rank(flipped.get_group(), RANK) == N - 1 - RANK == flipped.get_local_rank()
+    ranks = mesh_groups.get_process_group_ranks(flipped.get_group())
+    ok = ranks == list(reversed(range(N))) and mesh_groups.get_global_rank(flipped.get_group(), 0) == N - 1
+    ok = ok and mesh_groups.get_group_rank(flipped.get_group(), RANK) == N - 1 - RANK == flipped.get_local_rank()
     assert_all_ranks(ok, f"get_process_group_ranks / get_global_rank / get_group_rank: {ranks}")
-    raises_everywhere(ValueError, lambda: switch_dist.get_global_rank(group, N), "not part of group")
-    raises_everywhere(ValueError, lambda: switch_dist.get_group_rank(group, N + 3), "not part of group")
+    raises_everywhere(ValueError, lambda: mesh_groups.get_global_rank(group, N), "not part of group")
+    raises_everywhere(ValueError, lambda: mesh_groups.get_group_rank(group, N + 3), "not part of group")
 
 
 def test_bad_input(mesh):

@@ -3,7 +3,9 @@ Qwen2 and Qwen3-MoE models saved locally (no hub) loaded with ``from_pretrained(
 tp_plan="auto")`` (tensor parallel), ``distributed_config=DistributedConfig(fsdp_size=N)``
 (transformers' FSDP2) or ``DistributedConfig(tp_size=2, fsdp_size=2)`` (both on a 2x2 mesh, 4
 ranks; its weight loading slices the mesh from several threads at once), with ``ep_size=2`` for
-the MoE (its tokens travel by torch's differentiable functional all-to-all), 3 AdamW steps, under ``mpiexec -n N python -m mpidtensor.run``: the
+the MoE (its tokens travel by torch's differentiable functional all-to-all), or as 2 pipeline
+stages (``DistributedConfig(pp_size=2)``, inference only in transformers: one forward's logits;
+its stages send over their mesh's group with ``P2POp``/``batch_isend_irecv``), 3 AdamW steps, under ``mpiexec -n N python -m mpidtensor.run``: the
 losses and the logits' checksum equal one process and torch's own run on gloo within 1e-5. The
 tensor-parallel model is then saved with ``save_pretrained`` and reloaded in one process: no
 key missing or unexpected, and its loss equals that of the one-process model saved alike."""
@@ -31,6 +33,8 @@ def _run(model: str, mode: str) -> list[str]:
         pytest.skip("the models' 4 heads split over 2 or 4 ranks")
     if mode.startswith("tp_fsdp") and N != 4:
         pytest.skip("tensor parallel over 2 ranks, FSDP over the other mesh dim of 2")
+    if mode == "pp" and N != 2:
+        pytest.skip("the models' 2 layers, one per stage")
     folder = WORLD.bcast(tempfile.mkdtemp(prefix="mpidtensor-hf-tp-") if WORLD.rank == 0 else None)
     saved = {side: f"{folder}/saved-{side}" for side in ("alone", "switch", "gloo")} if mode == "tp" else {}
 
@@ -41,7 +45,8 @@ def _run(model: str, mode: str) -> list[str]:
     ours = run_command([sys.executable, "-m", "mpidtensor.run"] + args("switch"), ranks=N, timeout=300, cwd=PROGRAMS)
     theirs = run_peer([sys.executable, str(PROGRAMS / "torch_gloo.py")] + args("gloo"), ranks=N, timeout=300,
                       cwd=PROGRAMS)
-    problems = differences("switch", ours, alone, 4) + differences("torch on gloo", theirs, alone, 4)
+    count = 1 if mode == "pp" else 4  # the logits' checksum; else 3 losses too
+    problems = differences("switch", ours, alone, count) + differences("torch on gloo", theirs, alone, count)
     if saved and not problems:
         reload = run_command([sys.executable, SCRIPT, folder, model, "reload"] + list(saved.values()), ranks=None,
                              timeout=300, cwd=PROGRAMS)
@@ -83,4 +88,10 @@ def test_llama_transformers_fsdp():
                                          pytest.param("qwen3_moe", "tp_fsdp", marks=pytest.mark.exhaustive)])
 def test_tp_and_fsdp_2d(model, mode):
     problems = _run(model, mode)
+    assert_all_ranks(not problems, "\n".join(problems))
+
+
+@pytest.mark.timeout(900)
+def test_pipeline_stages_inference():
+    problems = _run("llama", "pp")
     assert_all_ranks(not problems, "\n".join(problems))

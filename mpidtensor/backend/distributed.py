@@ -67,47 +67,6 @@ def get_world_size(group: Any = None) -> int:
     return group.Get_size() if isinstance(group, MPI.Comm) else dist.get_world_size(group)
 
 
-def _world_ranks(comm: MPI.Comm, ranks: list[int]) -> list[int]:
-    """``comm``'s ranks ``ranks`` as ranks of ``COMM_WORLD`` (the default group's: torch's
-    global ranks); ``MPI.UNDEFINED`` where one is not there."""
-    group, world = comm.Get_group(), WORLD.Get_group()
-    try:
-        return list(MPI.Group.Translate_ranks(group, ranks, world))
-    finally:
-        group.Free()
-        world.Free()
-
-
-def get_process_group_ranks(group: Any) -> list[int]:
-    """``torch.distributed.get_process_group_ranks``; an MPI communicator (a mesh's
-    ``get_group()``, which transformers' expert parallelism passes) answers with its
-    members' global ranks in its rank order."""
-    if isinstance(group, MPI.Comm):
-        return _world_ranks(group, list(range(group.Get_size())))
-    return dist.get_process_group_ranks(group)
-
-
-def get_global_rank(group: Any, group_rank: int) -> int:
-    """``torch.distributed.get_global_rank``; for an MPI communicator, torch's ``ValueError``
-    for a rank outside it."""
-    if not isinstance(group, MPI.Comm):
-        return dist.get_global_rank(group, group_rank)
-    if not 0 <= group_rank < group.Get_size():
-        raise ValueError(f"Group rank {group_rank} is not part of group {group}")
-    return _world_ranks(group, [group_rank])[0]
-
-
-def get_group_rank(group: Any, global_rank: int) -> int:
-    """``torch.distributed.get_group_rank``; for an MPI communicator, torch's ``ValueError``
-    for a global rank outside it."""
-    if not isinstance(group, MPI.Comm):
-        return dist.get_group_rank(group, global_rank)
-    members = get_process_group_ranks(group)
-    if global_rank not in members:
-        raise ValueError(f"Global rank {global_rank} is not part of group {group}")
-    return members.index(global_rank)
-
-
 def monitored_barrier(group: Any = None, timeout: timedelta | float | None = None,
                       wait_all_ranks: bool = False) -> None:
     """``torch.distributed.monitored_barrier`` on the MPI backend's groups and on mesh groups
@@ -139,9 +98,6 @@ OVERRIDES: dict[str, Any] = {
     "new_group": new_group,
     "get_rank": get_rank,
     "get_world_size": get_world_size,
-    "get_process_group_ranks": get_process_group_ranks,
-    "get_global_rank": get_global_rank,
-    "get_group_rank": get_group_rank,
     **mesh_groups.OVERRIDES,  # collectives given a mesh's group (an MPI communicator)
     **cpp_groups.DISTRIBUTED_OVERRIDES,  # torch's C++-backed utilities refuse a mesh's group by name
 }

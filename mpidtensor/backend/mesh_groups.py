@@ -6,8 +6,12 @@ switch that group is an MPI communicator (mpidtensor's ``ProcessGroup``), which 
 functions refuse, and a torch group for it cannot be made on the spot (``new_group`` is
 collective over every rank). So these calls run on the communicator with mpidtensor's
 collectives, in place (outside autograd, as c10d writes) and complete on return
-(``async_op=True`` gets a finished work);
-any other group goes to torch's function. ``src``/``dst`` are global ranks, as in torch.
+(``async_op=True`` gets a finished work); the point-to-point calls (``isend``/``irecv``,
+``send``/``recv``, ``P2POp`` and ``batch_isend_irecv``: transformers' pipeline stages pass
+their mesh's group) post MPI transfers that the work completes at ``wait()``; the rank
+queries (``get_process_group_ranks``, ``get_global_rank``, ``get_group_rank``,
+``get_backend``) answer for the communicator. Any other group goes to torch's function.
+``src``/``dst`` are global ranks, as in torch.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from mpi4py import MPI
 from ..comm import collectives
 from ..runtime import watchdog
 from . import c10d_checks as checks
-from .process_group import Completed, agreed_exchange, outside_autograd, premultiplied, reduce_op_of
+from .process_group import (BACKEND, Completed, agreed_exchange, outside_autograd, post_recv, post_send, premultiplied,
+                            reduce_op_of)
 
 __all__ = ["OVERRIDES"]
 
@@ -159,6 +164,143 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -
     return _done([], async_op)
 
 
+@outside_autograd
+def isend(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
+          group_dst: int | None = None) -> Any:
+    """``tensor`` to ``dst`` (a global rank) or ``group_dst``; the work completes the send."""
+    if not isinstance(group, MPI.Intracomm):
+        return dist.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+    return post_send(group, [_real(tensor)], _group_rank(group, dst, group_dst), tag)
+
+
+@outside_autograd
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
+          group_src: int | None = None) -> Any:
+    """Into ``tensor`` from ``src`` (a global rank) or ``group_src``, once the work is waited."""
+    if not isinstance(group, MPI.Intracomm):
+        return dist.irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+    return post_recv(group, [_real(tensor)], _source(group, src, group_src), tag)
+
+
+def send(tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    if not isinstance(group, MPI.Intracomm):
+        return dist.send(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+    isend(tensor, dst, group, tag, group_dst).wait()
+    return None
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
+         group_src: int | None = None) -> int:
+    """Blocking :func:`irecv`; the sender's global rank, as torch's."""
+    if not isinstance(group, MPI.Intracomm):
+        return dist.recv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+    irecv(tensor, src, group, tag, group_src).wait()
+    return src if src is not None else _world_ranks(group, [group_src])[0]
+
+
+class P2POp(dist.P2POp):
+    """torch's ``P2POp``, whose ``group`` may also be a mesh's group (an MPI communicator:
+    ``peer`` a global rank, ``group_peer`` the communicator's) and whose ``op`` the switch's
+    ``isend``/``irecv`` (kept as torch's, which torch's ``batch_isend_irecv`` compares with)."""
+
+    def __new__(cls, op: Any, tensor: torch.Tensor, peer: int | None = None, group: Any = None, tag: int = 0,
+                group_peer: int | None = None) -> "P2POp":
+        op = _TORCH_OPS.get(op, op)
+        if isinstance(group, MPI.Intracomm):
+            if op not in (dist.isend, dist.irecv) or not isinstance(tensor, torch.Tensor):
+                raise ValueError("Invalid ``op``. Expected ``op`` to be of type ``torch.distributed.isend`` or "
+                                 "``torch.distributed.irecv``.")
+            return object.__new__(cls)
+        return dist.P2POp.__new__(cls, op, tensor, peer, group, tag, group_peer)
+
+    def __init__(self, op: Any, tensor: torch.Tensor, peer: int | None = None, group: Any = None, tag: int = 0,
+                 group_peer: int | None = None) -> None:
+        op = _TORCH_OPS.get(op, op)
+        if not isinstance(group, MPI.Intracomm):
+            super().__init__(op, tensor, peer, group, tag, group_peer)
+            return
+        self.op, self.tensor, self.group, self.tag = op, tensor, group, tag
+        self.group_peer = _group_rank(group, peer, group_peer)
+        self.peer = _world_ranks(group, [self.group_peer])[0]
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op.__name__} peer={self.peer} tag={self.tag} {tuple(self.tensor.shape)})"
+
+
+def batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
+    """torch's ``batch_isend_irecv``; ops on a mesh's group post each transfer at once and
+    return their works (MPI matches them by source and tag, no coalescing needed)."""
+    group = p2p_op_list[0].group if p2p_op_list and isinstance(p2p_op_list, list) else None
+    if not isinstance(group, MPI.Intracomm):
+        return dist.batch_isend_irecv(p2p_op_list)
+    if not all(isinstance(op, P2POp) and op.group is group for op in p2p_op_list):
+        raise ValueError("All ops need to use the same group.")
+    return [(isend(op.tensor, group=group, tag=op.tag, group_dst=op.group_peer) if op.op is dist.isend else
+             irecv(op.tensor, group=group, tag=op.tag, group_src=op.group_peer)) for op in p2p_op_list]
+
+
+def get_backend(group: Any = None) -> str:
+    """``torch.distributed.get_backend``; a mesh's group is the MPI backend's."""
+    return BACKEND if isinstance(group, MPI.Intracomm) else dist.get_backend(group)
+
+
+_TORCH_OPS = {isend: dist.isend, irecv: dist.irecv}
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def _source(comm: MPI.Intracomm, src: int | None, group_src: int | None) -> int:
+    if src is None and group_src is None:
+        return -1  # any source: refused by post_recv, as the MPI backend refuses it
+    return _group_rank(comm, src, group_src)
+
+
+def _world_ranks(comm: MPI.Comm, ranks: list[int]) -> list[int]:
+    """``comm``'s ranks ``ranks`` as ranks of ``COMM_WORLD`` (the default group's: torch's
+    global ranks); ``MPI.UNDEFINED`` where one is not there."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(group, ranks, world))
+    finally:
+        group.Free()
+        world.Free()
+
+
+def get_process_group_ranks(group: Any) -> list[int]:
+    """``torch.distributed.get_process_group_ranks``; an MPI communicator (a mesh's
+    ``get_group()``, which transformers' expert parallelism passes) answers with its
+    members' global ranks in its rank order."""
+    if isinstance(group, MPI.Comm):
+        return _world_ranks(group, list(range(group.Get_size())))
+    return dist.get_process_group_ranks(group)
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    """``torch.distributed.get_global_rank``; for an MPI communicator, torch's ``ValueError``
+    for a rank outside it."""
+    if not isinstance(group, MPI.Comm):
+        return dist.get_global_rank(group, group_rank)
+    if not 0 <= group_rank < group.Get_size():
+        raise ValueError(f"Group rank {group_rank} is not part of group {group}")
+    return _world_ranks(group, [group_rank])[0]
+
+
+def get_group_rank(group: Any, global_rank: int) -> int:
+    """``torch.distributed.get_group_rank``; for an MPI communicator, torch's ``ValueError``
+    for a global rank outside it."""
+    if not isinstance(group, MPI.Comm):
+        return dist.get_group_rank(group, global_rank)
+    members = get_process_group_ranks(group)
+    if global_rank not in members:
+        raise ValueError(f"Global rank {global_rank} is not part of group {group}")
+    return members.index(global_rank)
+
+
 OVERRIDES: dict[str, Any] = {f.__name__: f for f in (all_reduce, broadcast, all_gather_into_tensor, all_gather,
                                                      reduce_scatter_tensor, reduce, gather, scatter,
-                                                     all_to_all_single, barrier)}
+                                                     all_to_all_single, barrier, isend, irecv, send, recv,
+                                                     P2POp, batch_isend_irecv, get_backend, get_process_group_ranks,
+                                                     get_global_rank, get_group_rank)}

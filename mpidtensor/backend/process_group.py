@@ -325,21 +325,11 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     @outside_autograd
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Pending:
-        staged = [stage(t) for t in tensors]
-        requests = [self.comm.Isend(as_buffer(t), dest=dst, tag=tag) for t in staged]
-        return _Pending(requests, staged, [], tensors,
-                        ("torch.distributed send", self.comm, _peer("to", dst, tag, staged)))
+        return post_send(self.comm, tensors, dst, tag)
 
     @outside_autograd
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Pending:
-        if src < 0:  # torch's recv(src=None) asks any source; it has no override for Python backends
-            raise NotImplementedError("torch.distributed.recv without a source is not provided by mpidtensor's "
-                                      "MPI backend: name the source rank")
-        staged = [stage(t) for t in tensors]
-        requests = [self.comm.Irecv(as_buffer(t), source=src, tag=tag) for t in staged]
-        copies = [(t, s) for t, s in zip(tensors, staged) if s is not t]
-        return _Pending(requests, staged, copies, tensors,
-                        ("torch.distributed recv", self.comm, _peer("from", src, tag, staged)))
+        return post_recv(self.comm, tensors, src, tag)
 
     def barrier(self, opts: Any = None) -> Completed:
         watchdog.call("torch.distributed barrier (Barrier)", self.comm, self.comm.Barrier)
@@ -369,6 +359,25 @@ def all_reduce(t: torch.Tensor, comm: MPI.Intracomm, reduce_op: Any) -> torch.Te
         return send
     op, factor = reduce_op_of(reduce_op, t.dtype)
     return collectives.all_reduce(premultiplied(t, factor), comm, op)
+
+
+def post_send(comm: MPI.Intracomm, tensors: list[torch.Tensor], dst: int, tag: int) -> _Pending:
+    """``tensors`` sent to ``comm``'s rank ``dst`` (MPI ``Isend``s); the work completes them."""
+    staged = [stage(t) for t in tensors]
+    requests = [comm.Isend(as_buffer(t), dest=dst, tag=tag) for t in staged]
+    return _Pending(requests, staged, [], tensors, ("torch.distributed send", comm, _peer("to", dst, tag, staged)))
+
+
+def post_recv(comm: MPI.Intracomm, tensors: list[torch.Tensor], src: int, tag: int) -> _Pending:
+    """``tensors`` received from ``comm``'s rank ``src`` (MPI ``Irecv``s) once the work is waited."""
+    if src < 0:  # torch's recv(src=None) asks any source; it has no override for Python backends
+        raise NotImplementedError("torch.distributed.recv without a source is not provided by mpidtensor's "
+                                  "MPI backend: name the source rank")
+    staged = [stage(t) for t in tensors]
+    requests = [comm.Irecv(as_buffer(t), source=src, tag=tag) for t in staged]
+    copies = [(t, s) for t, s in zip(tensors, staged) if s is not t]
+    return _Pending(requests, staged, copies, tensors,
+                    ("torch.distributed recv", comm, _peer("from", src, tag, staged)))
 
 
 def agreed_exchange(t: torch.Tensor, comm: MPI.Intracomm, send: list[int], recv: list[int],

@@ -3,7 +3,8 @@ saved locally, loaded with ``from_pretrained(path, tp_plan="auto")`` (MODE tp),
 ``distributed_config=DistributedConfig(fsdp_size=N)`` (MODE fsdp: transformers' FSDP2) or
 ``DistributedConfig(tp_size=2, fsdp_size=N // 2)`` (MODE tp_fsdp: both, on a 2-D mesh) or
 ``DistributedConfig(tp_size=2, fsdp_size=N // 2, ep_size=2)`` (MODE tp_fsdp_ep: the experts over
-2 ranks besides, qwen3_moe), 3 AdamW steps; rank 0 prints each loss and a checksum of the last logits. With SAVE, the trained model
+2 ranks besides, qwen3_moe) or ``DistributedConfig(pp_size=N)`` (MODE pp: transformers' pipeline
+stages, inference only: one forward and its logits' checksum), 3 AdamW steps; rank 0 prints each loss and a checksum of the last logits. With SAVE, the trained model
 is then written with ``save_pretrained(SAVE)``. Without a launcher (one process) it loads the
 model plainly: the reference. MODE reload (one process): loads each SAVE given (SAVE...), prints
 how many keys were missing or unexpected and the loss of the reloaded model, each line marked
@@ -48,11 +49,18 @@ if distributed and mode == "tp":
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
 elif distributed:
     sizes = {"tp_fsdp": dict(tp_size=2, fsdp_size=world // 2), "tp_fsdp_ep": dict(tp_size=2, fsdp_size=world // 2,
-                                                                                    ep_size=2)}
+                                                                                    ep_size=2),
+             "pp": dict(pp_size=world)}
     config = DistributedConfig(**sizes.get(mode, dict(fsdp_size=world)))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config)
 else:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+if mode == "pp":  # transformers' pipeline forward (no backward): every rank gets the last stage's logits
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    if not distributed or torch.distributed.get_rank() == 0:
+        print(f"CHECKSUM {logits.double().abs().sum().item():.8f}", flush=True)
+    sys.exit(0)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 show = not distributed or torch.distributed.get_rank() == 0
 for step in range(3):
