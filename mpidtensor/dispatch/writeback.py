@@ -65,27 +65,32 @@ def write_into(func, dst, spec, local, inplace_view: bool = False, a=(), k=None,
                            f"had redistributed: the write cannot be placed back")
     rep = registry.replicated(spec.mesh.ndim)
     if isinstance(dst, DTensor):
-        keep_placements = keep_placements or any(type(p) is _StridedShard for p in dst._spec.placements)
         if inplace_view:
             with no_dispatch():
                 func(*a, **(k or {}))
             dst._spec = spec
             dst._local_tensor = local
         elif dst._local_tensor is not local and not _is_inner_tensor(dst._local_tensor, local):
-            if dst._is_view() or (keep_placements and dst._spec.shape == spec.shape):
+            if dst._is_view() or (_keeps(dst, keep_placements) and dst._spec.shape == spec.shape):
                 # its block aliases a base, or out= keeps its placements: the values go into its block
                 src = dst._spec.with_placements(spec.placements)
                 dst._local_tensor.copy_(redistribute_local(local, src, dst._spec))
             else:
                 dst._local_tensor = local
                 dst._spec = dst._spec.with_placements(spec.placements)
-        elif dst._spec.placements != spec.placements and not keep_placements:  # moved with no data step
+        elif dst._spec.placements != spec.placements and not _keeps(dst, keep_placements):  # moved, no data step
             # (a one-rank mesh dim)
             dst._spec = dst._spec.with_placements(spec.placements)
     elif isinstance(dst, torch.Tensor) and (local is not dst or spec.placements != rep):
         # A plain tensor written through a moved copy (a DTensor operand chose the layout),
         # or in place with a value that is not whole yet (out= of a Partial result).
         dst.copy_(redistribute_local(local, spec, spec.with_placements(rep)))
+
+
+def _keeps(dst: DTensor, keep_placements: bool) -> bool:
+    """Whether a moved write goes back into ``dst``'s own placements: an ``out=``, or a
+    ``_StridedShard`` DTensor (asked only when the write was moved: off the direct path)."""
+    return keep_placements or any(type(p) is _StridedShard for p in dst._spec.placements)
 
 
 def list_writeback(func, args, specs, targets) -> tuple[Callable, Callable] | None:
