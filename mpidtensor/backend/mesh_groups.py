@@ -35,17 +35,26 @@ def _done(tensors: list[torch.Tensor], async_op: bool) -> Completed | None:
 
 
 def _group_rank(comm: MPI.Intracomm, global_rank: int | None, group_rank: int | None) -> int:
+    """``group_rank`` if given, else ``comm``'s rank of the global rank ``global_rank``
+    (torch's ``ValueError`` when it is not there)."""
     if group_rank is not None:
         return group_rank
-    world, group = MPI.COMM_WORLD.Get_group(), comm.Get_group()
-    try:
-        found = MPI.Group.Translate_ranks(world, [global_rank], group)[0]
-    finally:
-        world.Free()
-        group.Free()
+    in_world = isinstance(global_rank, int) and 0 <= global_rank < MPI.COMM_WORLD.size
+    found = _translate([global_rank], MPI.COMM_WORLD, comm)[0] if in_world else MPI.UNDEFINED
     if found == MPI.UNDEFINED:
-        raise ValueError(f"rank {global_rank} is not in this group of {comm.size} ranks")
+        raise ValueError(f"Global rank {global_rank} is not part of group {comm}")
     return found
+
+
+def _translate(ranks: list[int], source: MPI.Comm, target: MPI.Comm) -> list[int]:
+    """``source``'s ranks ``ranks`` as ``target``'s (``MPI.UNDEFINED`` where one is not there);
+    ``COMM_WORLD``'s are torch's global ranks."""
+    source_group, target_group = source.Get_group(), target.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(source_group, ranks, target_group))
+    finally:
+        source_group.Free()
+        target_group.Free()
 
 
 @outside_autograd
@@ -196,7 +205,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: i
     if not isinstance(group, MPI.Intracomm):
         return dist.recv(tensor, src=src, group=group, tag=tag, group_src=group_src)
     irecv(tensor, src, group, tag, group_src).wait()
-    return src if src is not None else _world_ranks(group, [group_src])[0]
+    return src if src is not None else _translate([group_src], group, MPI.COMM_WORLD)[0]
 
 
 class P2POp(dist.P2POp):
@@ -222,7 +231,7 @@ class P2POp(dist.P2POp):
             return
         self.op, self.tensor, self.group, self.tag = op, tensor, group, tag
         self.group_peer = _group_rank(group, peer, group_peer)
-        self.peer = _world_ranks(group, [self.group_peer])[0]
+        self.peer = _translate([self.group_peer], group, MPI.COMM_WORLD)[0]
 
     def __repr__(self) -> str:
         return f"P2POp({self.op.__name__} peer={self.peer} tag={self.tag} {tuple(self.tensor.shape)})"
@@ -258,23 +267,12 @@ def _source(comm: MPI.Intracomm, src: int | None, group_src: int | None) -> int:
     return _group_rank(comm, src, group_src)
 
 
-def _world_ranks(comm: MPI.Comm, ranks: list[int]) -> list[int]:
-    """``comm``'s ranks ``ranks`` as ranks of ``COMM_WORLD`` (the default group's: torch's
-    global ranks); ``MPI.UNDEFINED`` where one is not there."""
-    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        return list(MPI.Group.Translate_ranks(group, ranks, world))
-    finally:
-        group.Free()
-        world.Free()
-
-
 def get_process_group_ranks(group: Any) -> list[int]:
     """``torch.distributed.get_process_group_ranks``; an MPI communicator (a mesh's
     ``get_group()``, which transformers' expert parallelism passes) answers with its
     members' global ranks in its rank order."""
     if isinstance(group, MPI.Comm):
-        return _world_ranks(group, list(range(group.Get_size())))
+        return _translate(list(range(group.Get_size())), group, MPI.COMM_WORLD)
     return dist.get_process_group_ranks(group)
 
 
@@ -285,7 +283,7 @@ def get_global_rank(group: Any, group_rank: int) -> int:
         return dist.get_global_rank(group, group_rank)
     if not 0 <= group_rank < group.Get_size():
         raise ValueError(f"Group rank {group_rank} is not part of group {group}")
-    return _world_ranks(group, [group_rank])[0]
+    return _translate([group_rank], group, MPI.COMM_WORLD)[0]
 
 
 def get_group_rank(group: Any, global_rank: int) -> int:
@@ -293,10 +291,7 @@ def get_group_rank(group: Any, global_rank: int) -> int:
     for a global rank outside it."""
     if not isinstance(group, MPI.Comm):
         return dist.get_group_rank(group, global_rank)
-    members = get_process_group_ranks(group)
-    if global_rank not in members:
-        raise ValueError(f"Global rank {global_rank} is not part of group {group}")
-    return members.index(global_rank)
+    return _group_rank(group, global_rank, None)
 
 
 OVERRIDES: dict[str, Any] = {f.__name__: f for f in (all_reduce, broadcast, all_gather_into_tensor, all_gather,
