@@ -149,7 +149,8 @@ def test_rooted_calls_on_a_mesh_group(switched, mesh1d):
 def test_all_to_all_single_and_ranks_on_a_mesh_group(switched, mesh1d):
     """transformers' expert parallelism on a mesh's group: the token counts by an even
     ``all_to_all_single``, the tokens by an uneven one (rows a rank sends nobody included),
-    the group's global ranks; splits that do not match across ranks raise everywhere."""
+    the group's global ranks; splits that do not match across ranks, and rows or dtypes only
+    the last rank gets wrong, raise everywhere."""
     import torch.distributed as user_dist
 
     group = mesh1d.get_group()
@@ -173,6 +174,12 @@ def test_all_to_all_single_and_ranks_on_a_mesh_group(switched, mesh1d):
         wrong = [1] * N if RANK == 0 else [0] * N  # rank 0 expects a row from each, nobody sends one
         raises_everywhere(ValueError, lambda: user_dist.all_to_all_single(
             torch.empty(sum(wrong), 1), torch.empty(0, 1), wrong, [0] * N, group=group), "expects")
+        rows = N + 1 if RANK == N - 1 else N  # the last rank's rows do not split evenly: it alone could tell
+        raises_everywhere(RuntimeError, lambda: user_dist.all_to_all_single(
+            torch.empty(N), torch.empty(rows), group=group), f"on rank {N - 1}: Tensor's dim 0 does not divide")
+        dtype = torch.float64 if RANK == N - 1 else torch.float32  # torch's own check would raise there alone
+        raises_everywhere(RuntimeError, lambda: user_dist.all_to_all_single(
+            torch.empty(N, dtype=dtype), torch.empty(N), group=group), f"on rank {N - 1}: input torch.float32 and output")
 
 
 def test_point_to_point_on_a_mesh_group(switched, mpi_group):

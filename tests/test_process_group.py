@@ -80,6 +80,39 @@ def test_all_to_all_splits_that_do_not_match_raise_everywhere(mpi_group):
     raises_everywhere(ValueError, lambda: dist.all_to_all_single(out, torch.zeros(N), recv, [1] * N),
                       match=f"rank {N - 1} expects")
 
+
+# Arguments only the last rank gets wrong: (input, output, input splits, output splits) of
+# all_to_all_single on that rank, the others passing even rows; how the error begins.
+ONE_RANK_WRONG = {
+    "splits for too many ranks": (lambda: (torch.zeros(N + 1), torch.zeros(N), [1] * (N + 1), None),
+                                  "Split sizes doesn't match"),
+    "rows that do not divide": (lambda: (torch.zeros(N + 1), torch.zeros(N), None, None),
+                                "Tensor's dim 0 does not divide"),
+}  # (an output of another dtype: torch's all_to_all_single refuses it on that rank alone, before any backend)
+
+
+@pytest.mark.parametrize("case", sorted(ONE_RANK_WRONG))
+def test_all_to_all_arguments_one_rank_gets_wrong_raise_everywhere(mpi_group, case):
+    """Splits or rows that only the last rank gets wrong raise torch's RuntimeError
+    on every rank, naming that rank (checked on one rank alone, the others would be left in
+    the exchange); for the process group's call and the functional collective's."""
+    if N == 1:
+        pytest.skip("needs a rank that differs from the others")
+    make, words = ONE_RANK_WRONG[case]
+    args = make() if RANK == N - 1 else (torch.zeros(N), torch.zeros(N), None, None)
+    t, out, send, recv = args
+    raises_everywhere(RuntimeError, lambda: dist.all_to_all_single(out, t, recv, send),
+                      match=f"all_to_all_single on rank {N - 1}: {words}")
+    if case == "rows that do not divide":  # (torch's functional form asserts on one split list given, alone)
+        # it makes the even splits itself, by floor division: the backend refuses those
+        raises_everywhere(RuntimeError, lambda: funcol.all_to_all_single(t, recv, send, dist.group.WORLD),
+                          match=f"all_to_all_single on rank {N - 1}: ")
+    dist.barrier()  # nothing left in flight: the group still works
+    out = torch.empty(N)
+    dist.all_to_all_single(out, torch.full((N,), float(RANK)))
+    assert_all_ranks(out.tolist() == [float(r) for r in range(N)], f"after the refusal: {out.tolist()}")
+
+
 def test_generate_synced_over_fsdp_with_different_lengths(mpi_group):
     """Rank r generates ``2 + r`` tokens: with ``synced_gpus=True`` (the flag all-reduced
     through this backend) the ranks that finish keep joining the others' forwards; each

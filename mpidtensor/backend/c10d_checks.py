@@ -96,13 +96,14 @@ def flat(call: str, whole: torch.Tensor, piece: torch.Tensor, size: int, *, gath
                            f"{size} x the {what[1]}'s {piece.numel()}")
 
 
-def splits(sizes: Sequence[int], t: torch.Tensor, size: int) -> list[int]:
-    """all_to_all_single's split sizes of ``t`` (even rows when none are given)."""
+def splits(sizes: Sequence[int] | None, rows: int | None, size: int) -> list[int]:
+    """all_to_all_single's split sizes of a tensor of ``rows`` rows (None: 0-d), even rows
+    when none are given; torch's ``RuntimeError`` where they do not fit."""
     if not sizes:
-        if t.dim() == 0 or t.shape[0] % size:
+        if rows is None or rows % size:
             raise RuntimeError(f"Tensor's dim 0 does not divide equally across group size {size}")
-        return [t.shape[0] // size] * size
-    if len(sizes) != size or sum(sizes) != t.shape[0]:
+        return [rows // size] * size
+    if len(sizes) != size or sum(sizes) != rows:
         raise RuntimeError("Split sizes doesn't match total dim 0 size")
     return list(sizes)
 

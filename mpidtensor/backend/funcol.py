@@ -27,7 +27,6 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from ..comm import collectives
 from ..mesh import DeviceMesh
-from . import c10d_checks as checks
 from .process_group import agreed_exchange
 
 __all__ = ["AsyncCollectiveTensor", "all_gather_tensor", "all_reduce", "all_to_all_single",
@@ -100,9 +99,7 @@ def _scatter_backward(grad: torch.Tensor, op: str, dim: int, comm: MPI.Intracomm
 
 def _exchange(t: torch.Tensor, output_split_sizes: list[int] | None, input_split_sizes: list[int] | None,
               comm: MPI.Intracomm) -> torch.Tensor:
-    send = checks.splits(input_split_sizes, t, comm.size)
-    recv = output_split_sizes if output_split_sizes is not None else checks.splits(None, t, comm.size)
-    return agreed_exchange(t, comm, send, recv, sum(recv))
+    return agreed_exchange(t, comm, input_split_sizes, output_split_sizes)
 
 
 def _exchange_backward(grad: torch.Tensor, output_split_sizes: list[int] | None, input_split_sizes: list[int] | None,

@@ -23,7 +23,6 @@ from mpi4py import MPI
 
 from ..comm import collectives
 from ..runtime import watchdog
-from . import c10d_checks as checks
 from .process_group import (BACKEND, Completed, agreed_exchange, outside_autograd, post_recv, post_send, premultiplied,
                             reduce_op_of)
 
@@ -158,11 +157,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     if not isinstance(group, MPI.Intracomm):
         return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
                                       async_op=async_op)
-    if input.dtype != output.dtype:
-        raise RuntimeError(f"all_to_all_single: input {input.dtype} and output {output.dtype} differ")
-    send, recv = checks.splits(input_split_sizes, input, group.size), checks.splits(output_split_sizes, output,
-                                                                                   group.size)
-    output.copy_(agreed_exchange(input, group, send, recv, output.shape[0]))
+    output.copy_(agreed_exchange(input, group, input_split_sizes, output_split_sizes, output))
     return _done([output], async_op)
 
 

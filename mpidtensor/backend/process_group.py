@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -261,11 +261,7 @@ class MPIProcessGroup(dist.ProcessGroup):
     @outside_autograd
     def alltoall_base(self, output: torch.Tensor, t: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any) -> Completed:
-        if t.dtype != output.dtype:
-            raise RuntimeError(f"all_to_all_single: input {t.dtype} and output {output.dtype} differ")
-        n = self.comm.size
-        output.copy_(agreed_exchange(t, self.comm, checks.splits(input_split_sizes, t, n),
-                                     checks.splits(output_split_sizes, output, n), output.shape[0]))
+        output.copy_(agreed_exchange(t, self.comm, input_split_sizes, output_split_sizes, output))
         return Completed([output])
 
     @outside_autograd
@@ -380,32 +376,57 @@ def post_recv(comm: MPI.Intracomm, tensors: list[torch.Tensor], src: int, tag: i
                     ("torch.distributed recv", comm, _peer("from", src, tag, staged)))
 
 
-def agreed_exchange(t: torch.Tensor, comm: MPI.Intracomm, send: list[int], recv: list[int],
-                    rows_out: int) -> torch.Tensor:
-    """``all_to_all_single``'s exchange over ``comm``: ``send[k]`` rows of ``t`` to rank k, the
-    ``recv[k]`` rows from rank k back, in rank order (``rows_out`` rows in all), once every
-    rank has checked every rank's splits (:func:`_check_splits`). The process group's, a mesh
-    group's under the switch (``mesh_groups``) and the functional collectives' (``funcol``)."""
-    _check_splits(comm, (send, recv, t.shape[0], rows_out))
+def agreed_exchange(t: torch.Tensor, comm: MPI.Intracomm, send_sizes: Sequence[int] | None,
+                    recv_sizes: Sequence[int] | None, output: torch.Tensor | None = None) -> torch.Tensor:
+    """``all_to_all_single``'s exchange over ``comm``: ``send_sizes[k]`` rows of ``t`` to rank
+    k, the ``recv_sizes[k]`` rows from rank k back, in rank order. The process group's, a mesh
+    group's under the switch (``mesh_groups``) and the functional collectives' (``funcol``).
+
+    The sizes come as the caller got them (None or empty: even rows of ``t``, of ``output``'s
+    rows); without ``output`` (the functional form) the result is made of what arrives, even
+    rows of ``t`` by default. One ``allgather`` gives every rank every rank's arguments and
+    every rank checks them all (:func:`_agreed_splits`) before any row moves, so bad
+    arguments on one rank raise on every rank instead of leaving the others in the exchange
+    (a hang or a truncated message)."""
+    problem = None
+    if output is not None and output.dtype != t.dtype:
+        problem = f"input {t.dtype} and output {output.dtype} differ"
+    mine = (list(send_sizes or ()), list(recv_sizes or ()), _rows(t), None if output is None else _rows(output),
+            problem)
+    table = watchdog.call("all_to_all: every rank's splits (allgather)", comm, comm.allgather, mine)
+    send, recv = _agreed_splits(table)[comm.rank]
     return exchange_rows(t.contiguous(), comm, send_rows=send, recv_rows=recv)
 
 
-def _check_splits(comm: MPI.Intracomm, mine: tuple[list[int], list[int], int, int]) -> None:
-    """``ValueError`` on every rank (each checks the same table of every rank's send and
-    receive splits and row counts, ``mine`` this rank's, gathered by one ``allgather``)
-    unless each split list has a count per rank, adds up to its tensor's rows, and each
-    rank receives from rank k what rank k sends it; a rank alone in the exchange would hang
-    or truncate."""
-    table = watchdog.call("all_to_all: every rank's splits (allgather)", comm, comm.allgather, mine)
+def _rows(t: torch.Tensor) -> int | None:
+    """A tensor's rows (None: 0-d, which has none to split)."""
+    return t.shape[0] if t.dim() else None
+
+
+def _agreed_splits(table: list[tuple]) -> list[tuple[list[int], list[int]]]:
+    """Every rank's ``(send, recv)`` splits from every rank's arguments (``agreed_exchange``'s
+    table), the same on every rank: the first rank's problem, torch's ``RuntimeError`` for
+    splits that do not fit its tensors, or a ``ValueError`` where a rank expects other rows
+    from rank k than rank k sends it."""
     n = len(table)
-    for r, (send, recv, rows_in, rows_out) in enumerate(table):
-        if len(send) != n or len(recv) != n or sum(send) != rows_in or sum(recv) != rows_out:
-            raise ValueError(f"all_to_all_single on rank {r}: splits {send} -> {recv} do not fit {n} ranks "
-                             f"and tensors of {rows_in} -> {rows_out} rows")
-        wrong = [k for k in range(n) if recv[k] != table[k][0][r]]
+    agreed = []
+    for r, (send, recv, rows_in, rows_out, problem) in enumerate(table):
+        try:
+            if problem:
+                raise RuntimeError(problem)
+            send = checks.splits(send, rows_in, n)
+            if rows_out is None:  # the functional form: the output is what arrives
+                rows_out = sum(recv) if recv else rows_in
+            recv = checks.splits(recv, rows_out, n)
+        except RuntimeError as error:
+            raise RuntimeError(f"all_to_all_single on rank {r}: {error}") from None
+        agreed.append((send, recv))
+    for r, (_, recv) in enumerate(agreed):
+        wrong = [k for k in range(n) if recv[k] != agreed[k][0][r]]
         if wrong:
             raise ValueError(f"all_to_all_single: rank {r} expects {[recv[k] for k in wrong]} rows from ranks "
-                             f"{wrong}, which send it {[table[k][0][r] for k in wrong]}")
+                             f"{wrong}, which send it {[agreed[k][0][r] for k in wrong]}")
+    return agreed
 
 
 def reduce_op_of(reduce_op: Any, dtype: torch.dtype | None = None) -> tuple[str, Any]:
