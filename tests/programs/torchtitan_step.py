@@ -52,6 +52,9 @@ from torchtitan.distributed.pipeline_parallel import pipeline_llm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config  # noqa: E402
+from torchtitan.models.qwen3 import _build_qwen3_moe_layers  # noqa: E402
+from torchtitan.models.qwen3 import model_registry as qwen3_registry  # noqa: E402
+from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config  # noqa: E402
 
 # name: (dp_replicate, dp_shard, cp, tp, sequence parallel, activation checkpointing, compile)
 CONFIGS = {
@@ -67,7 +70,18 @@ CONFIGS = {
     "pp_tp": (1, 1, 1, 2, True, False, False),
     "pp_zbv_fsdp": (1, -1, 1, 1, True, False, False),
     "pp_csv_fsdp": (1, -1, 1, 1, True, False, False),
+    # torchtitan's Qwen3 MoE ("debugmodel_moe", 2 blocks, 8 experts, top 2), experts
+    # parallel by its AllToAllTokenDispatcher (degree in EXPERTS)
+    "moe_fsdp": (1, -1, 1, 1, True, False, False),
+    "moe_fsdp_ep2": (1, -1, 1, 1, True, False, False),
+    "moe_fsdp_ep4": (1, -1, 1, 1, True, False, False),
+    "moe_tp_ep2": (1, 1, 1, 2, True, False, False),
+    "moe_fsdp_tp_ep2": (1, -1, 1, 2, True, False, False),
+    "moe_fsdp_tp_ep4": (1, -1, 1, 2, True, False, False),
+    "moe_tp_sp": (1, 1, 1, -1, True, False, False),
 }
+EXPERTS = {"moe_fsdp_ep2": 2, "moe_fsdp_ep4": 4, "moe_tp_ep2": 2, "moe_fsdp_tp_ep2": 2, "moe_fsdp_tp_ep4": 4}
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN = 8, 2, 128
 # pipeline configurations: name -> (pipeline degree, torchtitan's schedule name (with a
 # file: how stages are placed), schedule file or None). The file is a zero-bubble order of
 # 4 stages over 2 ranks and 2 micro-batches (one per FSDP rank's 2 sequences), written
@@ -88,6 +102,30 @@ def model_config(layers: int, parallelism: ParallelismConfig):
         layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=SEQ_LEN)
     set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
     return spec, config
+
+
+def moe_model_config(layers: int, parallelism: ParallelismConfig):
+    """torchtitan's Qwen3 "debugmodel_moe" with ``layers`` blocks of MOE_EXPERTS experts
+    (top MOE_TOP_K) and SDPA inner attention, sharded as its ``update_from_config`` would."""
+    spec = qwen3_registry("debugmodel_moe")
+    config = spec.model
+    config.layers = _build_qwen3_moe_layers(
+        n_layers=layers, dim=config.dim, n_heads=16, n_kv_heads=8, head_dim=128, moe_hidden_dim=MOE_HIDDEN,
+        num_experts=MOE_EXPERTS, top_k=MOE_TOP_K, attn_backend="flex", moe_comm_backend="standard",
+        rope=dataclasses.replace(config.layers[0].attention.rope, max_seq_len=SEQ_LEN))
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_qwen3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel,
+                              enable_ep=parallelism.expert_parallel_degree > 1)
+    return spec, config
+
+
+class _OneProcessDims:
+    """What torchtitan's MoE load-balancing hook reads of ``ParallelDims`` in one process."""
+    ep_enabled, tp = False, 1
+
+    def get_optional_mesh(self, name):
+        return None
 
 
 def full_weights(config) -> dict[str, torch.Tensor]:
@@ -136,9 +174,10 @@ def main() -> None:
     args = parser.parse_args()
     dp_replicate, dp_shard, cp, tp, sp, ac, compiled = CONFIGS[args.config]
     pp, schedule, schedule_csv = PIPELINES.get(args.config, (1, "1F1B", None))
+    ep, moe = EXPERTS.get(args.config, 1), args.config.startswith("moe")
     reference = args.reference
     if reference:
-        dp_replicate = dp_shard = cp = tp = pp = 1
+        dp_replicate = dp_shard = cp = tp = pp = ep = 1
     else:
         dist.init_process_group(backend="gloo")
     world_size = dist.get_world_size() if not reference else 1
@@ -149,14 +188,14 @@ def main() -> None:
         context_parallel_degree=cp, tensor_parallel_degree=tp, enable_sequence_parallel=sp,
         spmd_backend="partial_dtensor", context_parallel_load_balancer="headtail",
         pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule, pipeline_parallel_microbatch_size=1,
-        pipeline_parallel_schedule_csv=schedule_csv or "",
+        pipeline_parallel_schedule_csv=schedule_csv or "", expert_parallel_degree=ep,
     )
     batch_degree = 1 if reference else world_size // (pp * cp * tp)  # dp_replicate x dp_shard
     training = TrainingConfig(local_batch_size=GLOBAL_BATCH // batch_degree, seq_len=SEQ_LEN, steps=STEPS,
                               mixed_precision_param="float32", max_norm=1.0)
     compile_config = CompileConfig(enable=compiled, components=["model"], backend="aot_eager")
     tt_dist_utils.set_spmd_backend(parallelism.spmd_backend)  # as Trainer.__init__ does
-    spec, config = model_config(args.layers, parallelism)
+    spec, config = (moe_model_config if moe else model_config)(args.layers, parallelism)
     weights = full_weights(config)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     device = torch.device("cpu")
@@ -196,6 +235,8 @@ def main() -> None:
         part.train()
     params = [p for part in parts for p in part.parameters()]
     optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    if spec.post_optimizer_build_fn is not None:  # MoE: the expert-bias update before each step
+        spec.post_optimizer_build_fn(optimizer, parts, parallel_dims or _OneProcessDims())
 
     if parallel_dims is not None and parallel_dims.dp_enabled:
         batch_mesh = parallel_dims.get_mesh("batch")
@@ -238,6 +279,7 @@ def main() -> None:
         grad_norm = tt_dist_utils.clip_grad_norm_(
             params, training.max_norm, foreach=True,
             pp_mesh=None if parallel_dims is None else parallel_dims.get_optional_mesh("pp"),
+            ep_enabled=parallel_dims is not None and parallel_dims.ep_enabled,
         )
         optimizer.step()
         loss = loss.detach()
