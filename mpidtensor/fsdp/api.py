@@ -73,7 +73,12 @@ def fully_shard(
     every uneven split over 3+ data-parallel ranks: there the default is the first dim
     TP leaves whole (a TP parameter with none, a ColwiseParallel bias, stays replicated
     over ``mesh``: used as is, its gradient all-reduced) and asking for the TP-sharded
-    dim raises ``ValueError``.
+    dim raises ``ValueError``. It may also return torch 2.13's
+    ``ShardPlacementResult(placement, mesh_info)``: that parameter is sharded over
+    ``mesh_info.mesh`` (1-D, or 2-D HSDP) with ``placement`` (torchtitan's routed experts
+    over ``efsdp`` beside ``ep``); each mesh is its own group (own all-gather and
+    reduce-scatter), all driven together as the module's group (``fsdp.mesh_groups``).
+    Not with ``dp_mesh_dims``.
     ``reshard_after_forward``: ``None`` (the default, as torch's) is ``True`` (the root
     keeps its parameters while gradients are on either way); ``True`` frees the gathered parameters after forward (backward
     gathers them again), ``False`` keeps them; an int ``k`` (a divisor of the shard group
