@@ -273,19 +273,22 @@ def test_partial_input_to_strided_is_a_reduce_scatter(mesh1d):
 
 
 @pytest.mark.parametrize("even", [True, False])
-def test_flatten_of_sequence_shard_is_strided_as_torchs(mesh1d, even):
+def test_flatten_of_sequence_shard_is_strided_as_torchs(mesh, even):
     """A sequence-sharded ``(B, S, D)`` flattened to ``(B * S, D)``: torch's
     ``_StridedShard(0, split_factor=B)`` with no communication (S even over the mesh), kept by
     the matrix product and its backward, ``Shard(1)`` again when split back (torchtitan's
-    MoE router under TP checks that it is); uneven S moves the shard first, as before. Values
-    and gradients against one process."""
-    n = mesh1d.size()
-    b, s, d, o = 2, 2 * n + (0 if even else 1), 6, 3
+    MoE router under TP checks that it is); uneven S moves the shard first, as before. On a
+    (dp, tp) mesh the batch is sharded over dp too (torchtitan's ``full_dtensor``): the
+    split factor is a rank's rows, B / dp. Values and gradients against one process."""
+    n = mesh.size(mesh.ndim - 1)
+    dp = mesh.size(0) if mesh.ndim == 2 else 1
+    b, s, d, o = 2 * dp, 2 * n + (0 if even else 1), 6, 3
     x, w = global_tensor((b, s, d)), global_tensor((o, d), seed=5)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    dx = distribute_tensor(x.detach(), mesh1d, [Shard(1)]).requires_grad_(True)
-    dw = distribute_tensor(w.detach(), mesh1d, [Replicate()]).requires_grad_(True)
+    batch = [Shard(0)] if mesh.ndim == 2 else []
+    dx = distribute_tensor(x.detach(), mesh, batch + [Shard(1)]).requires_grad_(True)
+    dw = distribute_tensor(w.detach(), mesh, [Replicate()] * mesh.ndim).requires_grad_(True)
     flat = dx.view(b * s, d)
     out = torch.nn.functional.linear(flat, dw)
     y = out.view(b, s, o)
@@ -293,15 +296,16 @@ def test_flatten_of_sequence_shard_is_strided_as_torchs(mesh1d, even):
     bad = []
     if even:
         local = dx.to_local().reshape(-1, d)
-        if flat.placements != (SS(0, split_factor=b),) or not torch.equal(flat.to_local(), local):
+        strided = tuple(batch + [SS(0, split_factor=b // dp)])
+        if flat.placements != strided or not torch.equal(flat.to_local(), local):
             bad.append(f"flatten: {flat.placements}")
-        if out.placements != (SS(0, split_factor=b),) or y.placements != (Shard(1),):
+        if out.placements != strided or y.placements != tuple(batch + [Shard(1)]):
             bad.append(f"product / split back: {out.placements} / {y.placements}")
     if not torch.allclose(y.full_tensor(), want, atol=1e-5):
         bad.append("values")
     grad = global_tensor((b, s, o), seed=9)
     want.backward(grad)
-    y.backward(distribute_tensor(grad, mesh1d, [Shard(1)]))
+    y.backward(distribute_tensor(grad, mesh, batch + [Shard(1)]))
     if not torch.allclose(dx.grad.full_tensor(), x.grad, atol=1e-5):
         bad.append("input gradient")
     if not torch.allclose(dw.grad.full_tensor(), w.grad, atol=1e-5):

@@ -77,8 +77,9 @@ def fully_shard(
     ``ShardPlacementResult(placement, mesh_info)``: that parameter is sharded over
     ``mesh_info.mesh`` (1-D, or 2-D HSDP) with ``placement`` (torchtitan's routed experts
     over ``efsdp`` beside ``ep``); each mesh is its own group (own all-gather and
-    reduce-scatter), all driven together as the module's group (``fsdp.mesh_groups``).
-    Not with ``dp_mesh_dims``.
+    reduce-scatter), all driven together as the module's group (``fsdp.mesh_groups``); a
+    ``mesh_info`` with ``dp_mesh_dims`` shards over those dims of its ``spmd_mesh``
+    (torchtitan's ``full_dtensor`` experts).
     ``reshard_after_forward``: ``None`` (the default, as torch's) is ``True`` (the root
     keeps its parameters while gradients are on either way); ``True`` frees the gathered parameters after forward (backward
     gathers them again), ``False`` keeps them; an int ``k`` (a divisor of the shard group
@@ -104,22 +105,23 @@ def fully_shard(
     spmd = None
     if dp_mesh_dims is not None:
         spmd = SpmdLayout(mesh, dp_mesh_dims)
-        for users, param in managed:
-            spmd.check(param, f"{type(users[0][0]).__name__}.{users[0][1]}")
         mesh = spmd.dp_mesh
     _check_mesh(mesh, spmd is not None)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable, got {shard_placement_fn!r}")
     parts = []  # one ParamGroup per data-parallel mesh, in the order the parameters name them
-    for group_mesh, members, choices in _mesh_groups(managed, mesh, shard_placement_fn, spmd):
+    for group_mesh, members, choices, spmd in _mesh_groups(managed, mesh, shard_placement_fn, spmd):
+        if spmd is not None:
+            for users, param in members:
+                spmd.check(param, f"{type(users[0][0]).__name__}.{users[0][1]}")
         group_raf = _post_forward_size(reshard_after_forward, group_mesh)
         check_offload_policy(offload_policy, {p.device for _, p in members}, group_mesh)
         _check_params(members, group_mesh, mp_policy, offload_policy, spmd)
-        parts.append((group_mesh, members, choices, group_raf))
+        parts.append((group_mesh, members, choices, group_raf, spmd))
     shared_elsewhere = _shared_with_other_groups(managed)
     classes = [_fsdp_class(type(m)) for m in modules]  # (before any change: a class that cannot be subclassed raises here)
     groups = []
-    for group_mesh, members, choices, group_raf in parts:
+    for group_mesh, members, choices, group_raf, spmd in parts:
         info = MeshInfo(group_mesh)
         dims = [_shard_dim(param, None if choice is None else (lambda _, c=choice: c), info, spmd)
                 for (_, param), choice in zip(members, choices)]
@@ -147,31 +149,45 @@ fully_shard.state = state_of  # torch's way to reach a module's FSDP state (None
 
 def _mesh_groups(managed: list, mesh: DeviceMesh, fn: Callable | None, spmd: SpmdLayout | None) -> list:
     """``managed`` split by the data-parallel mesh each parameter is sharded over, as
-    ``(mesh, members, placements)``: ``mesh``, or the ``mesh_info.mesh`` of a
-    ``ShardPlacementResult(placement, mesh_info)`` that ``fn`` returned for it (torch
-    2.13's per-parameter mesh: torchtitan's routed experts over ``efsdp``); placements are
-    ``fn``'s ``Shard`` or ``None``. An empty ``managed`` is one group with no members. The
-    same on every rank: ``fn`` sees each rank's parameters of the same global metadata."""
-    found: dict[int, tuple[DeviceMesh, list, list]] = {id(mesh): (mesh, [], [])}
+    ``(mesh, members, placements, layout)``: ``mesh`` (with the call's ``dp_mesh_dims``
+    layout ``spmd``), or that of a ``ShardPlacementResult(placement, mesh_info)`` that ``fn``
+    returned for it (torch 2.13's per-parameter mesh: torchtitan's routed experts over
+    ``efsdp``): ``mesh_info.mesh``, or with ``mesh_info.dp_mesh_dims`` the data-parallel
+    dims of its ``spmd_mesh``. Placements are ``fn``'s ``Shard`` or ``None``. The call's
+    own group is kept when empty. The same on every rank: ``fn`` sees each rank's
+    parameters of the same global metadata."""
+    found: dict[int, tuple[DeviceMesh, list, list, SpmdLayout | None]] = {id(mesh): (mesh, [], [], spmd)}
     for users, param in managed:
         choice = fn(param) if fn is not None else None
-        target = mesh
+        key = id(mesh)
         if choice is not None and not isinstance(choice, Shard) and hasattr(choice, "mesh_info"):
             info = choice.mesh_info
-            target = require_mesh(info.mesh, "fully_shard's shard_placement_fn (mesh_info.mesh)")
-            if getattr(info, "dp_mesh_dims", None) is not None or (spmd is not None and target is not mesh):
-                raise NotImplementedError("fully_shard: a per-parameter mesh (ShardPlacementResult) with "
-                                          "dp_mesh_dims is not supported")
-            layout = (getattr(info, "replicate_mesh_dim", None), info.shard_mesh_dim)
-            if layout != ((None, 0) if target.ndim == 1 else (0, 1)):
-                raise NotImplementedError(f"fully_shard: a per-parameter mesh must be 1-D (shard dim 0) or 2-D "
-                                          f"(replicate dim 0, shard dim 1), got {target!r} with {layout}")
-            _check_mesh(target, False)
+            key = id(info)
+            if key not in found:
+                found[key] = _info_group(info)
             choice = choice.placement
-        group = found.setdefault(id(target), (target, [], []))
+        group = found[key]
         group[1].append((users, param))
         group[2].append(choice)
-    return [g for g in found.values() if g[1] or g[0] is mesh]
+    return [g for key, g in found.items() if g[1] or key == id(mesh)]
+
+
+def _info_group(info) -> tuple[DeviceMesh, list, list, SpmdLayout | None]:
+    """The (mesh, [], [], layout) of a torch ``FSDPMeshInfo``: a 1-D FSDP or 2-D
+    ``(replicate, shard)`` HSDP mesh, or the data-parallel dims of a full SPMD mesh."""
+    dims = getattr(info, "dp_mesh_dims", None)
+    if dims is not None:
+        layout = SpmdLayout(require_mesh(info.spmd_mesh, "fully_shard's shard_placement_fn (mesh_info.spmd_mesh)"),
+                            DataParallelMeshDims(shard=dims.shard, replicate=dims.replicate))
+        _check_mesh(layout.dp_mesh, True)
+        return layout.dp_mesh, [], [], layout
+    target = require_mesh(info.mesh, "fully_shard's shard_placement_fn (mesh_info.mesh)")
+    layout = (getattr(info, "replicate_mesh_dim", None), info.shard_mesh_dim)
+    if layout != ((None, 0) if target.ndim == 1 else (0, 1)):
+        raise NotImplementedError(f"fully_shard: a per-parameter mesh must be 1-D (shard dim 0) or 2-D "
+                                  f"(replicate dim 0, shard dim 1), got {target!r} with {layout}")
+    _check_mesh(target, False)
+    return target, [], [], None
 
 
 def _check_mesh(mesh: DeviceMesh, spmd: bool) -> None:

@@ -8,7 +8,8 @@ to ``(B * S, D)``) gives ``_StridedShard(merged, split_factor=<elements of the d
 before it>)``, and splitting such a dim back where those dims reappear gives the ``Shard``
 of the dim after them (torchtitan's MoE router under TP: ``Shard(1)`` in, ``Shard(1)``
 out). Both need the sharded dim to split evenly over its mesh dim and no other mesh dim
-sharding the group; otherwise the shard moves as before.
+sharding the group but earlier ones evenly sharding its leading dim (the batch over data
+parallelism, torchtitan's ``full_dtensor``); otherwise the shard moves as before.
 """
 from __future__ import annotations
 
@@ -95,12 +96,13 @@ def view_rule(call: OpCall) -> Sharding:
         out = tuple(placements)
     else:
         groups = _groups(in_shape, out_shape)
-        strided = _strided_moves(spec.placements, groups, in_shape, out_shape, mesh.shape)
+        strided, leads = _strided_moves(spec.placements, groups, in_shape, out_shape, mesh.shape)
         shown = [Replicate() if m in strided else p for m, p in enumerate(plain)]
         placements, out = _plain_view(in_shape, out_shape, groups, shown, mesh.shape)
         touched = {d for m in strided for g in groups if shard_dim(spec.placements[m]) in g[0] for d in g[0]}
-        if any(shard_dim(p) in touched for m, p in enumerate(placements) if m not in strided):
-            strided = {}  # another shard was moved onto those dims: the plain rule alone
+        if any(placements[k] != spec.placements[k] for k in leads) or any(
+                shard_dim(p) in touched for m, p in enumerate(placements) if m not in strided and m not in leads):
+            strided = {}  # a shard they count on moved, or another moved onto their dims: the plain rule alone
             placements, out = _plain_view(in_shape, out_shape, groups, plain, mesh.shape)
         for m, moved in strided.items():
             placements[m], out[m] = spec.placements[m], moved
@@ -135,27 +137,40 @@ def _plain_view(in_shape, out_shape, groups, placements: list[Placement],
 
 
 def _strided_moves(placements: Sequence[Placement], groups, in_shape: Sequence[int], out_shape: Sequence[int],
-                   mesh_shape: Sequence[int]) -> dict[int, Placement]:
+                   mesh_shape: Sequence[int]) -> tuple[dict[int, Placement], set[int]]:
     """The mesh dims whose shard the view carries as torch does, each with its output
-    placement: a ``Shard`` of a later dim of a merged group becomes a ``_StridedShard``
-    of the merged dim; a ``_StridedShard`` of a dim that is only renumbered stays one; one
-    of a dim split where its pieces are the leading output dims becomes the ``Shard`` of
-    the next. Each needs the group sharded by that mesh dim alone, evenly."""
+    placement, and the earlier mesh dims whose ``Shard`` of the group's leading dim they
+    count on: a ``Shard`` of a later dim of a merged group becomes a ``_StridedShard`` of the
+    merged dim (split factor: the elements of the dims before it in a rank's block); a
+    ``_StridedShard`` of a dim that is only renumbered stays one; one of a dim split where
+    its pieces are a block of the leading output dims becomes the ``Shard`` of the next.
+    Each needs its dim split evenly, and no other mesh dim sharding the group but earlier
+    ones that evenly shard its leading dim (batch over data parallelism)."""
     moves: dict[int, Placement] = {}
+    leads: set[int] = set()
     for m, p in enumerate(placements):
         d = shard_dim(p)
         group = next((g for g in groups if d in g[0]), None)
-        if group is None or any(shard_dim(q) in group[0] for k, q in enumerate(placements) if k != m):
+        if group is None:
             continue
-        dims_in, dims_out = group
-        n = mesh_shape[m]
-        if type(p) is Shard and d != dims_in[0] and len(dims_out) == 1 and in_shape[d] % n == 0:
-            moves[m] = _StridedShard(dims_out[0], split_factor=prod(in_shape[dims_in[0]:d]))
+        (dims_in, dims_out), n = group, mesh_shape[m]
+        lead = dims_in[0]
+        others = [k for k, q in enumerate(placements) if k != m and shard_dim(q) in dims_in]
+        if d == lead and type(p) is Shard or any(k > m or placements[k] != Shard(lead) for k in others):
+            continue
+        outer = prod(mesh_shape[k] for k in others)  # the leading dim's split before mesh dim m
+        if in_shape[lead] % outer:
+            continue
+        if type(p) is Shard and len(dims_out) == 1 and in_shape[d] % n == 0:
+            moves[m] = _StridedShard(dims_out[0], split_factor=in_shape[lead] // outer * prod(in_shape[lead + 1:d]))
         elif type(p) is _StridedShard and len(dims_in) == 1 and len(dims_out) == 1:
             moves[m] = _StridedShard(dims_out[0], split_factor=p.split_factor)
-        elif type(p) is _StridedShard and len(dims_in) == 1:
+        elif type(p) is _StridedShard and len(dims_in) == 1 and out_shape[dims_out[0]] % outer == 0:
             for j in range(1, len(dims_out)):
-                if prod(out_shape[dims_out[0]:dims_out[j]]) == p.split_factor and out_shape[dims_out[j]] % n == 0:
+                block = out_shape[dims_out[0]] // outer * prod(out_shape[dims_out[0] + 1:dims_out[j]])
+                if block == p.split_factor and out_shape[dims_out[j]] % n == 0:
                     moves[m] = Shard(dims_out[j])
                     break
-    return moves
+        if m in moves:
+            leads.update(others)
+    return moves, leads
