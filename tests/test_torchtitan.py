@@ -6,7 +6,8 @@ torch.distributed program that imports nothing from mpidtensor), run unmodified 
 process's, and, in the full tier, torch's own run of the same program on gloo.
 
 Configurations (4 ranks; 2 where one fits): FSDP, TP + SP, TP, FSDP x TP, HSDP, CP x FSDP,
-FSDP with full activation checkpointing, FSDP with compiled blocks (``aot_eager``), and
+FSDP with full activation checkpointing, FSDP with compiled blocks (``aot_eager``), FSDP,
+TP + SP, FSDP x TP and HSDP under ``spmd_backend="full_dtensor"``, and
 pipelines built by torchtitan's own ``pipeline_llm`` (its stage split, ``get_mesh``
 callback and schedule, on ``mpidtensor.pipelining`` through the switch): PP x FSDP under
 1F1B, PP x TP under Interleaved1F1B (sequence-sharded DTensors cross the stages), PP x
@@ -18,7 +19,8 @@ which torch's own runtime runs too). torch on gloo fails CP x FSDP on CPU (no sh
 torchtitan's Qwen3 MoE ("debugmodel_moe", 2 blocks of 8 experts, top 2) with its expert
 parallelism (``AllToAllTokenDispatcher`` over ``all_to_all_single``; routed experts sharded
 by FSDP over ``efsdp`` through ``shard_placement_fn``'s ``ShardPlacementResult``): FSDP
-alone, EP 2 and 4 under FSDP, TP + SP of the experts, EP x TP (x FSDP), against one process
+alone, EP 2 and 4 under FSDP, TP + SP of the experts, EP x TP (x FSDP), and FSDP x EP and
+FSDP x TP x EP under ``full_dtensor``, against one process
 (its bfloat16 experts make the steps after the first compare at ``MOE_RTOL``).
 
 Each job starts its own ranks (``subjob.run_command``), so the tests run at outer world
@@ -62,6 +64,8 @@ CASES = [  # (configuration, ranks)
     *(pytest.param(config, 4, marks=_full) for config in ("fsdp", "tp_sp", "tp", "hsdp", "fsdp_ac", "fsdp_compile",
                                                           "pp_fsdp", "pp_zbv_fsdp", "pp_csv_fsdp")),
     *(pytest.param(config, 2, marks=_full) for config in ("fsdp", "tp_sp", "tp", "fsdp_ac")),
+    # spmd_backend="full_dtensor": parameters and inputs DTensors on the whole dense mesh
+    *(pytest.param(config, 4, marks=_full) for config in ("full_fsdp", "full_tp_sp", "full_fsdp_tp", "full_hsdp")),
 ]
 # torchtitan's Qwen3 MoE (8 experts, top 2): expert parallelism by its AllToAllTokenDispatcher
 MOE_CASES = [
@@ -69,6 +73,7 @@ MOE_CASES = [
     *(pytest.param(config, 4, marks=_full) for config in ("moe_fsdp", "moe_fsdp_ep2", "moe_fsdp_ep4", "moe_tp_sp",
                                                           "moe_fsdp_tp_ep4")),
     pytest.param("moe_tp_ep2", 2, marks=_full),
+    *(pytest.param(config, 4, marks=_full) for config in ("full_moe_fsdp_ep2", "full_moe_fsdp_tp_ep2")),
 ]
 # torchtitan's GroupedExperts computes in bfloat16 (``.bfloat16()`` in its forward, whatever the
 # parameters' dtype): a rank's sums over its own tokens or hidden columns round apart from one
@@ -139,7 +144,8 @@ def test_torchtitan_llama3(config, ranks, reference, folder):
 @pytest.mark.timeout(900)  # sub-jobs of up to 4 ranks on shared cores: minutes each
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("config", ["fsdp", "tp_sp", "tp", "fsdp_tp", "hsdp", "cp_fsdp", "fsdp_ac", "fsdp_compile",
-                                    "pp_fsdp", "pp_tp", "pp_zbv_fsdp", "pp_csv_fsdp"])
+                                    "pp_fsdp", "pp_tp", "pp_zbv_fsdp", "pp_csv_fsdp",
+                                    "full_fsdp", "full_tp_sp", "full_fsdp_tp", "full_hsdp"])
 def test_torch_on_gloo(config, reference, folder):
     """torch's own DTensor on gloo, the same program (FSDP told to reduce with SUM: gloo
     refuses the PREMUL_SUM torchtitan's gradient division asks for): equal to one process,

@@ -45,7 +45,7 @@ tt_utils.device_module = tt_dist_utils.device_module = torch.cpu
 
 from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss  # noqa: E402
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402
-from torchtitan.distributed import ParallelDims  # noqa: E402
+from torchtitan.distributed import ParallelDims, full_dtensor  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: E402
 from torchtitan.distributed.context_parallel import prepare_context_parallel_input  # noqa: E402
 from torchtitan.distributed.pipeline_parallel import pipeline_llm  # noqa: E402
@@ -80,7 +80,14 @@ CONFIGS = {
     "moe_fsdp_tp_ep4": (1, -1, 1, 2, True, False, False),
     "moe_tp_sp": (1, 1, 1, -1, True, False, False),
 }
-EXPERTS = {"moe_fsdp_ep2": 2, "moe_fsdp_ep4": 4, "moe_tp_ep2": 2, "moe_fsdp_tp_ep2": 2, "moe_fsdp_tp_ep4": 4}
+# spmd_backend="full_dtensor": every parameter, buffer and input a DTensor on the whole dense
+# mesh, FSDP over its data-parallel dims (DataParallelMeshDims); the rest "partial_dtensor"
+FULL_DTENSOR = {"full_fsdp": (1, -1, 1, 1, True, False, False), "full_tp_sp": (1, 1, 1, -1, True, False, False),
+                "full_fsdp_tp": (1, -1, 1, 2, True, False, False), "full_hsdp": (2, -1, 1, 1, True, False, False),
+                "full_moe_fsdp_ep2": (1, -1, 1, 1, True, False, False),
+                "full_moe_fsdp_tp_ep2": (1, -1, 1, 2, True, False, False)}
+CONFIGS.update(FULL_DTENSOR)
+EXPERTS = {"full_moe_fsdp_ep2": 2, "full_moe_fsdp_tp_ep2": 2, "moe_fsdp_ep2": 2, "moe_fsdp_ep4": 4, "moe_tp_ep2": 2, "moe_fsdp_tp_ep2": 2, "moe_fsdp_tp_ep4": 4}
 MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN = 8, 2, 128
 # pipeline configurations: name -> (pipeline degree, torchtitan's schedule name (with a
 # file: how stages are placed), schedule file or None). The file is a zero-bubble order of
@@ -174,7 +181,7 @@ def main() -> None:
     args = parser.parse_args()
     dp_replicate, dp_shard, cp, tp, sp, ac, compiled = CONFIGS[args.config]
     pp, schedule, schedule_csv = PIPELINES.get(args.config, (1, "1F1B", None))
-    ep, moe = EXPERTS.get(args.config, 1), args.config.startswith("moe")
+    ep, moe = EXPERTS.get(args.config, 1), "moe" in args.config
     reference = args.reference
     if reference:
         dp_replicate = dp_shard = cp = tp = pp = ep = 1
@@ -186,7 +193,8 @@ def main() -> None:
     parallelism = ParallelismConfig(
         data_parallel_replicate_degree=dp_replicate, data_parallel_shard_degree=dp_shard,
         context_parallel_degree=cp, tensor_parallel_degree=tp, enable_sequence_parallel=sp,
-        spmd_backend="partial_dtensor", context_parallel_load_balancer="headtail",
+        spmd_backend="full_dtensor" if args.config in FULL_DTENSOR else "partial_dtensor",
+        context_parallel_load_balancer="headtail",
         pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule, pipeline_parallel_microbatch_size=1,
         pipeline_parallel_schedule_csv=schedule_csv or "", expert_parallel_degree=ep,
     )
@@ -262,6 +270,8 @@ def main() -> None:
                 inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), device,
                 parallelism.context_parallel_load_balancer,
             )
+        if parallel_dims is not None and parallelism.spmd_backend == "full_dtensor":  # Trainer.post_dataloading_process
+            inputs, labels, extra_kwargs = full_dtensor.parallelize_inputs(parallel_dims, inputs, labels, extra_kwargs)
         if pp_schedule is not None:  # Trainer.pp_forward_backward_step, on the whole batch
             step_losses = [] if has_last else None
             pp_schedule.step(*((inputs,) if has_first else ()), target=labels if has_last else None,
@@ -294,7 +304,8 @@ def main() -> None:
             json.dump({"config": args.config, "world_size": world_size, "losses": losses, "grad_norms": norms,
                        "grad_norms_float64": exact_norms,
                        "seconds": time.monotonic() - start,
-                       "dtensor": type(params[-1]).__module__}, f)
+                       "dtensor": type(params[-1]).__module__,
+                       "mesh": list(getattr(getattr(params[0], "device_mesh", None), "mesh_dim_names", None) or [])}, f)
     if not reference:
         dist.barrier()
         dist.destroy_process_group()
