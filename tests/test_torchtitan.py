@@ -20,7 +20,9 @@ torchtitan's Qwen3 MoE ("debugmodel_moe", 2 blocks of 8 experts, top 2) with its
 parallelism (``AllToAllTokenDispatcher`` over ``all_to_all_single``; routed experts sharded
 by FSDP over ``efsdp`` through ``shard_placement_fn``'s ``ShardPlacementResult``): FSDP
 alone, EP 2 and 4 under FSDP, TP + SP of the experts, EP x TP (x FSDP), and FSDP x EP and
-FSDP x TP x EP under ``full_dtensor``, against one process
+FSDP x TP x EP under ``full_dtensor``; torchtitan's DeepSeek-V3 ("debugmodel", its dense
+first block and an MoE block with shared experts, MLA attention) under FSDP, FSDP x EP and
+FSDP x TP x EP; against one process
 (its bfloat16 experts make the steps after the first compare at ``MOE_RTOL``).
 
 Each job starts its own ranks (``subjob.run_command``), so the tests run at outer world
@@ -74,6 +76,8 @@ MOE_CASES = [
                                                           "moe_fsdp_tp_ep4")),
     pytest.param("moe_tp_ep2", 2, marks=_full),
     *(pytest.param(config, 4, marks=_full) for config in ("full_moe_fsdp_ep2", "full_moe_fsdp_tp_ep2")),
+    # torchtitan's DeepSeek-V3 (MLA attention, shared experts; a dense block, then an MoE one)
+    *(pytest.param(config, 4, marks=_full) for config in ("dsv3_fsdp", "dsv3_fsdp_ep2", "dsv3_fsdp_tp_ep2")),
 ]
 # torchtitan's GroupedExperts computes in bfloat16 (``.bfloat16()`` in its forward, whatever the
 # parameters' dtype): a rank's sums over its own tokens or hidden columns round apart from one
@@ -108,11 +112,20 @@ def reference(folder) -> dict:
 
 
 @pytest.fixture(scope="module")
-def moe_reference(folder) -> dict:
-    """The MoE model in one process."""
-    figures, log = _run([sys.executable, str(DRIVER), "moe_fsdp", "--reference"], None, folder / "moe-reference.json")
-    assert_all_ranks(figures is not None, f"the one-process MoE reference failed: {log}")
-    return figures
+def moe_reference(folder):
+    """``get(config)``: the one-process run of that configuration's MoE model (Qwen3 or
+    DeepSeek-V3), run once per model."""
+    found: dict[str, dict] = {}
+
+    def get(config: str) -> dict:
+        model = "dsv3_fsdp" if config.startswith("dsv3") else "moe_fsdp"
+        if model not in found:
+            figures, log = _run([sys.executable, str(DRIVER), model, "--reference"], None,
+                                folder / f"{model}-reference.json")
+            assert_all_ranks(figures is not None, f"the one-process {model} reference failed: {log}")
+            found[model] = figures
+        return found[model]
+    return get
 
 
 def _differences(got: dict, want: dict, norm_rtol: float = RTOL, later: tuple[float, float] | None = None) -> list[str]:
@@ -165,15 +178,15 @@ def test_torch_on_gloo(config, reference, folder):
 @pytest.mark.timeout(900)
 @pytest.mark.every_case
 @pytest.mark.parametrize("config,ranks", MOE_CASES)
-def test_torchtitan_qwen3_moe(config, ranks, moe_reference, folder):
-    """torchtitan's Qwen3 MoE with expert parallelism (its per-parameter FSDP mesh for the
+def test_torchtitan_moe(config, ranks, moe_reference, folder):
+    """torchtitan's Qwen3 MoE (and DeepSeek-V3) with expert parallelism (its per-parameter FSDP mesh for the
     experts, its all-to-all token dispatch through the functional collectives), with FSDP
     and TP as torchtitan composes them: equal to one process."""
     ours, log = _run([sys.executable, "-m", "mpidtensor.run", str(DRIVER), config], ranks,
                      folder / f"{config}-{ranks}-mpidtensor.json")
     assert_all_ranks(ours is not None, f"{config} at {ranks} ranks under mpidtensor.run: {log}")
     assert_all_ranks(ours["dtensor"].startswith("mpidtensor"), f"the model's parameters are {ours['dtensor']}")
-    problems = _differences(ours, moe_reference, later=(MOE_RTOL, MOE_NORM_RTOL))
+    problems = _differences(ours, moe_reference(config), later=(MOE_RTOL, MOE_NORM_RTOL))
     assert_all_ranks(not problems, f"{config} at {ranks} ranks against one process: {problems}")
 
 
@@ -185,5 +198,5 @@ def test_torch_on_gloo_moe(config, ranks, moe_reference, folder):
     theirs, log = _run([sys.executable, str(GLOO), str(DRIVER), config, "--sum-reduction"], ranks,
                        folder / f"{config}-{ranks}-gloo.json", run=run_peer)
     assert_all_ranks(theirs is not None, f"{config} on torch/gloo: {log}")
-    problems = _differences(theirs, moe_reference, norm_rtol=1e-4, later=(MOE_RTOL, MOE_NORM_RTOL))
+    problems = _differences(theirs, moe_reference(config), norm_rtol=1e-4, later=(MOE_RTOL, MOE_NORM_RTOL))
     assert_all_ranks(not problems, f"{config} on torch/gloo against one process: {problems}")

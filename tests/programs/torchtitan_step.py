@@ -52,6 +52,8 @@ from torchtitan.distributed.pipeline_parallel import pipeline_llm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config  # noqa: E402
+from torchtitan.models.deepseek_v3 import model_registry as dsv3_registry  # noqa: E402
+from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config  # noqa: E402
 from torchtitan.models.qwen3 import _build_qwen3_moe_layers  # noqa: E402
 from torchtitan.models.qwen3 import model_registry as qwen3_registry  # noqa: E402
 from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config  # noqa: E402
@@ -87,7 +89,12 @@ FULL_DTENSOR = {"full_fsdp": (1, -1, 1, 1, True, False, False), "full_tp_sp": (1
                 "full_moe_fsdp_ep2": (1, -1, 1, 1, True, False, False),
                 "full_moe_fsdp_tp_ep2": (1, -1, 1, 2, True, False, False)}
 CONFIGS.update(FULL_DTENSOR)
-EXPERTS = {"full_moe_fsdp_ep2": 2, "full_moe_fsdp_tp_ep2": 2, "moe_fsdp_ep2": 2, "moe_fsdp_ep4": 4, "moe_tp_ep2": 2, "moe_fsdp_tp_ep2": 2, "moe_fsdp_tp_ep4": 4}
+# torchtitan's DeepSeek-V3 ("debugmodel": MLA attention, 8 routed + 2 shared experts, top 3;
+# its first block dense, the second MoE)
+DSV3 = {"dsv3_fsdp": (1, -1, 1, 1, True, False, False), "dsv3_fsdp_ep2": (1, -1, 1, 1, True, False, False),
+        "dsv3_fsdp_tp_ep2": (1, -1, 1, 2, True, False, False)}
+CONFIGS.update(DSV3)
+EXPERTS = {"dsv3_fsdp_ep2": 2, "dsv3_fsdp_tp_ep2": 2, "full_moe_fsdp_ep2": 2, "full_moe_fsdp_tp_ep2": 2, "moe_fsdp_ep2": 2, "moe_fsdp_ep4": 4, "moe_tp_ep2": 2, "moe_fsdp_tp_ep2": 2, "moe_fsdp_tp_ep4": 4}
 MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN = 8, 2, 128
 # pipeline configurations: name -> (pipeline degree, torchtitan's schedule name (with a
 # file: how stages are placed), schedule file or None). The file is a zero-bubble order of
@@ -124,6 +131,19 @@ def moe_model_config(layers: int, parallelism: ParallelismConfig):
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     set_qwen3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel,
                               enable_ep=parallelism.expert_parallel_degree > 1)
+    return spec, config
+
+
+def dsv3_model_config(layers: int, parallelism: ParallelismConfig):
+    """torchtitan's DeepSeek-V3 "debugmodel" with its first ``layers`` blocks and SDPA inner
+    attention, sharded as its ``update_from_config`` would."""
+    spec = dsv3_registry("debugmodel")
+    config = spec.model
+    config.layers = config.layers[:layers]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_deepseek_v3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel,
+                                    enable_ep=parallelism.expert_parallel_degree > 1)
     return spec, config
 
 
@@ -203,7 +223,8 @@ def main() -> None:
                               mixed_precision_param="float32", max_norm=1.0)
     compile_config = CompileConfig(enable=compiled, components=["model"], backend="aot_eager")
     tt_dist_utils.set_spmd_backend(parallelism.spmd_backend)  # as Trainer.__init__ does
-    spec, config = (moe_model_config if moe else model_config)(args.layers, parallelism)
+    build = dsv3_model_config if args.config.startswith("dsv3") else moe_model_config if moe else model_config
+    spec, config = build(args.layers, parallelism)
     weights = full_weights(config)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     device = torch.device("cpu")
