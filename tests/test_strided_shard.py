@@ -107,7 +107,7 @@ def mesh(request, mesh1d):
 
 def test_ops_against_one_process(mesh):
     """Pointwise ops and foreach keep the placement; other ops (matmul, reductions, views,
-    softmax) see it as Replicate and give the right values."""
+    softmax) give the right values, whatever placement they choose."""
     a, b, w = global_tensor((7, 5)), global_tensor((7, 5), seed=2), global_tensor((5, 3), seed=3)
     rep = [Replicate()] * mesh.ndim
     place = _strided(mesh)
