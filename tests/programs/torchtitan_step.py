@@ -5,6 +5,12 @@ schedule), as its ``Trainer.train_step`` runs them (global valid tokens by
 ``dist_sum_tensor``, context-parallel input sharding, its loss, ``clip_grad_norm_`` over
 the pipeline mesh too, the logged loss by ``dist_sum`` over the loss mesh).
 
+The ``moe_*`` configurations train torchtitan's Qwen3 MoE, the ``dsv3_*`` ones its
+DeepSeek-V3, with its expert parallelism (``expert_parallel_degree``, its
+``AllToAllTokenDispatcher``, its MoE load-balancing optimizer hook, ``clip_grad_norm_(...,
+ep_enabled=True)``); the ``full_*`` ones run under ``spmd_backend="full_dtensor"`` (inputs
+wrapped by its ``full_dtensor.parallelize_inputs``), the others under "partial_dtensor".
+
 A program written for torch.distributed: it imports nothing from mpidtensor. It runs
 under ``torchrun`` (torch's DTensor on gloo), under ``mpiexec ... python -m
 mpidtensor.run`` (mpidtensor), or alone with ``--reference`` (one process, no
