@@ -19,7 +19,7 @@ which torch's own runtime runs too). torch on gloo fails CP x FSDP on CPU (no sh
 torchtitan's Qwen3 MoE ("debugmodel_moe", 2 blocks of 8 experts, top 2) with its expert
 parallelism (``AllToAllTokenDispatcher`` over ``all_to_all_single``; routed experts sharded
 by FSDP over ``efsdp`` through ``shard_placement_fn``'s ``ShardPlacementResult``): FSDP
-alone, EP 2 and 4 under FSDP, TP + SP of the experts, EP x TP (x FSDP), and FSDP x EP and
+alone, EP 2 and 4 under FSDP, EP 2 under HSDP, TP + SP of the experts, EP x TP (x FSDP), and FSDP x EP and
 FSDP x TP x EP under ``full_dtensor``; torchtitan's DeepSeek-V3 ("debugmodel", its dense
 first block and an MoE block with shared experts, MLA attention) under FSDP, FSDP x EP and
 FSDP x TP x EP; against one process
@@ -73,7 +73,7 @@ CASES = [  # (configuration, ranks)
 MOE_CASES = [
     pytest.param("moe_fsdp_tp_ep2", 4, marks=_quick),
     *(pytest.param(config, 4, marks=_full) for config in ("moe_fsdp", "moe_fsdp_ep2", "moe_fsdp_ep4", "moe_tp_sp",
-                                                          "moe_fsdp_tp_ep4")),
+                                                          "moe_fsdp_tp_ep4", "moe_hsdp_ep2")),
     pytest.param("moe_tp_ep2", 2, marks=_full),
     *(pytest.param(config, 4, marks=_full) for config in ("full_moe_fsdp_ep2", "full_moe_fsdp_tp_ep2")),
     # torchtitan's DeepSeek-V3 (MLA attention, shared experts; a dense block, then an MoE one)
