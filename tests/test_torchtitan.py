@@ -19,7 +19,7 @@ which torch's own runtime runs too). torch on gloo fails CP x FSDP on CPU (no sh
 torchtitan's Qwen3 MoE ("debugmodel_moe", 2 blocks of 8 experts, top 2) with its expert
 parallelism (``AllToAllTokenDispatcher`` over ``all_to_all_single``; routed experts sharded
 by FSDP over ``efsdp`` through ``shard_placement_fn``'s ``ShardPlacementResult``): FSDP
-alone, EP 2 and 4 under FSDP, EP 2 under HSDP, TP + SP of the experts, EP x TP (x FSDP), and FSDP x EP and
+alone, EP 2 and 4 under FSDP, EP 2 under HSDP and under PP x FSDP (``pipeline_llm``), TP + SP of the experts, EP x TP (x FSDP), and FSDP x EP and
 FSDP x TP x EP under ``full_dtensor``; torchtitan's DeepSeek-V3 ("debugmodel", its dense
 first block and an MoE block with shared experts, MLA attention) under FSDP, FSDP x EP and
 FSDP x TP x EP; against one process
@@ -73,7 +73,7 @@ CASES = [  # (configuration, ranks)
 MOE_CASES = [
     pytest.param("moe_fsdp_tp_ep2", 4, marks=_quick),
     *(pytest.param(config, 4, marks=_full) for config in ("moe_fsdp", "moe_fsdp_ep2", "moe_fsdp_ep4", "moe_tp_sp",
-                                                          "moe_fsdp_tp_ep4", "moe_hsdp_ep2")),
+                                                          "moe_fsdp_tp_ep4", "moe_hsdp_ep2", "moe_pp_fsdp_ep2")),
     pytest.param("moe_tp_ep2", 2, marks=_full),
     *(pytest.param(config, 4, marks=_full) for config in ("full_moe_fsdp_ep2", "full_moe_fsdp_tp_ep2")),
     # torchtitan's DeepSeek-V3 (MLA attention, shared experts; a dense block, then an MoE one)
@@ -85,6 +85,9 @@ MOE_CASES = [
 # compared at RTOL; the later ones at these, which torch on gloo needs as well (its step-3
 # losses are 1.3e-5 off, its norms up to 6e-5).
 MOE_RTOL, MOE_NORM_RTOL = 5e-5, 2e-4
+# PP x FSDP x EP sums each expert's bfloat16 gradient over 2 micro-batches: its step-2 norm is
+# 1.7e-4 off one process's, on torch/gloo as here
+MOE_NORM_RTOLS = {"moe_pp_fsdp_ep2": 5e-4}
 
 
 def _run(argv: list[str], ranks: int | None, out: Path, run=run_command) -> tuple[dict | None, str]:
@@ -186,7 +189,8 @@ def test_torchtitan_moe(config, ranks, moe_reference, folder):
                      folder / f"{config}-{ranks}-mpidtensor.json")
     assert_all_ranks(ours is not None, f"{config} at {ranks} ranks under mpidtensor.run: {log}")
     assert_all_ranks(ours["dtensor"].startswith("mpidtensor"), f"the model's parameters are {ours['dtensor']}")
-    problems = _differences(ours, moe_reference(config), later=(MOE_RTOL, MOE_NORM_RTOL))
+    later = (MOE_RTOL, MOE_NORM_RTOLS.get(config, MOE_NORM_RTOL))
+    problems = _differences(ours, moe_reference(config), later=later)
     assert_all_ranks(not problems, f"{config} at {ranks} ranks against one process: {problems}")
 
 
@@ -198,5 +202,6 @@ def test_torch_on_gloo_moe(config, ranks, moe_reference, folder):
     theirs, log = _run([sys.executable, str(GLOO), str(DRIVER), config, "--sum-reduction"], ranks,
                        folder / f"{config}-{ranks}-gloo.json", run=run_peer)
     assert_all_ranks(theirs is not None, f"{config} on torch/gloo: {log}")
-    problems = _differences(theirs, moe_reference(config), norm_rtol=1e-4, later=(MOE_RTOL, MOE_NORM_RTOL))
+    later = (MOE_RTOL, MOE_NORM_RTOLS.get(config, MOE_NORM_RTOL))
+    problems = _differences(theirs, moe_reference(config), norm_rtol=1e-4, later=later)
     assert_all_ranks(not problems, f"{config} on torch/gloo against one process: {problems}")
