@@ -107,7 +107,7 @@ def mesh(request, mesh1d):
 
 def test_ops_against_one_process(mesh):
     """Pointwise ops and foreach keep the placement; other ops (matmul, reductions, views,
-    softmax) see it as Replicate and give the right values."""
+    softmax) give the right values, whatever placement they choose."""
     a, b, w = global_tensor((7, 5)), global_tensor((7, 5), seed=2), global_tensor((5, 3), seed=3)
     rep = [Replicate()] * mesh.ndim
     place = _strided(mesh)
@@ -270,3 +270,59 @@ def test_partial_input_to_strided_is_a_reduce_scatter(mesh1d):
     expected = {} if WORLD.size == 1 else {"reduce_scatter": 1}
     assert_all_ranks(dict(comm.get_comm_counts()) == expected, str(comm.get_comm_counts()))
     assert_close(out.full_tensor(), torch.full((7, 3), float(WORLD.size)))
+
+
+@pytest.mark.parametrize("even", [True, False])
+def test_flatten_of_sequence_shard_is_strided_as_torchs(mesh, even):
+    """A sequence-sharded ``(B, S, D)`` flattened to ``(B * S, D)``: torch's
+    ``_StridedShard(0, split_factor=B)`` with no communication (S even over the mesh), kept by
+    the matrix product and its backward, ``Shard(1)`` again when split back (torchtitan's
+    MoE router under TP checks that it is); uneven S moves the shard first, as before. On a
+    (dp, tp) mesh the batch is sharded over dp too (torchtitan's ``full_dtensor``): the
+    split factor is a rank's rows, B / dp. Values and gradients against one process."""
+    n = mesh.size(mesh.ndim - 1)
+    dp = mesh.size(0) if mesh.ndim == 2 else 1
+    b, s, d, o = 2 * dp, 2 * n + (0 if even else 1), 6, 3
+    x, w = global_tensor((b, s, d)), global_tensor((o, d), seed=5)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    batch = [Shard(0)] if mesh.ndim == 2 else []
+    dx = distribute_tensor(x.detach(), mesh, batch + [Shard(1)]).requires_grad_(True)
+    dw = distribute_tensor(w.detach(), mesh, [Replicate()] * mesh.ndim).requires_grad_(True)
+    flat = dx.view(b * s, d)
+    out = torch.nn.functional.linear(flat, dw)
+    y = out.view(b, s, o)
+    want = torch.nn.functional.linear(x.view(b * s, d), w).view(b, s, o)
+    bad = []
+    if even:
+        local = dx.to_local().reshape(-1, d)
+        strided = tuple(batch + [SS(0, split_factor=b // dp)])
+        if flat.placements != strided or not torch.equal(flat.to_local(), local):
+            bad.append(f"flatten: {flat.placements}")
+        if out.placements != strided or y.placements != tuple(batch + [Shard(1)]):
+            bad.append(f"product / split back: {out.placements} / {y.placements}")
+    if not torch.allclose(y.full_tensor(), want, atol=1e-5):
+        bad.append("values")
+    grad = global_tensor((b, s, o), seed=9)
+    want.backward(grad)
+    y.backward(distribute_tensor(grad, mesh, batch + [Shard(1)]))
+    if not torch.allclose(dx.grad.full_tensor(), x.grad, atol=1e-5):
+        bad.append("input gradient")
+    if not torch.allclose(dw.grad.full_tensor(), w.grad, atol=1e-5):
+        bad.append("weight gradient")
+    assert_all_ranks(not bad, str(bad))
+
+
+def test_strided_view_renumbers_and_splits(mesh1d):
+    """``_StridedShard`` through a transpose and through an unflatten whose leading dims
+    are its pieces (``Shard`` of the next dim), against one process."""
+    n = mesh1d.size()
+    x = global_tensor((3, 2 * n, 4))
+    flat = distribute_tensor(x, mesh1d, [Shard(1)]).view(3 * 2 * n, 4)
+    t = flat.t()
+    back = flat.view(3, 2 * n, 4)
+    other = flat.view(3, n, 8)  # pieces are not this split's leading dims alone: moved, right values
+    checks = [(t, x.view(-1, 4).t(), (SS(1, split_factor=3),)), (back, x, (Shard(1),)), (other, x.view(3, n, 8), None)]
+    bad = [i for i, (got, want, place) in enumerate(checks)
+           if not torch.equal(got.full_tensor(), want) or (place is not None and got.placements != place)]
+    assert_all_ranks(not bad, f"{bad}: {[c[0].placements for c in checks]}")

@@ -28,6 +28,7 @@ from ..runtime.agreement import attempt, raise_agreed
 from ..mesh.relations import joint_mesh
 from ..tensor.placements import Shard, shard_dim
 from .group import ParamGroup
+from .mesh_groups import ParamGroups
 from .module import FSDPModule
 from .param import FSDPParam, MeshInfo
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_offload_policy
@@ -45,7 +46,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
@@ -72,7 +73,13 @@ def fully_shard(
     every uneven split over 3+ data-parallel ranks: there the default is the first dim
     TP leaves whole (a TP parameter with none, a ColwiseParallel bias, stays replicated
     over ``mesh``: used as is, its gradient all-reduced) and asking for the TP-sharded
-    dim raises ``ValueError``.
+    dim raises ``ValueError``. It may also return torch 2.13's
+    ``ShardPlacementResult(placement, mesh_info)``: that parameter is sharded over
+    ``mesh_info.mesh`` (1-D, or 2-D HSDP) with ``placement`` (torchtitan's routed experts
+    over ``efsdp`` beside ``ep``); each mesh is its own group (own all-gather and
+    reduce-scatter), all driven together as the module's group (``fsdp.mesh_groups``); a
+    ``mesh_info`` with ``dp_mesh_dims`` shards over those dims of its ``spmd_mesh``
+    (torchtitan's ``full_dtensor`` experts).
     ``reshard_after_forward``: ``None`` (the default, as torch's) is ``True`` (the root
     keeps its parameters while gradients are on either way); ``True`` frees the gathered parameters after forward (backward
     gathers them again), ``False`` keeps them; an int ``k`` (a divisor of the shard group
@@ -98,26 +105,35 @@ def fully_shard(
     spmd = None
     if dp_mesh_dims is not None:
         spmd = SpmdLayout(mesh, dp_mesh_dims)
-        for users, param in managed:
-            spmd.check(param, f"{type(users[0][0]).__name__}.{users[0][1]}")
         mesh = spmd.dp_mesh
     _check_mesh(mesh, spmd is not None)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable, got {shard_placement_fn!r}")
-    reshard_after_forward = _post_forward_size(reshard_after_forward, mesh)
-    check_offload_policy(offload_policy, {p.device for _, p in managed}, mesh)
-    _check_params(managed, mesh, mp_policy, offload_policy, spmd)
+    parts = []  # one ParamGroup per data-parallel mesh, in the order the parameters name them
+    for group_mesh, members, choices, spmd in _mesh_groups(managed, mesh, shard_placement_fn, spmd):
+        if spmd is not None:
+            for users, param in members:
+                spmd.check(param, f"{type(users[0][0]).__name__}.{users[0][1]}")
+        group_raf = _post_forward_size(reshard_after_forward, group_mesh)
+        check_offload_policy(offload_policy, {p.device for _, p in members}, group_mesh)
+        _check_params(members, group_mesh, mp_policy, offload_policy, spmd)
+        parts.append((group_mesh, members, choices, group_raf, spmd))
     shared_elsewhere = _shared_with_other_groups(managed)
     classes = [_fsdp_class(type(m)) for m in modules]  # (before any change: a class that cannot be subclassed raises here)
-    info = MeshInfo(mesh)
-    dims = [_shard_dim(param, shard_placement_fn, info, spmd) for _, param in managed]
-    params, error = attempt(lambda: [FSDPParam(users, param, info, mp_policy, dim, spmd)
-                                     for (users, param), dim in zip(managed, dims)])
-    if any(hasattr(_data(param), "fsdp_pre_all_gather") for _, param in managed):
-        raise_agreed(mesh.comm, error)  # a subclass's own split / copy may fail on some ranks only
-    elif error is not None:
-        raise error
-    group = ParamGroup(params, info, mp_policy, reshard_after_forward, offload_policy) if params else None
+    groups = []
+    for group_mesh, members, choices, group_raf, spmd in parts:
+        info = MeshInfo(group_mesh)
+        dims = [_shard_dim(param, None if choice is None else (lambda _, c=choice: c), info, spmd)
+                for (_, param), choice in zip(members, choices)]
+        params, error = attempt(lambda: [FSDPParam(users, param, info, mp_policy, dim, spmd)
+                                         for (users, param), dim in zip(members, dims)])
+        if any(hasattr(_data(param), "fsdp_pre_all_gather") for _, param in members):
+            raise_agreed(group_mesh.comm, error)  # a subclass's own split / copy may fail on some ranks only
+        elif error is not None:
+            raise error
+        if params:
+            groups.append(ParamGroup(params, info, mp_policy, group_raf, offload_policy))
+    group = None if not groups else groups[0] if len(groups) == 1 else ParamGroups(groups)
     for _, param in managed:
         _REPLACED[id(param)] = weakref.ref(param, lambda _, key=id(param): _REPLACED.pop(key, None))
     state = FSDPState(modules, group, mp_policy)
@@ -129,6 +145,49 @@ def fully_shard(
 
 
 fully_shard.state = state_of  # torch's way to reach a module's FSDP state (None if it has none)
+
+
+def _mesh_groups(managed: list, mesh: DeviceMesh, fn: Callable | None, spmd: SpmdLayout | None) -> list:
+    """``managed`` split by the data-parallel mesh each parameter is sharded over, as
+    ``(mesh, members, placements, layout)``: ``mesh`` (with the call's ``dp_mesh_dims``
+    layout ``spmd``), or that of a ``ShardPlacementResult(placement, mesh_info)`` that ``fn``
+    returned for it (torch 2.13's per-parameter mesh: torchtitan's routed experts over
+    ``efsdp``): ``mesh_info.mesh``, or with ``mesh_info.dp_mesh_dims`` the data-parallel
+    dims of its ``spmd_mesh``. Placements are ``fn``'s ``Shard`` or ``None``. The call's
+    own group is kept when empty. The same on every rank: ``fn`` sees each rank's
+    parameters of the same global metadata."""
+    found: dict[int, tuple[DeviceMesh, list, list, SpmdLayout | None]] = {id(mesh): (mesh, [], [], spmd)}
+    for users, param in managed:
+        choice = fn(param) if fn is not None else None
+        key = id(mesh)
+        if choice is not None and not isinstance(choice, Shard) and hasattr(choice, "mesh_info"):
+            info = choice.mesh_info
+            key = id(info)
+            if key not in found:
+                found[key] = _info_group(info)
+            choice = choice.placement
+        group = found[key]
+        group[1].append((users, param))
+        group[2].append(choice)
+    return [g for key, g in found.items() if g[1] or key == id(mesh)]
+
+
+def _info_group(info) -> tuple[DeviceMesh, list, list, SpmdLayout | None]:
+    """The (mesh, [], [], layout) of a torch ``FSDPMeshInfo``: a 1-D FSDP or 2-D
+    ``(replicate, shard)`` HSDP mesh, or the data-parallel dims of a full SPMD mesh."""
+    dims = getattr(info, "dp_mesh_dims", None)
+    if dims is not None:
+        layout = SpmdLayout(require_mesh(info.spmd_mesh, "fully_shard's shard_placement_fn (mesh_info.spmd_mesh)"),
+                            DataParallelMeshDims(shard=dims.shard, replicate=dims.replicate))
+        _check_mesh(layout.dp_mesh, True)
+        return layout.dp_mesh, [], [], layout
+    target = require_mesh(info.mesh, "fully_shard's shard_placement_fn (mesh_info.mesh)")
+    layout = (getattr(info, "replicate_mesh_dim", None), info.shard_mesh_dim)
+    if layout != ((None, 0) if target.ndim == 1 else (0, 1)):
+        raise NotImplementedError(f"fully_shard: a per-parameter mesh must be 1-D (shard dim 0) or 2-D "
+                                  f"(replicate dim 0, shard dim 1), got {target!r} with {layout}")
+    _check_mesh(target, False)
+    return target, [], [], None
 
 
 def _check_mesh(mesh: DeviceMesh, spmd: bool) -> None:

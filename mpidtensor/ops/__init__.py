@@ -12,5 +12,6 @@ from . import (  # noqa: F401
     registry,
     sorting,
     tensor_ops,
+    reshape,
     views,
 )

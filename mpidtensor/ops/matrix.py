@@ -10,7 +10,11 @@ Per mesh dim the candidates are:
   factor with the other replicated); a contracted label gives ``Partial(sum)``.
   Both factors are split by ``torch.chunk`` of the same length in the same mesh-dim
   order, so uneven pieces of a contracted dim line up;
-* one factor ``Partial(sum/avg)``, the other replicated: the output keeps that Partial.
+* one factor ``Partial(sum/avg)``, the other replicated: the output keeps that Partial;
+* as for a shard, a label held as the same ``_StridedShard`` (a split factor some input
+  has there) by every factor that has it: kept in the output, or ``Partial(sum)`` (a
+  flattened sequence-sharded activation's rows, torch's layout; both factors hold the
+  same positions of a contracted one).
 
 Candidates of all mesh dims are combined and the one whose input redistributions
 move the fewest bytes wins. Backward ops are products on transposed views (``mm``,
@@ -29,9 +33,9 @@ from itertools import product
 
 import torch
 
-from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.placements import Partial, Placement, Replicate, Shard, _StridedShard
 from ..tensor.spec import DTensorSpec
-from .registry import OpCall, Sharding, cheapest, register
+from .registry import OpCall, Sharding, cheapest, register, takes_strided
 
 aten = torch.ops.aten
 
@@ -79,6 +83,7 @@ PRODUCTS: dict[torch._ops.OpOverload, Product] = {
 }
 
 
+@takes_strided
 @register(*PRODUCTS)
 def product_rule(call: OpCall) -> Sharding:
     """The cheapest combination of per-mesh-dim options (see the module docstring)."""
@@ -120,9 +125,20 @@ def _options(prod: Product, specs: list[DTensorSpec], out_shape: torch.Size, m: 
         right = Shard(prod.right.index(label)) if label in prod.right else rep
         out = Shard(prod.out.index(label)) if label in prod.out else Partial("sum")
         pairs.append((out, left, right))
+    for sf in _split_factors(specs, m):  # a _StridedShard label held alike by the factors that have it
+        for label in dict.fromkeys(prod.left + prod.right):
+            left, right = (_StridedShard(f.index(label), split_factor=sf) if label in f else rep
+                           for f in (prod.left, prod.right))
+            out = _StridedShard(prod.out.index(label), split_factor=sf) if label in prod.out else Partial("sum")
+            pairs.append((out, left, right))
     for op in _partial_ops(specs, m):
         pairs += [(Partial(op), Partial(op), rep), (Partial(op), rep, Partial(op))]
     return [(out, _added_placement(added, out, out_shape), left, right) for out, left, right in pairs]
+
+
+def _split_factors(specs: list[DTensorSpec], m: int) -> list[int]:
+    """The split factors of the ``_StridedShard`` inputs at mesh dim ``m``."""
+    return list(dict.fromkeys(p.split_factor for s in specs if type(p := s.placements[m]) is _StridedShard))
 
 
 def _partial_ops(specs: list[DTensorSpec], m: int) -> list[str]:
@@ -139,7 +155,9 @@ def _added_placement(spec: DTensorSpec | None, out: Placement, out_shape: torch.
     """The added term's placement for an output placed ``out`` (it broadcasts against the output)."""
     if spec is None:
         return None
-    if isinstance(out, Shard):
+    if isinstance(out, (Shard, _StridedShard)):
         d = out.dim - (len(out_shape) - spec.ndim)
-        return Shard(d) if d >= 0 and spec.shape[d] == out_shape[out.dim] else Replicate()
+        if d < 0 or spec.shape[d] != out_shape[out.dim]:
+            return Replicate()
+        return Shard(d) if isinstance(out, Shard) else _StridedShard(d, split_factor=out.split_factor)
     return out

@@ -19,10 +19,10 @@ from typing import Callable, Sequence
 import torch
 
 from ..tensor.layout import local_shape_and_offset, local_span
-from ..tensor.placements import Partial, Placement, Replicate, Shard
+from ..tensor.placements import Partial, Placement, Replicate, Shard, _StridedShard
 from ..runtime.effects import effect
 from ..tensor.spec import DTensorSpec
-from .registry import OpCall, Sharding, cheapest, register
+from .registry import OpCall, Sharding, cheapest, register, takes_strided
 
 aten = torch.ops.aten
 
@@ -39,8 +39,11 @@ def _sharders(placements: Sequence[Placement], dim: int) -> list[int]:
 
 
 def _renumber(placements: Sequence[Placement], dim_map: dict[int, int]) -> tuple[Placement, ...]:
-    """Shard(d) becomes Shard(dim_map[d]); other placements are kept."""
-    return tuple(Shard(dim_map[p.dim]) if isinstance(p, Shard) else p for p in placements)
+    """Shard(d) becomes Shard(dim_map[d]), _StridedShard(d) _StridedShard(dim_map[d]) (same
+    split factor); other placements are kept."""
+    return tuple(Shard(dim_map[p.dim]) if isinstance(p, Shard) else
+                 _StridedShard(dim_map[p.dim], split_factor=p.split_factor) if type(p) is _StridedShard else p
+                 for p in placements)
 
 
 def _block_per_rank(shape, placements, mesh_shape, dim: int) -> float:
@@ -94,6 +97,7 @@ def _local_shape(shape, placements, mesh) -> tuple[int, ...]:
 # --- renumbering views: no communication ever ------------------------------------------------------
 
 
+@takes_strided
 @register(aten.transpose.int, aten.permute.default, aten.t.default)
 def permute_rule(call: OpCall) -> Sharding:
     """Dims are reordered: a shard follows its dim."""
@@ -173,64 +177,6 @@ def repeat_rule(call: OpCall) -> Sharding:
     return Sharding([tuple(placements)], [_renumber(placements, {d: lead + d for d in range(spec.ndim)})])
 
 
-# --- view / reshape --------------------------------------------------------------------------------
-
-
-def _groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
-    """Pair the dims of a view into minimal groups of equal element count, size-1 dims
-    left out: (input dims, output dims) of each group. Needs a non-empty tensor."""
-    ins = [d for d, n in enumerate(in_shape) if n != 1]
-    outs = [d for d, n in enumerate(out_shape) if n != 1]
-    groups, i, o = [], 0, 0
-    while i < len(ins):
-        gi, go = [ins[i]], [outs[o]]
-        n_in, n_out = in_shape[ins[i]], out_shape[outs[o]]
-        i, o = i + 1, o + 1
-        while n_in != n_out:
-            if n_in < n_out:
-                gi.append(ins[i])
-                n_in *= in_shape[ins[i]]
-                i += 1
-            else:
-                go.append(outs[o])
-                n_out *= out_shape[outs[o]]
-                o += 1
-        groups.append((gi, go))
-    return groups
-
-
-def _view_fits(in_shape, out_shape, group, placements, mesh_shape) -> bool:
-    """Whether a group's input shards become the chunks of its leading output dim.
-
-    Only the group's leading input dim may be sharded; then each rank holds a
-    contiguous run of the group's elements, which must be exactly the run of its
-    chunk of the leading output dim (same mesh dims, same nesting)."""
-    dims_in, dims_out = group
-    lead_in, lead_out = dims_in[0], dims_out[0]
-    if any(Shard(d) in placements for d in dims_in[1:]):
-        return False
-    sharders = _sharders(placements, lead_in)
-    if not sharders:
-        return True
-    run_in = prod(in_shape[d] for d in dims_in[1:])
-    run_out = prod(out_shape[d] for d in dims_out[1:])
-    out_placements = [Shard(lead_out) if m in sharders else Replicate() for m in range(len(placements))]
-    for coord in _coords_of(mesh_shape, sharders):
-        off_in, n_in = local_span(in_shape[lead_in], lead_in, placements, mesh_shape, coord)
-        off_out, n_out = local_span(out_shape[lead_out], lead_out, out_placements, mesh_shape, coord)
-        if n_in * run_in != n_out * run_out or (n_in and off_in * run_in != off_out * run_out):
-            return False
-    return True
-
-
-def _unit_dims(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
-    """The size-1 input dims paired, in order, with the size-1 output dims. A shard of a
-    size-1 dim is the whole tensor on the first rank and nothing elsewhere, and so is a shard
-    of any size-1 output dim: the shard stays, with no collective (as torch's)."""
-    ones_in = [d for d, n in enumerate(in_shape) if n == 1]
-    return dict(zip(ones_in, [d for d, n in enumerate(out_shape) if n == 1]))
-
-
 def _coords_of(mesh_shape: Sequence[int], mesh_dims: Sequence[int]):
     """Mesh coordinates varying only ``mesh_dims`` (the others at 0)."""
     for values in itertools.product(*(range(mesh_shape[m]) for m in mesh_dims)):
@@ -238,42 +184,6 @@ def _coords_of(mesh_shape: Sequence[int], mesh_dims: Sequence[int]):
         for m, v in zip(mesh_dims, values):
             coord[m] = v
         yield coord
-
-
-@register(aten.view.default, aten._unsafe_view.default)
-def view_rule(call: OpCall) -> Sharding:
-    """A shard of the leading dim of a merged/split group stays when the pieces align
-    with the output's chunks; other shards move (all-to-all or all-gather) first.
-    The size argument becomes this rank's local output shape."""
-    spec = call.tensor_specs[0]
-    mesh, in_shape = spec.mesh, spec.shape
-    out_shape = call.out_metas()[0].shape
-    if in_shape.numel() == 0:
-        placements = [Replicate() if isinstance(p, Shard) else p for p in spec.placements]
-        out = tuple(placements)
-    else:
-        groups = _groups(in_shape, out_shape)
-        by_lead = {g[0][0]: g for g in groups}
-        units = _unit_dims(in_shape, out_shape)
-        bad = [m for m, p in enumerate(spec.placements)
-               if isinstance(p, Shard) and p.dim not in by_lead and p.dim not in units]
-        placements = [Replicate() if m in bad else p for m, p in enumerate(spec.placements)]
-        for lead, group in by_lead.items():
-            sharders = _sharders(placements, lead)
-            keep = _longest_prefix(
-                sharders,
-                lambda kept: _view_fits(in_shape, out_shape, group, _without(placements, lead, kept), mesh.shape),
-            )
-            bad += sharders[keep:]
-
-        def valid(trial: list[Placement]) -> bool:
-            return all(_view_fits(in_shape, out_shape, g, trial, mesh.shape) for g in groups)
-
-        placements = _relocate(in_shape, mesh.shape, placements, sorted(bad), list(by_lead), valid)
-        out = _renumber(placements, {**units, **{lead: g[1][0] for lead, g in by_lead.items()}})
-    size = _local_shape(out_shape, out, mesh)
-    op = call.func._op  # the overload's C++ entry: one Python frame less per call
-    return Sharding([tuple(placements)], [out], local=lambda a, k: op(a[0], size))
 
 
 @register(aten.view.dtype)

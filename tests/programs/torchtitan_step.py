@@ -5,6 +5,12 @@ schedule), as its ``Trainer.train_step`` runs them (global valid tokens by
 ``dist_sum_tensor``, context-parallel input sharding, its loss, ``clip_grad_norm_`` over
 the pipeline mesh too, the logged loss by ``dist_sum`` over the loss mesh).
 
+The ``moe_*`` configurations train torchtitan's Qwen3 MoE, the ``dsv3_*`` ones its
+DeepSeek-V3, with its expert parallelism (``expert_parallel_degree``, its
+``AllToAllTokenDispatcher``, its MoE load-balancing optimizer hook, ``clip_grad_norm_(...,
+ep_enabled=True)``); the ``full_*`` ones run under ``spmd_backend="full_dtensor"`` (inputs
+wrapped by its ``full_dtensor.parallelize_inputs``), the others under "partial_dtensor".
+
 A program written for torch.distributed: it imports nothing from mpidtensor. It runs
 under ``torchrun`` (torch's DTensor on gloo), under ``mpiexec ... python -m
 mpidtensor.run`` (mpidtensor), or alone with ``--reference`` (one process, no
@@ -45,13 +51,18 @@ tt_utils.device_module = tt_dist_utils.device_module = torch.cpu
 
 from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss  # noqa: E402
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402
-from torchtitan.distributed import ParallelDims  # noqa: E402
+from torchtitan.distributed import ParallelDims, full_dtensor  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: E402
 from torchtitan.distributed.context_parallel import prepare_context_parallel_input  # noqa: E402
 from torchtitan.distributed.pipeline_parallel import pipeline_llm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config  # noqa: E402
+from torchtitan.models.deepseek_v3 import model_registry as dsv3_registry  # noqa: E402
+from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config  # noqa: E402
+from torchtitan.models.qwen3 import _build_qwen3_moe_layers  # noqa: E402
+from torchtitan.models.qwen3 import model_registry as qwen3_registry  # noqa: E402
+from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config  # noqa: E402
 
 # name: (dp_replicate, dp_shard, cp, tp, sequence parallel, activation checkpointing, compile)
 CONFIGS = {
@@ -67,12 +78,37 @@ CONFIGS = {
     "pp_tp": (1, 1, 1, 2, True, False, False),
     "pp_zbv_fsdp": (1, -1, 1, 1, True, False, False),
     "pp_csv_fsdp": (1, -1, 1, 1, True, False, False),
+    # torchtitan's Qwen3 MoE ("debugmodel_moe", 2 blocks, 8 experts, top 2), experts
+    # parallel by its AllToAllTokenDispatcher (degree in EXPERTS)
+    "moe_fsdp": (1, -1, 1, 1, True, False, False),
+    "moe_fsdp_ep2": (1, -1, 1, 1, True, False, False),
+    "moe_fsdp_ep4": (1, -1, 1, 1, True, False, False),
+    "moe_tp_ep2": (1, 1, 1, 2, True, False, False),
+    "moe_fsdp_tp_ep2": (1, -1, 1, 2, True, False, False),
+    "moe_fsdp_tp_ep4": (1, -1, 1, 2, True, False, False),
+    "moe_tp_sp": (1, 1, 1, -1, True, False, False),
+    "moe_hsdp_ep2": (2, -1, 1, 1, True, False, False),
+    "moe_pp_fsdp_ep2": (1, -1, 1, 1, True, False, False),
 }
+# spmd_backend="full_dtensor": every parameter, buffer and input a DTensor on the whole dense
+# mesh, FSDP over its data-parallel dims (DataParallelMeshDims); the rest "partial_dtensor"
+FULL_DTENSOR = {"full_fsdp": (1, -1, 1, 1, True, False, False), "full_tp_sp": (1, 1, 1, -1, True, False, False),
+                "full_fsdp_tp": (1, -1, 1, 2, True, False, False), "full_hsdp": (2, -1, 1, 1, True, False, False),
+                "full_moe_fsdp_ep2": (1, -1, 1, 1, True, False, False),
+                "full_moe_fsdp_tp_ep2": (1, -1, 1, 2, True, False, False)}
+CONFIGS.update(FULL_DTENSOR)
+# torchtitan's DeepSeek-V3 ("debugmodel": MLA attention, 8 routed + 2 shared experts, top 3;
+# its first block dense, the second MoE)
+DSV3 = {"dsv3_fsdp": (1, -1, 1, 1, True, False, False), "dsv3_fsdp_ep2": (1, -1, 1, 1, True, False, False),
+        "dsv3_fsdp_tp_ep2": (1, -1, 1, 2, True, False, False)}
+CONFIGS.update(DSV3)
+EXPERTS = {"dsv3_fsdp_ep2": 2, "dsv3_fsdp_tp_ep2": 2, "full_moe_fsdp_ep2": 2, "full_moe_fsdp_tp_ep2": 2, "moe_fsdp_ep2": 2, "moe_fsdp_ep4": 4, "moe_hsdp_ep2": 2, "moe_pp_fsdp_ep2": 2, "moe_tp_ep2": 2, "moe_fsdp_tp_ep2": 2, "moe_fsdp_tp_ep4": 4}
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN = 8, 2, 128
 # pipeline configurations: name -> (pipeline degree, torchtitan's schedule name (with a
 # file: how stages are placed), schedule file or None). The file is a zero-bubble order of
 # 4 stages over 2 ranks and 2 micro-batches (one per FSDP rank's 2 sequences), written
 # by hand in torch's CSV form, bubble cell included.
-PIPELINES = {"pp_fsdp": (2, "1F1B", None), "pp_tp": (2, "Interleaved1F1B", None),
+PIPELINES = {"pp_fsdp": (2, "1F1B", None), "moe_pp_fsdp_ep2": (2, "1F1B", None), "pp_tp": (2, "Interleaved1F1B", None),
              "pp_zbv_fsdp": (2, "ZBVZeroBubble", None),
              "pp_csv_fsdp": (2, "ZBVZeroBubble", os.path.join(os.path.dirname(__file__), "zbv_pp2_mb2.csv"))}
 STEPS, GLOBAL_BATCH, SEQ_LEN, SEED, LR = 3, 4, 32, 0, 8e-4
@@ -88,6 +124,43 @@ def model_config(layers: int, parallelism: ParallelismConfig):
         layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=SEQ_LEN)
     set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
     return spec, config
+
+
+def moe_model_config(layers: int, parallelism: ParallelismConfig):
+    """torchtitan's Qwen3 "debugmodel_moe" with ``layers`` blocks of MOE_EXPERTS experts
+    (top MOE_TOP_K) and SDPA inner attention, sharded as its ``update_from_config`` would."""
+    spec = qwen3_registry("debugmodel_moe")
+    config = spec.model
+    config.layers = _build_qwen3_moe_layers(
+        n_layers=layers, dim=config.dim, n_heads=16, n_kv_heads=8, head_dim=128, moe_hidden_dim=MOE_HIDDEN,
+        num_experts=MOE_EXPERTS, top_k=MOE_TOP_K, attn_backend="flex", moe_comm_backend="standard",
+        rope=dataclasses.replace(config.layers[0].attention.rope, max_seq_len=SEQ_LEN))
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_qwen3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel,
+                              enable_ep=parallelism.expert_parallel_degree > 1)
+    return spec, config
+
+
+def dsv3_model_config(layers: int, parallelism: ParallelismConfig):
+    """torchtitan's DeepSeek-V3 "debugmodel" with its first ``layers`` blocks and SDPA inner
+    attention, sharded as its ``update_from_config`` would."""
+    spec = dsv3_registry("debugmodel")
+    config = spec.model
+    config.layers = config.layers[:layers]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_deepseek_v3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel,
+                                    enable_ep=parallelism.expert_parallel_degree > 1)
+    return spec, config
+
+
+class _OneProcessDims:
+    """What torchtitan's MoE load-balancing hook reads of ``ParallelDims`` in one process."""
+    ep_enabled, tp = False, 1
+
+    def get_optional_mesh(self, name):
+        return None
 
 
 def full_weights(config) -> dict[str, torch.Tensor]:
@@ -136,9 +209,10 @@ def main() -> None:
     args = parser.parse_args()
     dp_replicate, dp_shard, cp, tp, sp, ac, compiled = CONFIGS[args.config]
     pp, schedule, schedule_csv = PIPELINES.get(args.config, (1, "1F1B", None))
+    ep, moe = EXPERTS.get(args.config, 1), "moe" in args.config
     reference = args.reference
     if reference:
-        dp_replicate = dp_shard = cp = tp = pp = 1
+        dp_replicate = dp_shard = cp = tp = pp = ep = 1
     else:
         dist.init_process_group(backend="gloo")
     world_size = dist.get_world_size() if not reference else 1
@@ -147,16 +221,18 @@ def main() -> None:
     parallelism = ParallelismConfig(
         data_parallel_replicate_degree=dp_replicate, data_parallel_shard_degree=dp_shard,
         context_parallel_degree=cp, tensor_parallel_degree=tp, enable_sequence_parallel=sp,
-        spmd_backend="partial_dtensor", context_parallel_load_balancer="headtail",
+        spmd_backend="full_dtensor" if args.config in FULL_DTENSOR else "partial_dtensor",
+        context_parallel_load_balancer="headtail",
         pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule, pipeline_parallel_microbatch_size=1,
-        pipeline_parallel_schedule_csv=schedule_csv or "",
+        pipeline_parallel_schedule_csv=schedule_csv or "", expert_parallel_degree=ep,
     )
     batch_degree = 1 if reference else world_size // (pp * cp * tp)  # dp_replicate x dp_shard
     training = TrainingConfig(local_batch_size=GLOBAL_BATCH // batch_degree, seq_len=SEQ_LEN, steps=STEPS,
                               mixed_precision_param="float32", max_norm=1.0)
     compile_config = CompileConfig(enable=compiled, components=["model"], backend="aot_eager")
     tt_dist_utils.set_spmd_backend(parallelism.spmd_backend)  # as Trainer.__init__ does
-    spec, config = model_config(args.layers, parallelism)
+    build = dsv3_model_config if args.config.startswith("dsv3") else moe_model_config if moe else model_config
+    spec, config = build(args.layers, parallelism)
     weights = full_weights(config)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     device = torch.device("cpu")
@@ -196,6 +272,8 @@ def main() -> None:
         part.train()
     params = [p for part in parts for p in part.parameters()]
     optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    if spec.post_optimizer_build_fn is not None:  # MoE: the expert-bias update before each step
+        spec.post_optimizer_build_fn(optimizer, parts, parallel_dims or _OneProcessDims())
 
     if parallel_dims is not None and parallel_dims.dp_enabled:
         batch_mesh = parallel_dims.get_mesh("batch")
@@ -221,6 +299,8 @@ def main() -> None:
                 inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), device,
                 parallelism.context_parallel_load_balancer,
             )
+        if parallel_dims is not None and parallelism.spmd_backend == "full_dtensor":  # Trainer.post_dataloading_process
+            inputs, labels, extra_kwargs = full_dtensor.parallelize_inputs(parallel_dims, inputs, labels, extra_kwargs)
         if pp_schedule is not None:  # Trainer.pp_forward_backward_step, on the whole batch
             step_losses = [] if has_last else None
             pp_schedule.step(*((inputs,) if has_first else ()), target=labels if has_last else None,
@@ -238,6 +318,7 @@ def main() -> None:
         grad_norm = tt_dist_utils.clip_grad_norm_(
             params, training.max_norm, foreach=True,
             pp_mesh=None if parallel_dims is None else parallel_dims.get_optional_mesh("pp"),
+            ep_enabled=parallel_dims is not None and parallel_dims.ep_enabled,
         )
         optimizer.step()
         loss = loss.detach()
@@ -252,7 +333,8 @@ def main() -> None:
             json.dump({"config": args.config, "world_size": world_size, "losses": losses, "grad_norms": norms,
                        "grad_norms_float64": exact_norms,
                        "seconds": time.monotonic() - start,
-                       "dtensor": type(params[-1]).__module__}, f)
+                       "dtensor": type(params[-1]).__module__,
+                       "mesh": list(getattr(getattr(params[0], "device_mesh", None), "mesh_dim_names", None) or [])}, f)
     if not reference:
         dist.barrier()
         dist.destroy_process_group()
