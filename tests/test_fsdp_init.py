@@ -77,6 +77,26 @@ def test_load_full_state_dict_distributed(mesh1d, assign):
     assert_same_model(net, ref, **TOL)
 
 
+def test_meta_parameters_beside_real_ones(mesh1d):
+    """A module whose parameters are partly on meta (deferred init, as transformers leaves
+    those its loader fills later) shards as torch's does: the real ones keep their values,
+    a meta one assigned afterwards is adopted, and training equals one process."""
+    ref = make_net()
+    net = make_net()
+    net.head.weight = nn.Parameter(torch.empty(3, 6, device="meta"))
+    shard_net(net, mesh=mesh1d)
+    for name, p in net.named_parameters():
+        if name != "head.weight":
+            assert_close(p.full_tensor(), dict(ref.named_parameters())[name].detach(), atol=0, rtol=0)
+    net.head.weight = nn.Parameter(distribute_tensor(ref.head.weight.detach(), mesh1d, [Shard(0)]))
+    assert_same_model(net, ref, atol=0, rtol=0)
+    (x, target), (local_x, local_t) = batch(WORLD.size, WORLD.rank)
+    ref_losses, _ = train(ref, x, target, steps=3)
+    losses, _ = train(net, local_x, local_t, steps=3, comm=WORLD)
+    assert_close(losses, ref_losses, **TOL)
+    assert_same_model(net, ref, **TOL)
+
+
 def _raises(error: type, fn) -> str | None:
     try:
         fn()
@@ -87,21 +107,18 @@ def _raises(error: type, fn) -> str | None:
     return None
 
 
-BAD_INPUTS = ["devices", "meshes", "mesh_ndim", "mp_dtype", "mp_type", "reduce_dtype"]
+BAD_INPUTS = ["meshes", "mesh_ndim", "mp_dtype", "mp_type", "reduce_dtype"]
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_raises_everywhere_and_changes_nothing(mesh1d, case):
     net = make_net()
     error = TypeError if case.startswith(("mp", "reduce")) else ValueError
-    if case == "devices":
-        net.head.weight = nn.Parameter(torch.empty(3, 6, device="meta"))
-    elif case == "meshes":
+    if case == "meshes":
         other = init_device_mesh("cpu", (WORLD.size,), mesh_dim_names=("other",))
         net.inp.weight = nn.Parameter(distribute_tensor(net.inp.weight.detach(), mesh1d, [Shard(0)]))
         net.head.weight = nn.Parameter(distribute_tensor(net.head.weight.detach(), other, [Shard(0)]))
     calls = {
-        "devices": lambda: fully_shard(net, mesh=mesh1d),
         "meshes": lambda: fully_shard(net, mesh=mesh1d),
         "mesh_ndim": lambda: fully_shard(net, mesh=init_device_mesh("cpu", (1, 1, WORLD.size))),
         "mp_dtype": lambda: fully_shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8)),
