@@ -1,6 +1,6 @@
 """transformers' own parallelism unmodified under the switch (issue 38): tiny random Llama,
-Qwen2 and Qwen3-MoE models (and a DiffLlama at TP x FSDP: parameters partly on meta) saved locally (no hub) loaded with ``from_pretrained(path,
-tp_plan="auto")`` (tensor parallel), ``distributed_config=DistributedConfig(fsdp_size=N)``
+Qwen2 and Qwen3-MoE models (and a DiffLlama at TP x FSDP: parameters partly on meta) saved
+locally (no hub) loaded with ``from_pretrained(path, tp_plan="auto")`` (tensor parallel), ``distributed_config=DistributedConfig(fsdp_size=N)``
 (transformers' FSDP2) or ``DistributedConfig(tp_size=2, fsdp_size=2)`` (both on a 2x2 mesh, 4
 ranks; its weight loading slices the mesh from several threads at once), with ``ep_size=2`` for
 the MoE (its tokens travel by torch's differentiable functional all-to-all), or as 2 pipeline
