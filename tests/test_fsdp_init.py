@@ -1,11 +1,13 @@
 """fully_shard: meta-device initialisation, state dicts, and bad input."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from helpers import assert_all_ranks, assert_close
+from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Shard, distribute_tensor, init_device_mesh
 from mpidtensor.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from test_fsdp import Net, TOL, assert_same_model, batch, make_net, shard_net, train
@@ -95,6 +97,30 @@ def test_meta_parameters_beside_real_ones(mesh1d):
     losses, _ = train(net, local_x, local_t, steps=3, comm=WORLD)
     assert_close(losses, ref_losses, **TOL)
     assert_same_model(net, ref, **TOL)
+
+
+def test_plain_parameter_meeting_dtensors(mesh1d):
+    """A plain parameter that meets a DTensor in its module's forward (taken as ``Replicate``
+    there, as transformers' TP x FSDP leaves some) gets a DTensor gradient; FSDP reduces its
+    whole value (it stopped with an AttributeError), and training equals one process."""
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 3)
+    net = fully_shard(copy.deepcopy(ref), mesh=mesh1d)
+    x = global_tensor((5, 4), seed=3)
+    losses = {}
+    for name, model, inputs in (("ref", ref, x), ("fsdp", net, distribute_tensor(x, mesh1d, [Shard(0)]))):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        losses[name] = []
+        for _ in range(3):
+            out = model(inputs)
+            loss = (out.full_tensor() if isinstance(out, DTensor) else out).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.detach())
+    assert_close(torch.stack(losses["fsdp"]), torch.stack(losses["ref"]), **TOL)
+    for name, p in net.named_parameters():
+        assert_close(p.full_tensor(), dict(ref.named_parameters())[name].detach(), **TOL)
 
 
 def _raises(error: type, fn) -> str | None:
