@@ -1,11 +1,13 @@
 """fully_shard: meta-device initialisation, state dicts, and bad input."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from helpers import assert_all_ranks, assert_close
+from helpers import assert_all_ranks, assert_close, global_tensor
 from mpidtensor import DTensor, Shard, distribute_tensor, init_device_mesh
 from mpidtensor.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from test_fsdp import Net, TOL, assert_same_model, batch, make_net, shard_net, train
@@ -77,6 +79,50 @@ def test_load_full_state_dict_distributed(mesh1d, assign):
     assert_same_model(net, ref, **TOL)
 
 
+def test_meta_parameters_beside_real_ones(mesh1d):
+    """A module whose parameters are partly on meta (deferred init, as transformers leaves
+    those its loader fills later) shards as torch's does: the real ones keep their values,
+    a meta one assigned afterwards is adopted, and training equals one process."""
+    ref = make_net()
+    net = make_net()
+    net.head.weight = nn.Parameter(torch.empty(3, 6, device="meta"))
+    shard_net(net, mesh=mesh1d)
+    for name, p in net.named_parameters():
+        if name != "head.weight":
+            assert_close(p.full_tensor(), dict(ref.named_parameters())[name].detach(), atol=0, rtol=0)
+    net.head.weight = nn.Parameter(distribute_tensor(ref.head.weight.detach(), mesh1d, [Shard(0)]))
+    assert_same_model(net, ref, atol=0, rtol=0)
+    (x, target), (local_x, local_t) = batch(WORLD.size, WORLD.rank)
+    ref_losses, _ = train(ref, x, target, steps=3)
+    losses, _ = train(net, local_x, local_t, steps=3, comm=WORLD)
+    assert_close(losses, ref_losses, **TOL)
+    assert_same_model(net, ref, **TOL)
+
+
+def test_plain_parameter_meeting_dtensors(mesh1d):
+    """A plain parameter that meets a DTensor in its module's forward (taken as ``Replicate``
+    there, as transformers' TP x FSDP leaves some) gets a DTensor gradient; FSDP reduces its
+    whole value (it stopped with an AttributeError), and training equals one process."""
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 3)
+    net = fully_shard(copy.deepcopy(ref), mesh=mesh1d)
+    x = global_tensor((5, 4), seed=3)
+    losses = {}
+    for name, model, inputs in (("ref", ref, x), ("fsdp", net, distribute_tensor(x, mesh1d, [Shard(0)]))):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        losses[name] = []
+        for _ in range(3):
+            out = model(inputs)
+            loss = (out.full_tensor() if isinstance(out, DTensor) else out).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.detach())
+    assert_close(torch.stack(losses["fsdp"]), torch.stack(losses["ref"]), **TOL)
+    for name, p in net.named_parameters():
+        assert_close(p.full_tensor(), dict(ref.named_parameters())[name].detach(), **TOL)
+
+
 def _raises(error: type, fn) -> str | None:
     try:
         fn()
@@ -87,21 +133,18 @@ def _raises(error: type, fn) -> str | None:
     return None
 
 
-BAD_INPUTS = ["devices", "meshes", "mesh_ndim", "mp_dtype", "mp_type", "reduce_dtype"]
+BAD_INPUTS = ["meshes", "mesh_ndim", "mp_dtype", "mp_type", "reduce_dtype"]
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_raises_everywhere_and_changes_nothing(mesh1d, case):
     net = make_net()
     error = TypeError if case.startswith(("mp", "reduce")) else ValueError
-    if case == "devices":
-        net.head.weight = nn.Parameter(torch.empty(3, 6, device="meta"))
-    elif case == "meshes":
+    if case == "meshes":
         other = init_device_mesh("cpu", (WORLD.size,), mesh_dim_names=("other",))
         net.inp.weight = nn.Parameter(distribute_tensor(net.inp.weight.detach(), mesh1d, [Shard(0)]))
         net.head.weight = nn.Parameter(distribute_tensor(net.head.weight.detach(), other, [Shard(0)]))
     calls = {
-        "devices": lambda: fully_shard(net, mesh=mesh1d),
         "meshes": lambda: fully_shard(net, mesh=mesh1d),
         "mesh_ndim": lambda: fully_shard(net, mesh=init_device_mesh("cpu", (1, 1, WORLD.size))),
         "mp_dtype": lambda: fully_shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8)),

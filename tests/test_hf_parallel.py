@@ -1,6 +1,6 @@
 """transformers' own parallelism unmodified under the switch (issue 38): tiny random Llama,
-Qwen2 and Qwen3-MoE models saved locally (no hub) loaded with ``from_pretrained(path,
-tp_plan="auto")`` (tensor parallel), ``distributed_config=DistributedConfig(fsdp_size=N)``
+Qwen2 and Qwen3-MoE models (and a DiffLlama at TP x FSDP: parameters partly on meta) saved
+locally (no hub) loaded with ``from_pretrained(path, tp_plan="auto")`` (tensor parallel), ``distributed_config=DistributedConfig(fsdp_size=N)``
 (transformers' FSDP2) or ``DistributedConfig(tp_size=2, fsdp_size=2)`` (both on a 2x2 mesh, 4
 ranks; its weight loading slices the mesh from several threads at once), with ``ep_size=2`` for
 the MoE (its tokens travel by torch's differentiable functional all-to-all), or as 2 pipeline
@@ -85,7 +85,8 @@ def test_llama_transformers_fsdp():
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("model, mode", [("llama", "tp_fsdp"), ("qwen3_moe", "tp_fsdp_ep"),
                                          pytest.param("qwen2", "tp_fsdp", marks=pytest.mark.exhaustive),
-                                         pytest.param("qwen3_moe", "tp_fsdp", marks=pytest.mark.exhaustive)])
+                                         pytest.param("qwen3_moe", "tp_fsdp", marks=pytest.mark.exhaustive),
+                                         pytest.param("diffllama", "tp_fsdp", marks=pytest.mark.exhaustive)])
 def test_tp_and_fsdp_2d(model, mode):
     problems = _run(model, mode)
     assert_all_ranks(not problems, "\n".join(problems))

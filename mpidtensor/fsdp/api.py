@@ -284,10 +284,10 @@ def _check_params(managed: list, mesh: DeviceMesh, mp: MixedPrecisionPolicy, off
                   spmd: SpmdLayout | None = None) -> None:
     """Raise before anything changes if the parameters cannot be sharded together on ``mesh``."""
     params = [param for _, param in managed]
-    devices = {p.device for p in params}
+    devices = {p.device for p in params if p.device.type != "meta"}  # meta ones wait for a deferred init, as torch
     if len(devices) > 1:
         raise ValueError(f"fully_shard needs all parameters on one device, got {sorted(map(str, devices))}")
-    served = ("meta", mesh.device_type) + (("cpu",) if isinstance(offload, CPUOffloadPolicy) else ())
+    served = (mesh.device_type,) + (("cpu",) if isinstance(offload, CPUOffloadPolicy) else ())
     if devices and next(iter(devices)).type not in served:
         raise ValueError(f"parameters on {next(iter(devices))} cannot be sharded on a {mesh.device_type!r} mesh")
     meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}

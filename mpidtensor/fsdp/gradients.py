@@ -93,7 +93,9 @@ class GradientReduction:
                 unsharded.grad = None
                 if type(g) is not torch.Tensor:  # (no call for a plain gradient or one in the parameter's layout)
                     if type(g) is DTensor or isinstance(g, DTensor):
-                        g = g._local_tensor if g._spec.placements == p.unsharded_spec.placements else p.local_grad(g)
+                        spec = p.unsharded_spec
+                        g = g._local_tensor if spec is not None and g._spec.placements == spec.placements \
+                            else p.local_grad(g)
                     if type(g) is not torch.Tensor:
                         g = p.plain_grad(g)
                 if p.grad_acc is not None:

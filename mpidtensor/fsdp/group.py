@@ -131,7 +131,9 @@ class ParamGroup(GradientReduction):
         # Ialltoallw at 4 MiB with one rank per core; docs/performance.md "FSDP step")
         only = self.gathered[0] if len(self.gathered) == 1 else None
         self._rank_major = only is not None and only.pre == 1 and only.rows % info.shard_size == 0
-        built_on = params[0].initial_local.device
+        # a group mixing meta parameters (deferred init) with real ones lives on the real device
+        built_on = next((p.initial_local.device for p in params if not p.initial_local.is_meta),
+                        params[0].initial_local.device)
         self.offload_to = host_device(offload, info.mesh, built_on)  # where sharded state lives, if moved
         self.device = compute_device(info.mesh) if self.offload_to else built_on  # gathered params, gradients
         self.shard_flat = accounting.track_buffer(pinned(offload, torch.zeros(
@@ -140,8 +142,10 @@ class ParamGroup(GradientReduction):
             for p in params:
                 if p.extension or p.replicated:
                     local = p.initial_local if self.offload_to is None else p.initial_local.to(self.offload_to)
-                else:
-                    local = packing.shard_slot(self.shard_flat, p).copy_(p.initial_local)
+                else:  # a meta parameter's slot: zeros until assigned or loaded (torch keeps it on meta)
+                    local = packing.shard_slot(self.shard_flat, p)
+                    if not p.initial_local.is_meta:
+                        local.copy_(p.initial_local)
                 p.make_sharded(local)
                 p.initial_local = None
         self.sharded_state = SHARDED

@@ -207,7 +207,10 @@ class FSDPParam:
     def local_grad(self, grad: DTensor) -> torch.Tensor:
         """The local block of an unsharded DTensor gradient in the parameter's layout. Under
         dp_mesh_dims a Partial on a data-parallel dim stays: its terms are what FSDP's
-        reduce-scatter sums."""
+        reduce-scatter sums. A plain parameter that met DTensors (taken as ``Replicate`` there)
+        gets its whole gradient, reduced from the DTensor's placements."""
+        if self.unsharded_spec is None:
+            return grad.full_tensor()
         target = self.unsharded_spec.placements
         if grad._spec.placements != target:
             if self.dp_indices:

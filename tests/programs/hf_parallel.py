@@ -1,4 +1,4 @@
-"""transformers' own parallelism, unmodified: a tiny random MODEL (llama, qwen2 or qwen3_moe)
+"""transformers' own parallelism, unmodified: a tiny random MODEL (llama, qwen2, qwen3_moe or diffllama)
 saved locally, loaded with ``from_pretrained(path, tp_plan="auto")`` (MODE tp),
 ``distributed_config=DistributedConfig(fsdp_size=N)`` (MODE fsdp: transformers' FSDP2) or
 ``DistributedConfig(tp_size=2, fsdp_size=N // 2)`` (MODE tp_fsdp: both, on a 2-D mesh) or
@@ -14,7 +14,7 @@ import os
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, DiffLlamaConfig, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 from transformers.distributed import DistributedConfig
 
 folder, kind, mode = sys.argv[1:4]
@@ -31,6 +31,8 @@ CONFIGS = {
     # 4 experts of width 16, 2 chosen per token; the second layer dense (mlp_only_layers)
     "qwen3_moe": lambda: Qwen3MoeConfig(**SMALL, head_dim=8, moe_intermediate_size=16, num_experts=4,
                                         num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True),
+    # its lambda_* parameters are made on CPU while the loader leaves the rest on meta (FSDP)
+    "diffllama": lambda: DiffLlamaConfig(**SMALL),
 }
 
 if mode == "reload":  # every SAVE given, in one process (importing transformers is the costly part)
