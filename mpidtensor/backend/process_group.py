@@ -270,9 +270,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         wants one size), the sizes agreed first as ``all_to_all_single``'s splits are."""
         checks.same_dtype("alltoall", [*inputs, *outputs], self.comm.size, len(inputs), len(outputs))
         send, recv = [t.numel() for t in inputs], [t.numel() for t in outputs]
-        _check_splits(self.comm, (send, recv, sum(send), sum(recv)))
-        flat = torch.cat([t.reshape(-1) for t in inputs])
-        got = exchange_rows(flat, self.comm, send_rows=send, recv_rows=recv)
+        got = agreed_exchange(torch.cat([t.reshape(-1) for t in inputs]), self.comm, send, recv)
         for out, piece in zip(outputs, got.split(recv)):
             out.copy_(piece.view(out.shape))
         return Completed(outputs)
