@@ -27,7 +27,7 @@ FSDP x TP x EP; against one process
 
 Each job starts its own ranks (``subjob.run_command``), so the tests run at outer world
 size 1 only. Quick tier: FSDP x TP, CP x FSDP, PP x TP and MoE FSDP x TP x EP against one process; full tier:
-every configuration, torch on gloo too. Skips, naming what is missing, where torchtitan or
+every configuration, torch on gloo too (of the MoE ones, one of each kind: ``GLOO_MOE``). Skips, naming what is missing, where torchtitan or
 triton (which torchtitan imports at import time) cannot be imported.
 """
 from __future__ import annotations
@@ -88,6 +88,10 @@ MOE_RTOL, MOE_NORM_RTOL = 5e-5, 2e-4
 # PP x FSDP x EP sums each expert's bfloat16 gradient over 2 micro-batches: its step-2 norm is
 # 1.7e-4 off one process's, on torch/gloo as here
 MOE_NORM_RTOLS = {"moe_pp_fsdp_ep2": 5e-4}
+# torch on gloo runs one configuration of each kind in the test (EP alone, with TP, under PP,
+# DeepSeek-V3): each costs a 4-rank job; every configuration's gloo figures were measured once
+# and are in docs/torchtitan.md
+GLOO_MOE = ("moe_fsdp_ep2", "moe_fsdp_tp_ep2", "moe_pp_fsdp_ep2", "dsv3_fsdp_tp_ep2")
 
 
 def _run(argv: list[str], ranks: int | None, out: Path, run=run_command) -> tuple[dict | None, str]:
@@ -196,9 +200,9 @@ def test_torchtitan_moe(config, ranks, moe_reference, folder):
 
 @pytest.mark.timeout(900)
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("config,ranks", [(p.values[0], p.values[1]) for p in MOE_CASES])
+@pytest.mark.parametrize("config,ranks", [(p.values[0], p.values[1]) for p in MOE_CASES if p.values[0] in GLOO_MOE])
 def test_torch_on_gloo_moe(config, ranks, moe_reference, folder):
-    """torch's own DTensor on gloo runs the same MoE configurations to the same tolerance."""
+    """torch's own DTensor on gloo runs these MoE configurations to the same tolerance."""
     theirs, log = _run([sys.executable, str(GLOO), str(DRIVER), config, "--sum-reduction"], ranks,
                        folder / f"{config}-{ranks}-gloo.json", run=run_peer)
     assert_all_ranks(theirs is not None, f"{config} on torch/gloo: {log}")
