@@ -63,6 +63,16 @@ def test_state_dict_round_trip(mesh1d):
     assert_same_model(other, ref, atol=0, rtol=0)
 
 
+def _trains_like_one_process(net: nn.Module, ref: nn.Module) -> None:
+    """Three steps of ``net`` (sharded, this rank's batch) and ``ref`` (one process, the whole
+    batch): the same losses and parameters."""
+    (x, target), (local_x, local_t) = batch(WORLD.size, WORLD.rank)
+    ref_losses, _ = train(ref, x, target, steps=3)
+    losses, _ = train(net, local_x, local_t, steps=3, comm=WORLD)
+    assert_close(losses, ref_losses, **TOL)
+    assert_same_model(net, ref, **TOL)
+
+
 @pytest.mark.parametrize("assign", [False, True])
 def test_load_full_state_dict_distributed(mesh1d, assign):
     """Full tensors distributed with distribute_tensor load (in place or assigned), and
@@ -72,11 +82,7 @@ def test_load_full_state_dict_distributed(mesh1d, assign):
     full = {k: distribute_tensor(v, mesh1d, [Shard(0)]) for k, v in ref.state_dict().items()}
     net.load_state_dict(full, assign=assign)
     assert_same_model(net, ref, atol=0, rtol=0)
-    (x, target), (local_x, local_t) = batch(WORLD.size, WORLD.rank)
-    ref_losses, _ = train(ref, x, target, steps=3)
-    losses, _ = train(net, local_x, local_t, steps=3, comm=WORLD)
-    assert_close(losses, ref_losses, **TOL)
-    assert_same_model(net, ref, **TOL)
+    _trains_like_one_process(net, ref)
 
 
 def test_meta_parameters_beside_real_ones(mesh1d):
@@ -92,11 +98,7 @@ def test_meta_parameters_beside_real_ones(mesh1d):
             assert_close(p.full_tensor(), dict(ref.named_parameters())[name].detach(), atol=0, rtol=0)
     net.head.weight = nn.Parameter(distribute_tensor(ref.head.weight.detach(), mesh1d, [Shard(0)]))
     assert_same_model(net, ref, atol=0, rtol=0)
-    (x, target), (local_x, local_t) = batch(WORLD.size, WORLD.rank)
-    ref_losses, _ = train(ref, x, target, steps=3)
-    losses, _ = train(net, local_x, local_t, steps=3, comm=WORLD)
-    assert_close(losses, ref_losses, **TOL)
-    assert_same_model(net, ref, **TOL)
+    _trains_like_one_process(net, ref)
 
 
 def test_plain_parameter_meeting_dtensors(mesh1d):
