@@ -169,3 +169,25 @@ def test_gradient_specs_looked_up_equal_computed(request, mesh_kind):
     same = all(x[:4] == y[:4] == z[:4] and torch.equal(x[4], y[4]) and torch.equal(x[4], z[4])
                for x, y, z in zip(first, second, fresh))
     assert_all_ranks(same, f"{[x[:4] for x in first]} {[x[:4] for x in second]} {[x[:4] for x in fresh]}")
+
+
+@pytest.mark.parametrize("w_placement", [Shard(0), Shard(1), Replicate()])
+@pytest.mark.parametrize("mesh_kind", ["1d", "2d"])
+def test_local_tensor_mixed_into_dtensor_op_gradient(request, mesh_kind, w_placement):
+    """A replicated DTensor's local tensor multiplied by a DTensor (the plain tensor taken as
+    Replicate): the gradient ``to_local``'s backward receives is then a DTensor (Partial when
+    ``w`` is row-sharded). It is reduced to the local tensor's whole gradient; it used to be
+    wrapped as the local tensor of another DTensor (a DTensor nested in a DTensor)."""
+    mesh = request.getfixturevalue("mesh1d" if mesh_kind == "1d" else "mesh2d")
+    rows, inner, cols = 2 * mesh.size() + 1, 2 * mesh.size() + 3, 3
+    a_full, w_full = global_tensor((rows, inner)), global_tensor((inner, cols), seed=5)
+    a = distribute_tensor(a_full, mesh, [Replicate()] * mesh.ndim).requires_grad_()
+    w = distribute_tensor(w_full, mesh, [w_placement] * mesh.ndim).requires_grad_()
+    y = torch.mm(a.to_local(), w) * 3
+    g = global_tensor((rows, cols), seed=6)
+    (y.full_tensor() * g).sum().backward()
+    a_ref, w_ref = a_full.clone().requires_grad_(), w_full.clone().requires_grad_()
+    (torch.mm(a_ref, w_ref) * 3 * g).sum().backward()
+    assert_all_ranks(type(a.grad._local_tensor) is torch.Tensor, f"nested: {type(a.grad._local_tensor)}")
+    assert_close(a.grad.full_tensor(), a_ref.grad)
+    assert_close(w.grad.full_tensor(), w_ref.grad)

@@ -254,12 +254,8 @@ class DTensor(torch.Tensor):
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (an all-gather/all-reduce)."""
-        spec = self._spec
-        target = _REPLICATED.get(spec)
-        if target is None:
-            spec.mesh._require_live()
-            target = _REPLICATED[spec] = spec.with_placements([Replicate()] * spec.mesh.ndim)
-        return redistribute_dtensor(self, target, same_ok=True).to_local(grad_placements=grad_placements)
+        return redistribute_dtensor(self, _replicated(self._spec), same_ok=True).to_local(
+            grad_placements=grad_placements)
 
 
 def to_dtensor(
@@ -307,6 +303,15 @@ _FROM_LOCAL: dict[tuple, tuple] = caches.cache("dtensor.from_local", 4096)  # fr
 # The gradient specs of the autograd Functions below, by (Function, forward spec, what else decides
 # it): a gradient's spec follows from these alone, so each step's backward looks it up once.
 _GRAD_SPECS: dict[tuple, DTensorSpec] = caches.cache("dtensor.grad_specs", 4096)
+
+
+def _replicated(spec: DTensorSpec) -> DTensorSpec:
+    """``spec`` with every placement Replicate (cached per spec)."""
+    target = _REPLICATED.get(spec)
+    if target is None:
+        spec.mesh._require_live()
+        target = _REPLICATED[spec] = spec.with_placements([Replicate()] * spec.mesh.ndim)
+    return target
 
 
 def redistribute_dtensor(x: DTensor, spec: DTensorSpec, *, same_ok: bool = False) -> DTensor:
@@ -392,6 +397,15 @@ class _ToLocal(torch.autograd.Function):
             except KeyError:
                 grad_spec = _GRAD_SPECS[key] = _to_local_grad_spec(spec, ctx.grad_placements, grad)
             return _wrap(grad, grad_spec, False), None
+        if isinstance(grad, DTensor):
+            # The local tensor met DTensors in an op, which took it as Replicate: its gradient
+            # is that DTensor gradient's whole value (reduced where Partial; a collective decided
+            # by the gradient's spec, which every rank shares), not a DTensor nested in one.
+            target = _replicated(grad._spec)
+            if grad.requires_grad and torch.is_grad_enabled():  # a double backward records the move
+                grad = redistribute_dtensor(grad, target, same_ok=True).to_local()
+            else:
+                grad = redistribute_local(grad._local_tensor, grad._spec, target)
         # Autograd may hand a transposed gradient: the global strides follow it. An expanded
         # one (a sum's backward) is made whole first, as a leaf's ``.grad`` would be copied
         # anyway (AccumulateGrad's layout contract) and an in-place update needs it whole.
