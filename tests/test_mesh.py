@@ -88,6 +88,26 @@ def test_slicing_from_threads():
     assert_all_ranks(ok and mesh["dp"].get_group().allgather(WORLD.rank) == mesh["dp"].mesh.tolist(), str(slices))
 
 
+def test_pipeline_stage_slices_alone():
+    """A stage of a pipeline slices its 2-D sub-mesh and runs a collective on it while the
+    next stage waits for its message: slicing runs no collective over the whole mesh (it
+    did, for a multi-dim slice: both stages then waited for each other), as torch's does not."""
+    if WORLD.size % 2 or WORLD.size < 2:
+        pytest.skip("two pipeline stages")
+    import mpidtensor as md
+
+    mesh = init_device_mesh("cpu", (2, WORLD.size // 2, 1), mesh_dim_names=("pp", "dp", "tp"))
+    stage, half = mesh.get_local_rank("pp"), WORLD.size // 2
+    if stage == 1:
+        WORLD.recv(source=WORLD.rank - half, tag=11)
+    dp_tp = mesh["dp", "tp"]
+    x = md.distribute_tensor(torch.arange(4.0 * half).reshape(2 * half, 2), dp_tp, [md.Shard(0), md.Replicate()])
+    total = x.full_tensor().sum().item()
+    if stage == 0:
+        WORLD.send(total, dest=WORLD.rank + half, tag=11)
+    assert_all_ranks(total == sum(range(4 * half)) and dp_tp.mesh.tolist() == mesh.mesh[stage].tolist(), f"{total}")
+
+
 @pytest.mark.parametrize("shape, names", [((1, 2, 2), ("dp", "cp", "tp")), ((2, 2, 1), ("dp", "cp", "tp")),
                                           ((2, 1, 2), ("dp", "tp", "cp"))])
 def test_joint_mesh_of_a_flattened_slice_and_the_rest(shape, names):

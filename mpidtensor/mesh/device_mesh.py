@@ -2,12 +2,12 @@
 
 A mesh is one Cartesian communicator whose coordinates are the mesh
 coordinates. Every mesh dimension, and every group of dimensions taken together
-(a slice or a flattened view), is a ``Cart_sub`` of it. Communicators for single
-dimensions are made when the mesh is made; others on first use (a collective
-call, made by all ranks in the same order because plans are the same on all
-ranks) and then cached. A slice (``mesh["tp"]``) holds no communicator of its own:
-its mesh communicator and its dims' are its parent's over the same dims, so slicing
-a mesh by single dims runs no collective, as torch's slicing does not (transformers
+(a slice or a flattened view), is a ``Cart_sub`` of it. Communicators for every proper
+group of dimensions (2^n - 2 of them for n dims: none beyond the n single ones below
+3-D) are made when the mesh is made. A slice (``mesh["tp"]``, ``mesh["dp", "tp"]``)
+holds no communicator of its own: its mesh communicator and its dims' are its parent's
+over the same dims, so slicing runs no collective, as torch's slicing does not (a
+pipeline stage may slice while another stage waits for it; transformers
 slices meshes from several weight-loading threads at once, and concurrent collectives
 on one communicator would not match across ranks). ``free()`` releases them all and marks the mesh freed: every
 later use of it raises the same error on every rank (the mark is set by the collective
@@ -17,6 +17,7 @@ The first mesh built installs mpidtensor's process-wide effects
 """
 from __future__ import annotations
 
+from itertools import combinations
 from math import prod
 from typing import Iterable, Sequence
 
@@ -138,8 +139,11 @@ class DeviceMesh:
         self._synced_generators: set[int] = set()  # ids of generators ops.random made equal over it
         effects.first_mesh()  # hooks and patches the user opts into by building a mesh
         if cart is not None:
-            for dim in range(ranks.ndim):
-                self.comm_for((dim,))
+            # every proper group of dims now, collectively, so that slicing later runs no
+            # collective (as torch's slicing does not): a pipeline stage may slice alone
+            for size in range(1, ranks.ndim):
+                for dims in combinations(range(ranks.ndim), size):
+                    self.comm_for(dims)
 
     # --- torch.distributed DeviceMesh API -------------------------------------------------
     @property
@@ -282,7 +286,8 @@ class DeviceMesh:
                 comm = self._parent.comm_for(tuple(self._parent_dims[d] for d in dims))
                 self._borrowed.add(dims)
             else:
-                comm = self._cart.Sub([d in dims for d in range(self.ndim)])
+                comm = watchdog.call("DeviceMesh: a communicator over some of its dims (Cart_sub)", self._cart,
+                                     self._cart.Sub, [d in dims for d in range(self.ndim)])
             self._subcomms[dims] = comm
         return comm
 
@@ -338,7 +343,8 @@ class DeviceMesh:
             ranks = self.mesh[index]
             if flatten:  # a mesh of its own (collective)
                 ranks = ranks.flatten()
-                comm = _flat_cart(self._cart.Sub([d in dims for d in range(self.ndim)]))
+                comm = _flat_cart(watchdog.call("DeviceMesh._flatten: its dims' communicator (Cart_sub)", self._cart,
+                                                self._cart.Sub, [d in dims for d in range(self.ndim)]))
                 sub = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, comm,
                                             grids.flat_grid(self._grid))
             else:  # a slice: this mesh's communicators (no collective once those over ``dims`` exist)
