@@ -486,7 +486,7 @@ WATCHED = "mpidtensor/runtime/watchdog.py"
 BLOCKING = frozenset(
     "Barrier Bcast Allreduce Allgather Allgatherv Gather Gatherv Scatter Scatterv Alltoall Alltoallv Alltoallw "
     "Reduce Reduce_scatter Reduce_scatter_block Scan Exscan Recv Sendrecv Sendrecv_replace Probe Mprobe Split "
-    "Split_type Create Create_cart Create_group Create_graph Create_dist_graph Create_intercomm Dup Merge "
+    "Split_type Sub Create Create_cart Create_group Create_graph Create_dist_graph Create_intercomm Dup Merge "
     "barrier bcast allreduce allgather gather scatter alltoall reduce scan exscan recv sendrecv probe mprobe".split())
 # ... on a receiver named as a communicator is (an object named ``comm``, ``_cart``, ``WORLD``, ``ctl``...):
 # torch's ``tensor.gather`` or a helper's ``route.reduce`` are not MPI calls.
