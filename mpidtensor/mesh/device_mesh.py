@@ -1,15 +1,15 @@
 """``DeviceMesh`` on MPI Cartesian communicators.
 
 A mesh is one Cartesian communicator whose coordinates are the mesh
-coordinates. Every mesh dimension, and every group of dimensions taken together
-(a slice or a flattened view), is a ``Cart_sub`` of it. Communicators for every proper
-group of dimensions (2^n - 2 of them for n dims: none beyond the n single ones below
-3-D) are made when the mesh is made. A slice (``mesh["tp"]``, ``mesh["dp", "tp"]``)
-holds no communicator of its own: its mesh communicator and its dims' are its parent's
-over the same dims, so slicing runs no collective, as torch's slicing does not (a
-pipeline stage may slice while another stage waits for it; transformers
-slices meshes from several weight-loading threads at once, and concurrent collectives
-on one communicator would not match across ranks). ``free()`` releases them all and marks the mesh freed: every
+coordinates. Each dimension's communicator is a ``Cart_sub`` of it, made with the mesh.
+One over several dims (not all) is made on first use, collectively over its own ranks
+only (``MPI_Comm_create_group``, then ``Create_cart``: ``Cart_sub`` would need every rank
+of the mesh, so a pipeline stage slicing ``mesh["dp", "tp"]`` while the next stage waits
+for it hung both), and cached. A slice (``mesh["tp"]``, ``mesh["dp", "tp"]``) holds no
+communicator of its own: its mesh communicator and its dims' are its parent's over the
+same dims, so slicing by single dims runs no collective, as torch's slicing does not
+(transformers slices meshes from several weight-loading threads at once, and concurrent
+collectives on one communicator would not match across ranks). ``free()`` releases them all and marks the mesh freed: every
 later use of it raises the same error on every rank (the mark is set by the collective
 ``free()`` on all of them), and the caches that may hold its communicators are emptied.
 The first mesh built installs mpidtensor's process-wide effects
@@ -17,7 +17,6 @@ The first mesh built installs mpidtensor's process-wide effects
 """
 from __future__ import annotations
 
-from itertools import combinations
 from math import prod
 from typing import Iterable, Sequence
 
@@ -32,6 +31,7 @@ from . import naming, pickling
 
 DEVICE_TYPES = ("cpu", "cuda")
 _BUILD = "DeviceMesh construction (every rank of the communicator must build the mesh, members or not)"
+_SUB_TAG = 0x4D00  # MPI_Comm_create_group tags of communicators over several dims: this plus a bit per dim
 _CURRENT: list["DeviceMesh"] = []  # the meshes entered with `with mesh:`, innermost last
 
 
@@ -139,11 +139,8 @@ class DeviceMesh:
         self._synced_generators: set[int] = set()  # ids of generators ops.random made equal over it
         effects.first_mesh()  # hooks and patches the user opts into by building a mesh
         if cart is not None:
-            # every proper group of dims now, collectively, so that slicing later runs no
-            # collective (as torch's slicing does not): a pipeline stage may slice alone
-            for size in range(1, ranks.ndim):
-                for dims in combinations(range(ranks.ndim), size):
-                    self.comm_for(dims)
+            for dim in range(ranks.ndim):
+                self.comm_for((dim,))
 
     # --- torch.distributed DeviceMesh API -------------------------------------------------
     @property
@@ -285,11 +282,34 @@ class DeviceMesh:
             if self._parent is not None:  # a slice: the parent's communicator over the same dims
                 comm = self._parent.comm_for(tuple(self._parent_dims[d] for d in dims))
                 self._borrowed.add(dims)
-            else:
+            elif len(dims) == 1 or len(dims) == self.ndim:  # (with the mesh: every rank of it is here)
                 comm = watchdog.call("DeviceMesh: a communicator over some of its dims (Cart_sub)", self._cart,
                                      self._cart.Sub, [d in dims for d in range(self.ndim)])
+            else:
+                comm = self._members_cart(dims)
             self._subcomms[dims] = comm
         return comm
+
+    def _members_cart(self, dims: tuple[int, ...]) -> MPI.Cartcomm:
+        """The Cartesian communicator over mesh dims ``dims`` through this rank, made
+        collectively over its own ranks only (``MPI_Comm_create_group``; ``Cart_sub`` would
+        need every rank of the mesh): a pipeline stage slices ``mesh["dp", "tp"]`` while
+        the next stage waits for it. Rank order row-major in the dims' coordinates, as
+        ``Cart_sub``'s."""
+        cart = self._cart
+        index = tuple(slice(None) if d in dims else self._coord[d] for d in range(self.ndim))
+        ranks = torch.arange(cart.size).reshape(self.shape)[index]  # a Cartesian rank is its coordinates' row-major index
+        whole = cart.Get_group()
+        group = whole.Incl(ranks.flatten().tolist())
+        whole.Free()
+        tag = _SUB_TAG + sum(1 << d for d in dims)  # one per group of dims: concurrent creations do not match across
+        members = watchdog.call("DeviceMesh: a communicator over some of its dims (Create_group)", cart,
+                                cart.Create_group, group, tag)
+        group.Free()
+        sub = watchdog.call("DeviceMesh: a communicator over some of its dims (Create_cart)", members,
+                            members.Create_cart, list(ranks.shape), [False] * ranks.ndim, False)
+        members.Free()
+        return sub
 
     @property
     def comm(self) -> MPI.Cartcomm:
