@@ -298,9 +298,10 @@ def test_dtensor_batch_splits_into_local_rows(schedule_name: str) -> None:
     module = distribute_module(copy.deepcopy(model[rank]), mesh["dp"])
     stage = pp.PipelineStage(module, rank, pp_size, "cpu", group=mesh["pp"])
     loss_fn = lambda out, y: ((out - y) ** 2).sum()  # noqa: E731
-    schedule = getattr(pp, schedule_name)(stage, n_microbatches=2, loss_fn=loss_fn)
+    micro = max(2, pp_size)  # 1F1B needs a micro-batch per stage
+    schedule = getattr(pp, schedule_name)(stage, n_microbatches=micro, loss_fn=loss_fn)
     gen = torch.Generator().manual_seed(4)
-    x, y = (torch.randn(2 * 2 * dp, DIM, generator=gen, dtype=torch.float64) for _ in range(2))
+    x, y = (torch.randn(2 * micro * dp, DIM, generator=gen, dtype=torch.float64) for _ in range(2))
     rows = x.shape[0] // dp
     here = slice(mesh.get_local_rank("dp") * rows, (mesh.get_local_rank("dp") + 1) * rows)
     x_d, y_d = (DTensor.from_local(t[here], mesh["dp"], [Shard(0)]) for t in (x, y))
@@ -319,7 +320,7 @@ def test_dtensor_batch_splits_into_local_rows(schedule_name: str) -> None:
                               and torch.allclose(out.full_tensor(), h.detach(), **TOL)):
         problems.append(f"the merged output {out!r} is not the batch's, in its rows' order")
     for n, p in module.named_parameters():
-        want = model[rank].get_parameter(n).grad / 2
+        want = model[rank].get_parameter(n).grad / micro
         if not torch.allclose(_full(p.grad), want, **TOL):
             problems.append(f"{n}: {(_full(p.grad) - want).abs().max().item()}")
     assert_all_ranks(not problems, "; ".join(problems))
