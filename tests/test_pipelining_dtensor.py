@@ -289,7 +289,8 @@ def test_dtensor_batch_splits_into_local_rows(schedule_name: str) -> None:
     """A DTensor batch and target are split as torch splits them: each rank's rows into
     micro-batches, the placements kept (not a global ``chunk``, which would move the
     shard); the last stage's outputs merge back in the batch's row order. The losses' sum,
-    the output and the gradients equal one process's on the whole batch."""
+    the output and the gradients equal one process's on the whole batch. Local rows that do
+    not split into the micro-batches are refused on every rank."""
     pp_size, dp = (P // 2, 2) if P % 2 == 0 and P >= 4 else (P, 1)
     mesh = init_device_mesh("cpu", (pp_size, dp), mesh_dim_names=("pp", "dp"))
     rank = mesh.get_local_rank("pp")
@@ -324,3 +325,7 @@ def test_dtensor_batch_splits_into_local_rows(schedule_name: str) -> None:
         if not torch.allclose(_full(p.grad), want, **TOL):
             problems.append(f"{n}: {(_full(p.grad) - want).abs().max().item()}")
     assert_all_ranks(not problems, "; ".join(problems))
+    odd = DTensor.from_local(torch.zeros(2 * micro + 1, DIM, dtype=torch.float64), mesh["dp"], [Shard(0)])
+    raises_everywhere(ValueError, lambda: schedule.step(*((odd,) if stage.is_first else ()),
+                                                        target=y_d if stage.is_last else None),
+                      match="which do not split into")
