@@ -16,7 +16,7 @@ from torch import nn
 import mpidtensor.pipelining as pp
 import tier
 from helpers import assert_all_ranks, assert_close, raises_everywhere
-from mpidtensor import DTensor, Partial, Replicate, Shard, init_device_mesh
+from mpidtensor import DTensor, Partial, Replicate, Shard, distribute_module, init_device_mesh
 from mpidtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 WORLD = MPI.COMM_WORLD
@@ -267,3 +267,65 @@ def test_empty_shards_cross_stages() -> None:
     if not stage.is_first and TP > 1 and seen and tuple(seen[0]) != ((1 if tp_rank == 0 else 0), DIM):
         problems.append(f"stage {rank} received local shape {tuple(seen[0])} at tp rank {tp_rank}")
     assert_all_ranks(not problems, "; ".join(problems))
+
+
+class Batched(nn.Module):
+    """A stage whose parameters are replicated DTensors on ``dp`` and whose batch comes as
+    DTensors sharded by rows over ``dp`` (torchtitan's ``full_dtensor`` inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor) and x.placements != (Shard(0),):
+            raise ValueError(f"the stage expects rows sharded over dp, got {x.placements}")
+        return torch.tanh(self.lin(x))
+
+
+@needs_pipeline
+@pytest.mark.parametrize("schedule_name", ["Schedule1F1B", "ScheduleGPipe"])
+def test_dtensor_batch_splits_into_local_rows(schedule_name: str) -> None:
+    """A DTensor batch and target are split as torch splits them: each rank's rows into
+    micro-batches, the placements kept (not a global ``chunk``, which would move the
+    shard); the last stage's outputs merge back in the batch's row order. The losses' sum,
+    the output and the gradients equal one process's on the whole batch. Local rows that do
+    not split into the micro-batches are refused on every rank."""
+    pp_size, dp = (P // 2, 2) if P % 2 == 0 and P >= 4 else (P, 1)
+    mesh = init_device_mesh("cpu", (pp_size, dp), mesh_dim_names=("pp", "dp"))
+    rank = mesh.get_local_rank("pp")
+    torch.manual_seed(11)
+    model = nn.ModuleList(Batched() for _ in range(pp_size)).double()
+    module = distribute_module(copy.deepcopy(model[rank]), mesh["dp"])
+    stage = pp.PipelineStage(module, rank, pp_size, "cpu", group=mesh["pp"])
+    loss_fn = lambda out, y: ((out - y) ** 2).sum()  # noqa: E731
+    micro = max(2, pp_size)  # 1F1B needs a micro-batch per stage
+    schedule = getattr(pp, schedule_name)(stage, n_microbatches=micro, loss_fn=loss_fn)
+    gen = torch.Generator().manual_seed(4)
+    x, y = (torch.randn(2 * micro * dp, DIM, generator=gen, dtype=torch.float64) for _ in range(2))
+    rows = x.shape[0] // dp
+    here = slice(mesh.get_local_rank("dp") * rows, (mesh.get_local_rank("dp") + 1) * rows)
+    x_d, y_d = (DTensor.from_local(t[here], mesh["dp"], [Shard(0)]) for t in (x, y))
+    losses: list[torch.Tensor] = []
+    out = schedule.step(*((x_d,) if stage.is_first else ()), target=y_d if stage.is_last else None,
+                        losses=losses if stage.is_last else None)
+    h = x
+    for m in model:
+        h = m(h)
+    ref = loss_fn(h, y)
+    ref.backward()
+    problems = []
+    if stage.is_last and not torch.allclose(_full(torch.stack(losses).sum()), ref.detach(), **TOL):
+        problems.append(f"losses {losses} vs {ref}")
+    if stage.is_last and not (isinstance(out, DTensor) and out.placements == (Shard(0),)
+                              and torch.allclose(out.full_tensor(), h.detach(), **TOL)):
+        problems.append(f"the merged output {out!r} is not the batch's, in its rows' order")
+    for n, p in module.named_parameters():
+        want = model[rank].get_parameter(n).grad / micro
+        if not torch.allclose(_full(p.grad), want, **TOL):
+            problems.append(f"{n}: {(_full(p.grad) - want).abs().max().item()}")
+    assert_all_ranks(not problems, "; ".join(problems))
+    odd = DTensor.from_local(torch.zeros(2 * micro + 1, DIM, dtype=torch.float64), mesh["dp"], [Shard(0)])
+    raises_everywhere(ValueError, lambda: schedule.step(*((odd,) if stage.is_first else ()),
+                                                        target=y_d if stage.is_last else None),
+                      match="which do not split into")

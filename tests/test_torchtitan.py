@@ -7,7 +7,8 @@ process's, and, in the full tier, torch's own run of the same program on gloo.
 
 Configurations (4 ranks; 2 where one fits): FSDP, TP + SP, TP, FSDP x TP, HSDP, CP x FSDP,
 FSDP with full activation checkpointing, FSDP with compiled blocks (``aot_eager``), FSDP,
-TP + SP, FSDP x TP and HSDP under ``spmd_backend="full_dtensor"``, and
+TP + SP, FSDP x TP, HSDP and PP x FSDP (1F1B, ``Shard(0)`` DTensor batches split into
+micro-batches) under ``spmd_backend="full_dtensor"``, and
 pipelines built by torchtitan's own ``pipeline_llm`` (its stage split, ``get_mesh``
 callback and schedule, on ``mpidtensor.pipelining`` through the switch): PP x FSDP under
 1F1B, PP x TP under Interleaved1F1B (sequence-sharded DTensors cross the stages), PP x
@@ -67,7 +68,8 @@ CASES = [  # (configuration, ranks)
                                                           "pp_fsdp", "pp_zbv_fsdp", "pp_csv_fsdp")),
     *(pytest.param(config, 2, marks=_full) for config in ("fsdp", "tp_sp", "tp", "fsdp_ac")),
     # spmd_backend="full_dtensor": parameters and inputs DTensors on the whole dense mesh
-    *(pytest.param(config, 4, marks=_full) for config in ("full_fsdp", "full_tp_sp", "full_fsdp_tp", "full_hsdp")),
+    *(pytest.param(config, 4, marks=_full) for config in ("full_fsdp", "full_tp_sp", "full_fsdp_tp", "full_hsdp",
+                                                          "full_pp_fsdp")),
 ]
 # torchtitan's Qwen3 MoE (8 experts, top 2): expert parallelism by its AllToAllTokenDispatcher
 MOE_CASES = [
@@ -76,6 +78,8 @@ MOE_CASES = [
                                                           "moe_fsdp_tp_ep4", "moe_hsdp_ep2", "moe_pp_fsdp_ep2")),
     pytest.param("moe_tp_ep2", 2, marks=_full),
     *(pytest.param(config, 4, marks=_full) for config in ("full_moe_fsdp_ep2", "full_moe_fsdp_tp_ep2")),
+    # context parallelism with EP (ring attention over cp; EP borrows cp's ranks)
+    pytest.param("moe_cp_fsdp_ep2", 4, marks=_full),
     # torchtitan's DeepSeek-V3 (MLA attention, shared experts; a dense block, then an MoE one)
     *(pytest.param(config, 4, marks=_full) for config in ("dsv3_fsdp", "dsv3_fsdp_ep2", "dsv3_fsdp_tp_ep2")),
 ]
@@ -165,7 +169,7 @@ def test_torchtitan_llama3(config, ranks, reference, folder):
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("config", ["fsdp", "tp_sp", "tp", "fsdp_tp", "hsdp", "cp_fsdp", "fsdp_ac", "fsdp_compile",
                                     "pp_fsdp", "pp_tp", "pp_zbv_fsdp", "pp_csv_fsdp",
-                                    "full_fsdp", "full_tp_sp", "full_fsdp_tp", "full_hsdp"])
+                                    "full_fsdp", "full_tp_sp", "full_fsdp_tp", "full_hsdp", "full_pp_fsdp"])
 def test_torch_on_gloo(config, reference, folder):
     """torch's own DTensor on gloo, the same program (FSDP told to reduce with SUM: gloo
     refuses the PREMUL_SUM torchtitan's gradient division asks for): equal to one process,

@@ -89,26 +89,32 @@ CONFIGS = {
     "moe_tp_sp": (1, 1, 1, -1, True, False, False),
     "moe_hsdp_ep2": (2, -1, 1, 1, True, False, False),
     "moe_pp_fsdp_ep2": (1, -1, 1, 1, True, False, False),
+    "moe_cp_fsdp_ep2": (1, -1, 2, 1, True, False, False),
+    "moe_cp_fsdp_ep4": (1, -1, 2, 1, True, False, False),
+    "moe_cp_tp_ep2": (1, 1, 2, 2, True, False, False),
 }
 # spmd_backend="full_dtensor": every parameter, buffer and input a DTensor on the whole dense
 # mesh, FSDP over its data-parallel dims (DataParallelMeshDims); the rest "partial_dtensor"
 FULL_DTENSOR = {"full_fsdp": (1, -1, 1, 1, True, False, False), "full_tp_sp": (1, 1, 1, -1, True, False, False),
                 "full_fsdp_tp": (1, -1, 1, 2, True, False, False), "full_hsdp": (2, -1, 1, 1, True, False, False),
                 "full_moe_fsdp_ep2": (1, -1, 1, 1, True, False, False),
-                "full_moe_fsdp_tp_ep2": (1, -1, 1, 2, True, False, False)}
+                "full_moe_fsdp_tp_ep2": (1, -1, 1, 2, True, False, False),
+                "full_cp_fsdp": (1, -1, 2, 1, True, False, False), "full_pp_fsdp": (1, -1, 1, 1, True, False, False),
+                "full_pp_tp": (1, 1, 1, 2, True, False, False), "full_pp_zbv_fsdp": (1, -1, 1, 1, True, False, False)}
 CONFIGS.update(FULL_DTENSOR)
 # torchtitan's DeepSeek-V3 ("debugmodel": MLA attention, 8 routed + 2 shared experts, top 3;
 # its first block dense, the second MoE)
 DSV3 = {"dsv3_fsdp": (1, -1, 1, 1, True, False, False), "dsv3_fsdp_ep2": (1, -1, 1, 1, True, False, False),
         "dsv3_fsdp_tp_ep2": (1, -1, 1, 2, True, False, False)}
 CONFIGS.update(DSV3)
-EXPERTS = {"dsv3_fsdp_ep2": 2, "dsv3_fsdp_tp_ep2": 2, "full_moe_fsdp_ep2": 2, "full_moe_fsdp_tp_ep2": 2, "moe_fsdp_ep2": 2, "moe_fsdp_ep4": 4, "moe_hsdp_ep2": 2, "moe_pp_fsdp_ep2": 2, "moe_tp_ep2": 2, "moe_fsdp_tp_ep2": 2, "moe_fsdp_tp_ep4": 4}
+EXPERTS = {"moe_cp_fsdp_ep2": 2, "moe_cp_fsdp_ep4": 4, "moe_cp_tp_ep2": 2, "dsv3_fsdp_ep2": 2, "dsv3_fsdp_tp_ep2": 2, "full_moe_fsdp_ep2": 2, "full_moe_fsdp_tp_ep2": 2, "moe_fsdp_ep2": 2, "moe_fsdp_ep4": 4, "moe_hsdp_ep2": 2, "moe_pp_fsdp_ep2": 2, "moe_tp_ep2": 2, "moe_fsdp_tp_ep2": 2, "moe_fsdp_tp_ep4": 4}
 MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN = 8, 2, 128
 # pipeline configurations: name -> (pipeline degree, torchtitan's schedule name (with a
 # file: how stages are placed), schedule file or None). The file is a zero-bubble order of
 # 4 stages over 2 ranks and 2 micro-batches (one per FSDP rank's 2 sequences), written
 # by hand in torch's CSV form, bubble cell included.
-PIPELINES = {"pp_fsdp": (2, "1F1B", None), "moe_pp_fsdp_ep2": (2, "1F1B", None), "pp_tp": (2, "Interleaved1F1B", None),
+PIPELINES = {"pp_fsdp": (2, "1F1B", None), "full_pp_fsdp": (2, "1F1B", None),
+             "full_pp_tp": (2, "Interleaved1F1B", None), "full_pp_zbv_fsdp": (2, "ZBVZeroBubble", None), "moe_pp_fsdp_ep2": (2, "1F1B", None), "pp_tp": (2, "Interleaved1F1B", None),
              "pp_zbv_fsdp": (2, "ZBVZeroBubble", None),
              "pp_csv_fsdp": (2, "ZBVZeroBubble", os.path.join(os.path.dirname(__file__), "zbv_pp2_mb2.csv"))}
 STEPS, GLOBAL_BATCH, SEQ_LEN, SEED, LR = 3, 4, 32, 0, 8e-4
@@ -189,8 +195,10 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
 
 
 def _value(loss: torch.Tensor) -> torch.Tensor:
-    """A micro-batch's loss as a plain scalar (a DTensor's full value)."""
-    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
+    """A micro-batch's loss as a plain scalar: a DTensor's local value, as torchtitan's
+    ``dist_sum`` takes it (under ``full_dtensor`` the loss is ``Partial`` over the batch
+    mesh, which the logged loss's ``dist_sum`` over the loss mesh then adds up)."""
+    return loss.detach().to_local() if hasattr(loss, "to_local") else loss.detach()
 
 
 def batches() -> torch.Tensor:
