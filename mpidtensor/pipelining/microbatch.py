@@ -5,15 +5,15 @@ shapes between stages are fixed after the first step, so a batch that does not d
 evenly is refused. A DTensor is split as torch 2.13 splits it: each rank's local rows into
 ``n`` parts, each wrapped with the DTensor's mesh and placements (a global ``chunk`` of a
 row-sharded batch would move the shard to another dim, which models that check their
-inputs' placements, as torchtitan's under ``full_dtensor``, refuse). Arguments that are not tensors (or whose spec is ``None``) go to every
-micro-batch whole. Any object with a ``split_dim`` attribute is a chunk spec, so torch's
-``TensorChunkSpec`` works as well as this one.
+inputs' placements, as torchtitan's under ``full_dtensor``, refuse). Arguments that are
+not tensors (or whose spec is ``None``) go to every micro-batch whole. Any object with a
+``split_dim`` attribute is a chunk spec, so torch's ``TensorChunkSpec`` works as well as
+this one.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import math
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
