@@ -17,6 +17,7 @@ The first mesh built installs mpidtensor's process-wide effects
 """
 from __future__ import annotations
 
+import threading
 from math import prod
 from typing import Iterable, Sequence
 
@@ -130,6 +131,7 @@ class DeviceMesh:
         self._flattened_from: DeviceMesh | None = None  # the mesh _flatten() made this one of
         self._unflattened_from: tuple | None = None  # (mesh, dim, sizes, names) of _unflatten()
         self._subcomms: dict[tuple[int, ...], MPI.Cartcomm] = {}
+        self._creating: dict[tuple[int, ...], threading.Lock] = {}  # comm_for's lock per dims
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}  # get_group's views of _subcomms
         self._submeshes: dict[tuple, DeviceMesh] = {}  # slices, flattens, unflattens by their arguments
         self._flat_names: dict[str, tuple[tuple[int, ...], DeviceMesh]] = {}  # a root's _flatten names: dims, mesh
@@ -277,17 +279,26 @@ class DeviceMesh:
         its parent's over the same dims (made with the parent for a single dim)."""
         dims = tuple(dims)
         comm = self._subcomms.get(dims)
-        if comm is None:
-            self._require_member()
-            if self._parent is not None:  # a slice: the parent's communicator over the same dims
-                comm = self._parent.comm_for(tuple(self._parent_dims[d] for d in dims))
-                self._borrowed.add(dims)
-            elif len(dims) == 1 or len(dims) == self.ndim:  # (with the mesh: every rank of it is here)
-                comm = watchdog.call("DeviceMesh: a communicator over some of its dims (Cart_sub)", self._cart,
-                                     self._cart.Sub, [d in dims for d in range(self.ndim)])
-            else:
-                comm = self._members_cart(dims)
-            self._subcomms[dims] = comm
+        if comm is not None:
+            return comm
+        self._require_member()
+        if self._parent is not None:  # a slice: the parent's communicator over the same dims
+            comm = self._subcomms[dims] = self._parent.comm_for(tuple(self._parent_dims[d] for d in dims))
+            self._borrowed.add(dims)
+            return comm
+        # one creation per dims on this rank however many threads ask at once (setdefault is
+        # atomic), so that each rank makes one collective call per dims: loading threads
+        # slicing one sub-mesh together (different groups of dims made from several threads
+        # at once, in another order on each rank, still hang in MPICH's Create_group)
+        with self._creating.setdefault(dims, threading.Lock()):
+            comm = self._subcomms.get(dims)
+            if comm is None:
+                if len(dims) == 1 or len(dims) == self.ndim:  # (with the mesh: every rank of it is here)
+                    comm = watchdog.call("DeviceMesh: a communicator over some of its dims (Cart_sub)", self._cart,
+                                         self._cart.Sub, [d in dims for d in range(self.ndim)])
+                else:
+                    comm = self._members_cart(dims)
+                self._subcomms[dims] = comm
         return comm
 
     def _members_cart(self, dims: tuple[int, ...]) -> MPI.Cartcomm:
