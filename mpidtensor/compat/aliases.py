@@ -66,4 +66,6 @@ NAMES: dict[str, str] = {
     "torch.distributed.tensor._api._shard_tensor": "mpidtensor.tensor.api._shard_tensor",
     "torch.distributed.tensor._collective_utils.shard_dim_alltoall":
         "mpidtensor.compat.torch_utils.shard_dim_alltoall",
+    "torch.distributed.checkpoint.state_dict_loader._load_state_dict":
+        "mpidtensor.checkpoint.format_utils._load_state_dict",
 }
