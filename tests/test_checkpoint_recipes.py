@@ -256,3 +256,50 @@ def test_plain_process_without_launcher(ckpt_dir):
     fresh, fresh_opt = make(save_mesh("fsdp"), seed=3)
     dcp.load({"app": AppState(fresh, fresh_opt)}, checkpoint_id=os.path.join(base, "back"))
     check_state(fresh, fresh_opt, expected, WORLD)
+
+
+WHOLE_UNDER_SWITCH = textwrap.dedent("""
+import sys
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+expected = torch.load(sys.argv[3])
+for path in sys.argv[1:3]:
+    whole = {}
+    _load_state_dict(whole, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    model, optim = whole["app"]["model"], whole["app"]["optim"]
+    for name in ("net1.weight", "net1.bias", "net2.weight", "net2.bias"):
+        assert type(model[name]) is torch.Tensor and torch.equal(model[name], expected[name]), (path, name)
+        assert torch.equal(optim["state"][name]["exp_avg"], expected[name + ".exp_avg"]), (path, name)
+print("whole ok")
+""")
+
+
+@pytest.mark.quick_at(3)  # a fresh process under the switch; 3 ranks save uneven shards
+def test_switch_reads_checkpoint_whole_with_torch_private_loader(ckpt_dir):
+    """Under the switch, one process reads a sharded checkpoint (native, and torch DCP's
+    layout) whole the way torch's dcp_to_torch_save and Lightning's consolidate_checkpoint
+    do: ``state_dict_loader._load_state_dict({}, FileSystemReader(dir),
+    planner=format_utils._EmptyStateDictLoadPlanner(), no_dist=True)``; the tensors equal
+    the saved model's and Adam state's whole tensors."""
+    model, optimizer = make(save_mesh("fsdp"))
+    train_step(model, optimizer, 0)
+    expected = full_state(model, optimizer)
+    base = os.path.dirname(ckpt_dir)
+    torch_layout = os.path.join(base, "torch-layout")
+    dcp.save({"app": AppState(model, optimizer)}, ckpt_dir)
+    dcp.save({"app": AppState(model, optimizer)}, storage_writer=dcp.FileSystemWriter(torch_layout))
+    verdict = None
+    if WORLD.rank == 0:
+        script, saved = os.path.join(base, "whole.py"), os.path.join(base, "expected.pt")
+        torch.save(expected, saved)
+        with open(script, "w") as f:
+            f.write(WHOLE_UNDER_SWITCH)
+        proc = subprocess.run([sys.executable, "-m", "mpidtensor.run", script, ckpt_dir, torch_layout, saved],
+                              env=launcher.nested_env(), capture_output=True, text=True, timeout=240)
+        if proc.returncode != 0 or "whole ok" not in proc.stdout:
+            verdict = f"reading the checkpoint whole under the switch failed ({proc.returncode}): {proc.stderr[-3000:]}"
+    verdict = bcast_after_rank0(verdict)
+    assert_all_ranks(verdict is None, verdict or "")

@@ -169,3 +169,25 @@ def test_optimizer_state_dict_is_keyed_by_fqn(mesh1d):
                                     options=StateDictOptions(strict=False))
     assert_all_ranks(keys.missing_keys == names[1:])
     assert_close(model.fc1.weight.full_tensor(), torch.ones(10, 6))
+
+
+def test_optimizer_param_groups_match_in_any_order(mesh1d):
+    """A param group's ``params`` are matched as a set, as torch's set_optimizer_state_dict
+    does (FSDP1's ``rekey_optim_state_dict`` to names sorts them; Lightning's Trainer reloads
+    its full checkpoints so): the state goes to the right parameters and training continues
+    as from the original."""
+    model = make_model("tp", 0, mesh1d, None)
+    optim = make_optim(model)
+    train(model, optim, range(2))
+    osd = dcp.get_optimizer_state_dict(model, optim)
+    reordered = {**osd, "param_groups": [{**g, "params": sorted(g["params"])} for g in osd["param_groups"]]}
+    assert_all_ranks(reordered["param_groups"][0]["params"] != osd["param_groups"][0]["params"])
+    fresh = make_model("tp", 1, mesh1d, None)
+    fresh_opt = make_optim(fresh)
+    dcp.set_model_state_dict(fresh, dcp.get_model_state_dict(model))
+    dcp.set_optimizer_state_dict(fresh, fresh_opt, reordered)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert_close(fresh_opt.state[q][k].full_tensor(), optim.state[p][k].full_tensor(), atol=0, rtol=0)
+    assert_close(torch.stack(train(fresh, fresh_opt, range(2, 4))), torch.stack(train(model, optim, range(2, 4))),
+                 atol=0, rtol=0)

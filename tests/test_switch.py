@@ -150,6 +150,27 @@ def test_what_mpidtensor_lacks_raises_naming_it(switched):
     raises_everywhere(AttributeError, lambda: importlib.import_module("mpidtensor").no_such_name, "no_such_name")
 
 
+def test_kept_torch_objects_are_torch_own(switched):
+    """What mpidtensor lacks but runs no collective is torch's own under the switch:
+    ``OptimStateKeyType`` and FSDP1's static ``rekey_optim_state_dict`` (Lightning's Trainer
+    re-keys its full optimizer state with them), while ``FullyShardedDataParallel`` itself
+    still refuses. Re-keyed to ids and back, a plain model's state dict is the same."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, OptimStateKeyType
+
+    torch_fsdp = sys.modules["torch.distributed.fsdp.fully_sharded_data_parallel"]
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    osd = {"state": {"0.weight": {"step": torch.tensor(1.0)}},
+           "param_groups": [{"lr": 0.1, "params": ["0.weight", "0.bias", "1.weight", "1.bias"]}]}
+    by_id = FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_ID, model)
+    back = FSDP.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, model)
+    assert_all_ranks(OptimStateKeyType is torch_fsdp.OptimStateKeyType
+                     and FSDP.rekey_optim_state_dict is torch_fsdp.FullyShardedDataParallel.rekey_optim_state_dict
+                     and by_id["param_groups"][0]["params"] == [0, 1, 2, 3] and list(by_id["state"]) == [0]
+                     and sorted(back["param_groups"][0]["params"]) == sorted(osd["param_groups"][0]["params"]))
+    raises_everywhere(NotImplementedError, lambda: FSDP(nn.Linear(2, 2)), "FullyShardedDataParallel is not provided")
+    raises_everywhere(NotImplementedError, lambda: FSDP.state_dict_type, "FullyShardedDataParallel is not provided")
+
+
 def test_compile_through_the_torch_proxy(switched):
     """``import torch.x`` in user code binds the proxy of ``torch``: a plain module that
     torch.compile traces through."""

@@ -78,7 +78,7 @@ def _read_opaque(reader: io.Reader, index: dict, entry: dict, verify: bool) -> t
 
 
 # --- conversion to and from torch.save files ---------------------------------------------------------
-def _read_whole(directory: str) -> Any:
+def read_whole(directory: str) -> Any:
     """The whole state of the checkpoint ``directory`` as plain tensors and values."""
     reader = reader_class(directory)
     if reader is None:
@@ -127,7 +127,7 @@ def _set_element(root: dict, path: tuple, value: Any) -> None:
 
 def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike, torch_save_path: str | os.PathLike) -> None:
     """Write the checkpoint's whole state (plain tensors, nested as saved) with ``torch.save``."""
-    torch.save(_read_whole(os.fspath(dcp_checkpoint_dir)), torch_save_path)
+    torch.save(read_whole(os.fspath(dcp_checkpoint_dir)), torch_save_path)
 
 
 def torch_save_to_dcp(torch_save_path: str | os.PathLike, dcp_checkpoint_dir: str | os.PathLike) -> None:

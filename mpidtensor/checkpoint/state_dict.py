@@ -231,16 +231,17 @@ def set_optimizer_state_dict(
     names = _param_fqns(model)
     if options.flatten_optimizer_state_dict:
         optim_state_dict = _unflatten(_optimizers(optimizers), names, optim_state_dict)
-    given_groups = {tuple(g["params"]): g for g in optim_state_dict["param_groups"]}
+    given_groups = {frozenset(g["params"]): g for g in optim_state_dict["param_groups"]}  # any order, as torch
     state = optim_state_dict["state"]
     for optim in _optimizers(optimizers):
         _init_state(optim)
         raw_state, raw_groups = {}, []
         for index_base, group in _numbered_groups(optim):
             fqns = tuple(names[id(p)] for p in group["params"])
-            if fqns not in given_groups:
+            if frozenset(fqns) not in given_groups:
                 raise KeyError(f"set_optimizer_state_dict: no param group for parameters {list(fqns)}")
-            raw_groups.append({**given_groups[fqns], "params": list(range(index_base, index_base + len(fqns)))})
+            raw_groups.append({**given_groups[frozenset(fqns)],
+                               "params": list(range(index_base, index_base + len(fqns)))})
             for i, (p, name) in enumerate(zip(group["params"], fqns)):
                 if name not in state:
                     if options.strict and p in optim.state:

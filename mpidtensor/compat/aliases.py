@@ -66,4 +66,16 @@ NAMES: dict[str, str] = {
     "torch.distributed.tensor._api._shard_tensor": "mpidtensor.tensor.api._shard_tensor",
     "torch.distributed.tensor._collective_utils.shard_dim_alltoall":
         "mpidtensor.compat.torch_utils.shard_dim_alltoall",
+    "torch.distributed.checkpoint.state_dict_loader._load_state_dict":
+        "mpidtensor.checkpoint.format_utils._load_state_dict",
 }
+
+# torch objects below a row that mpidtensor lacks and the switch gives as torch's own instead of
+# a stand-in (by the path they are defined at; "Class.attribute" keeps one attribute of a class
+# that is otherwise a stand-in): an enum, and FSDP1's static re-keying of a full optimizer state
+# dict between parameter names and ids, a pure function of the dict and the module's parameters
+# that runs no collective (Lightning's Trainer calls it to save a full checkpoint).
+TORCH_KEPT: frozenset[str] = frozenset({
+    "torch.distributed.fsdp.fully_sharded_data_parallel.OptimStateKeyType",
+    "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel.rekey_optim_state_dict",
+})

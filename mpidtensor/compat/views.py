@@ -34,7 +34,7 @@ import types
 from typing import Any
 
 from . import routes
-from .aliases import ALIASES
+from .aliases import ALIASES, TORCH_KEPT
 
 __all__ = ["PARENTS", "override", "stand_in", "view"]
 
@@ -121,8 +121,8 @@ def _attribute(path: str, source: types.ModuleType | None, target: types.ModuleT
     replaced = routes.replacement(original)
     if replaced is not None:
         return replaced
-    if target is None or name.startswith("__") or not callable(original):
-        return original  # torch's own object (a proxy), or a constant
+    if target is None or name.startswith("__") or not callable(original) or _defined_at(original) in TORCH_KEPT:
+        return original  # torch's own object (a proxy), a constant, or one kept by name
     return stand_in(child, original, target.__name__)
 
 
@@ -151,6 +151,11 @@ class _Missing(type):
         raise NotImplementedError(cls.__doc__)
 
 
+def _defined_at(obj: Any) -> str:
+    """The path ``obj`` is defined at (``module.qualname``), or ``""``."""
+    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+
+
 def stand_in(qualified: str, original: Any, target: str) -> Any:
     """A function or class in place of torch's ``qualified`` (``original``) that raises
     ``NotImplementedError`` naming it when called, instantiated or read from; one per name."""
@@ -165,7 +170,10 @@ def stand_in(qualified: str, original: Any, target: str) -> Any:
         raise NotImplementedError(message)
 
     if isinstance(original, type):
-        found = _Missing(name, (), {"__new__": refuse, "__doc__": message, "__module__": module, "__qualname__": name})
+        kept = {attr: value for attr, value in vars(original).items()
+                if f"{_defined_at(original)}.{attr}" in TORCH_KEPT}
+        found = _Missing(name, (), {"__new__": refuse, "__doc__": message, "__module__": module, "__qualname__": name,
+                                    **kept})
     else:
         refuse.__name__ = refuse.__qualname__ = name
         refuse.__module__, refuse.__doc__ = module, message
