@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from ..tensor.dtensor import DTensor
 from ..tensor.layout import global_strides
+from ..tensor.placements import shard_dim
 
 
 class TensorChunkSpec:
@@ -57,7 +58,7 @@ def _split_dtensor(tensor: DTensor, dim: int, n: int, what: str) -> list[DTensor
     into ``n``, so every rank's local part is alike."""
     dim = dim % tensor.dim()
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
-    shards = math.prod(mesh.size(i) for i, p in enumerate(placements) if getattr(p, "dim", None) == dim)
+    shards = math.prod(mesh.size(i) for i, p in enumerate(placements) if shard_dim(p) == dim)
     size = tensor.size(dim)
     if size % (shards * n):
         raise ValueError(f"the {what} (a DTensor split {shards} ways along dim {dim}) has {size} rows along dim "
