@@ -108,6 +108,26 @@ def test_pipeline_stage_slices_alone():
     assert_all_ranks(total == sum(range(4 * half)) and dp_tp.mesh.tolist() == mesh.mesh[stage].tolist(), f"{total}")
 
 
+def test_slices_in_another_order_on_each_rank():
+    """Ranks slice two groups of dims in orders that form a cycle (ranks 0 and 3 slice
+    ``("dp", "tp")`` first, ranks 1 and 2 ``("pp", "tp")``), as loading threads or pipeline
+    stages may: slicing runs no collective (it made each slice's communicator over its own
+    ranks, and every rank waited for the next), so each slice's communicator is made when
+    first used, in the program's order."""
+    if WORLD.size != 4:
+        pytest.skip("a 2x2x1 mesh")
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
+    order = [("dp", "tp"), ("pp", "tp")]
+    if WORLD.rank in (1, 2):
+        order.reverse()
+    slices = {names: mesh[names] for names in order}
+    pp, dp = divmod(WORLD.rank, 2)
+    want = {("dp", "tp"): [[2 * pp], [2 * pp + 1]], ("pp", "tp"): [[dp], [dp + 2]]}
+    ok = all(slices[names].mesh.tolist() == want[names] for names in want)
+    ok = ok and all(slices[names].comm.allgather(WORLD.rank) == sum(want[names], []) for names in sorted(want))
+    assert_all_ranks(ok and slices[("dp", "tp")].get_coordinate() == [dp, 0], f"{order}")
+
+
 @pytest.mark.parametrize("shape, names", [((1, 2, 2), ("dp", "cp", "tp")), ((2, 2, 1), ("dp", "cp", "tp")),
                                           ((2, 1, 2), ("dp", "tp", "cp"))])
 def test_joint_mesh_of_a_flattened_slice_and_the_rest(shape, names):

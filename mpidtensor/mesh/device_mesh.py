@@ -7,9 +7,10 @@ only (``MPI_Comm_create_group``, then ``Create_cart``: ``Cart_sub`` would need e
 of the mesh, so a pipeline stage slicing ``mesh["dp", "tp"]`` while the next stage waits
 for it hung both), and cached. A slice (``mesh["tp"]``, ``mesh["dp", "tp"]``) holds no
 communicator of its own: its mesh communicator and its dims' are its parent's over the
-same dims, so slicing by single dims runs no collective, as torch's slicing does not
-(transformers slices meshes from several weight-loading threads at once, and concurrent
-collectives on one communicator would not match across ranks). ``free()`` releases them all and marks the mesh freed: every
+same dims, the former asked for when first used, so slicing runs no collective, as torch's
+does not (transformers slices meshes from several weight-loading threads at once; ranks
+that slice several groups of dims in different orders would otherwise wait for each
+other). ``free()`` releases them all and marks the mesh freed: every
 later use of it raises the same error on every rank (the mark is set by the collective
 ``free()`` on all of them), and the caches that may hold its communicators are emptied.
 The first mesh built installs mpidtensor's process-wide effects
@@ -122,11 +123,14 @@ class DeviceMesh:
         self._grid = grids.root_grid(ranks) if grid is None else grid
         self._copies: tuple | None = None  # _copies_key(), made on first use
         self._parent_comm = parent_comm
-        self._cart = cart
-        self._coord = tuple(cart.Get_coords(cart.rank)) if cart is not None else None
         # the mesh this one was sliced from (FSDP x TP) and its dims in that mesh: a slice's
         # communicators are the parent's (``comm_for``), which frees them
         self._parent, self._parent_dims = parent if parent is not None else (None, None)
+        self._own_cart = cart  # a slice's: None until first asked for (``_cart``)
+        if cart is not None:
+            self._coord = tuple(cart.Get_coords(cart.rank))
+        else:  # a slice's coordinates are its parent's in its dims (row-major rank order)
+            self._coord = tuple(parent[0]._coord[d] for d in parent[1]) if parent is not None else None
         self._borrowed: set[tuple[int, ...]] = set()  # keys of ``_subcomms`` the parent owns
         self._flattened_from: DeviceMesh | None = None  # the mesh _flatten() made this one of
         self._unflattened_from: tuple | None = None  # (mesh, dim, sizes, names) of _unflatten()
@@ -140,9 +144,19 @@ class DeviceMesh:
         self._freed = False
         self._synced_generators: set[int] = set()  # ids of generators ops.random made equal over it
         effects.first_mesh()  # hooks and patches the user opts into by building a mesh
-        if cart is not None:
+        if self._coord is not None:
             for dim in range(ranks.ndim):
                 self.comm_for((dim,))
+
+    @property
+    def _cart(self) -> MPI.Cartcomm | None:
+        """The mesh's Cartesian communicator (None off the mesh or once freed); a slice's is
+        its parent's over its dims, asked for here on first use (collective over the
+        slice's ranks when several dims need a new one: ``comm_for``)."""
+        cart = self._own_cart
+        if cart is None and self._parent is not None and not self._freed:
+            cart = self._own_cart = self._parent.comm_for(self._parent_dims)
+        return cart
 
     # --- torch.distributed DeviceMesh API -------------------------------------------------
     @property
@@ -263,7 +277,7 @@ class DeviceMesh:
             shape = self.shape[:index] + sizes + self.shape[index + 1:]
             ranks = self.mesh.reshape(shape)
             cart = None
-            if self._cart is not None:  # rank order is row-major in the coordinates, so a reshape keeps it
+            if self._coord is not None:  # rank order is row-major in the coordinates, so a reshape keeps it
                 cart = watchdog.call("DeviceMesh._unflatten: its communicator (Create_cart)", self._cart,
                                      self._cart.Create_cart, list(shape), [False] * len(shape), False)
             unflat = DeviceMesh._from_cart(self.device_type, ranks, all_names, self._parent_comm, cart,
@@ -349,9 +363,10 @@ class DeviceMesh:
         self._subcomms.clear()
         self._groups.clear()
         self._submeshes.clear()
-        if self._cart is not None and self._cart != MPI.COMM_NULL and self._parent is None:  # (a slice's is lent)
-            self._cart.Free()
-        self._cart = None
+        cart = self._own_cart
+        if cart is not None and cart != MPI.COMM_NULL and self._parent is None:  # (a slice's is lent)
+            cart.Free()
+        self._own_cart = None
         self._freed = True
         self._key = (*self._key, "freed", id(self))  # equal to no other mesh (the hash stays)
 
@@ -378,8 +393,8 @@ class DeviceMesh:
                                                 self._cart.Sub, [d in dims for d in range(self.ndim)]))
                 sub = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, comm,
                                             grids.flat_grid(self._grid))
-            else:  # a slice: this mesh's communicators (no collective once those over ``dims`` exist)
-                sub = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, self.comm_for(dims),
+            else:  # a slice: this mesh's communicators, asked for when used (no collective here)
+                sub = DeviceMesh._from_cart(self.device_type, ranks, names, self._parent_comm, None,
                                             grids.sub_grid(self._grid, dims), parent=(self, dims))
             made = self._submeshes.get(key)
             if made is not None and not made._freed:  # another thread sliced it meanwhile: one object
@@ -403,7 +418,7 @@ class DeviceMesh:
 
     def _require_member(self) -> None:
         self._require_live()
-        if self._cart is None:
+        if self._coord is None:
             raise ValueError(f"rank {self.get_rank()} is not part of this mesh {self.mesh.tolist()}")
 
     def __eq__(self, other: object) -> bool:

@@ -61,7 +61,7 @@ def find_copy(key: tuple, first: Iterable[DeviceMesh] = ()) -> DeviceMesh | None
         if id(mesh) in seen or mesh._freed:
             continue
         seen.add(id(mesh))
-        if mesh._cart is not None and mesh._copies_key() == key:
+        if mesh._coord is not None and mesh._copies_key() == key:
             return mesh
         todo.extend(mesh._submeshes.values())
     return None
