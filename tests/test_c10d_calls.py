@@ -221,3 +221,36 @@ def test_point_to_point_on_a_mesh_group(switched, mpi_group):
     if got.item() != (RANK - 1) % N:
         problems.append(f"default group {got.item()}")
     assert_all_ranks(not problems, f"{problems}")
+
+
+@pytest.mark.parametrize("on", ["default group", "mesh group"])
+def test_in_place_results_keep_the_version_counter(switched, mpi_group, mesh1d, on):
+    """``all_reduce``, ``broadcast``, ``scatter`` and ``all_to_all_single`` write their results
+    as gloo does, leaving the tensor's autograd version as it was: a token count saved for
+    backward may be all-reduced in place, and the backward reads the reduced value (under
+    torch it runs so; a version bump made it ``RuntimeError: ... modified by an inplace
+    operation``)."""
+    import torch.distributed as user_dist
+
+    group = None if on == "default group" else mesh1d.get_group()
+    x = torch.ones(2, requires_grad=True)
+    count = torch.tensor(float(RANK + 1))
+    loss = (x * count).sum()  # count is saved for the backward
+    user_dist.all_reduce(count, group=group)
+    problems = []
+    try:
+        loss.backward()
+        if x.grad.tolist() != [N * (N + 1) / 2] * 2:
+            problems.append(f"grad {x.grad.tolist()}")
+    except RuntimeError as err:
+        problems.append(f"backward: {err}")
+    b, s, a = torch.zeros(2), torch.zeros(2), torch.zeros(N)
+    user_dist.broadcast(b, src=0, group=group)
+    user_dist.scatter(s, [torch.full((2,), float(k)) for k in range(N)] if RANK == 0 else None, src=0, group=group)
+    user_dist.all_to_all_single(a, torch.full((N,), float(RANK)), group=group)
+    versions = [t._version for t in (count, b, s, a)]
+    if versions != [0, 0, 0, 0] or s.tolist() != [float(mesh1d.get_local_rank())] * 2 or a.tolist() != list(
+            map(float, range(N))):
+        problems.append(f"versions {versions} (all_reduce, broadcast, scatter, all_to_all_single), "
+                        f"scatter {s.tolist()}, all_to_all_single {a.tolist()}")
+    assert_all_ranks(not problems, f"{problems}")

@@ -191,3 +191,31 @@ def test_optimizer_param_groups_match_in_any_order(mesh1d):
             assert_close(fresh_opt.state[q][k].full_tensor(), optim.state[p][k].full_tensor(), atol=0, rtol=0)
     assert_close(torch.stack(train(fresh, fresh_opt, range(2, 4))), torch.stack(train(model, optim, range(2, 4))),
                  atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["tp", "fsdp"])
+def test_optimizer_own_state_dict_form(mesh1d, kind):
+    """``set_state_dict`` takes an optimizer's own ``state_dict()`` (parameters numbered,
+    not named), as torch's does: torchtune 0.6.1 resumes from its distributed checkpoint
+    so. The state goes to the parameters at the same positions and training continues as
+    from the original; group sizes that differ are a ``ValueError``."""
+    model = make_model(kind, 0, mesh1d, None)
+    optim = make_optim(model)
+    train(model, optim, range(2))
+    fresh = make_model(kind, 1, mesh1d, None)
+    fresh_opt = make_optim(fresh)
+    try:
+        dcp.set_state_dict(fresh, fresh_opt, model_state_dict=model.state_dict(), optim_state_dict=optim.state_dict())
+        problem = None
+    except Exception as err:  # noqa: BLE001 (reported on every rank)
+        problem = f"{type(err).__name__}: {err}"
+    assert_all_ranks(problem is None, problem or "")
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert_close(fresh_opt.state[q][k].full_tensor(), optim.state[p][k].full_tensor(), atol=0, rtol=0)
+    assert_close(torch.stack(train(fresh, fresh_opt, range(2, 4))), torch.stack(train(model, optim, range(2, 4))),
+                 atol=0, rtol=0)
+    own = optim.state_dict()
+    own["param_groups"][0]["params"] = own["param_groups"][0]["params"][:-1]
+    with pytest.raises(ValueError, match="param groups do not match"):
+        dcp.set_optimizer_state_dict(fresh, fresh_opt, own)

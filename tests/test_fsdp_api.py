@@ -50,6 +50,34 @@ def _unchanged(module: nn.Module, params: dict) -> bool:
         p is params[name] for name, p in module.named_parameters())
 
 
+def test_post_accumulate_grad_hooks_step_the_optimizer_in_backward(mesh1d):
+    """A sharded parameter's post-accumulate-grad hooks run once its reduced ``.grad`` is in,
+    as torch's FSDP2 runs them: an optimizer per parameter stepped from them (torchtune's
+    ``optimizer_in_bwd``) trains as one process's AdamW. Before, they never ran (no step)."""
+    ref, ref_losses, _ = reference(steps=3)
+    net = shard_net(make_net(), mesh=mesh1d)
+    optims = {p: torch.optim.AdamW([p], lr=0.02, weight_decay=0.1, foreach=False) for p in net.parameters()}
+    calls = []
+
+    def step(param):
+        calls.append(param)
+        optims[param].step()
+        optims[param].zero_grad()
+
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    _, (x, target) = _local_batch()
+    losses = []
+    for _ in range(3):
+        loss = F.cross_entropy(net(x), target)
+        loss.backward()
+        losses.append(WORLD.allreduce(loss.item()) / WORLD.size)
+    assert_all_ranks(len(calls) == 3 * len(optims) and set(calls) == set(optims),
+                     f"{len(calls)} hook calls for {len(optims)} parameters over 3 backwards")
+    assert_close(torch.tensor(losses), ref_losses, **TOL)
+    assert_same_model(net, ref, **TOL)
+
+
 # --- offload ---------------------------------------------------------------------------------------
 def test_cpu_offload_policy_on_cpu_changes_nothing(mesh1d):
     ref, ref_losses, _ = reference(steps=2)

@@ -171,6 +171,33 @@ def test_kept_torch_objects_are_torch_own(switched):
     raises_everywhere(NotImplementedError, lambda: FSDP.state_dict_type, "FullyShardedDataParallel is not provided")
 
 
+def test_init_optim_state_is_torch_own(switched, mesh1d):
+    """torch's private ``checkpoint.state_dict._init_optim_state`` (torchtune 0.6.1 calls it
+    before loading a full optimizer state) runs no collective: under the switch it is torch's
+    own, and on sharded parameters it creates AdamW's state in their layout, leaving the
+    parameters unchanged and no gradients."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    weight = nn.Parameter(distribute_tensor(torch.randn(2 * N, 3), mesh1d, [Shard(0)]))
+    before = weight.full_tensor().clone()
+    optim = torch.optim.AdamW([weight], lr=0.1, weight_decay=0.1)
+    try:
+        _init_optim_state(optim)
+        state = optim.state[weight]
+        problem = None
+        if _init_optim_state is not sys.modules["torch.distributed.checkpoint.state_dict"]._init_optim_state:
+            problem = f"not torch's own: {_init_optim_state}"
+        elif not (isinstance(state["exp_avg"], mpidtensor.DTensor) and state["exp_avg"].placements == (Shard(0),)):
+            problem = f"exp_avg: {type(state['exp_avg'])}"
+        elif weight.grad is not None or not torch.equal(weight.full_tensor(), before) or optim.param_groups[0]["lr"] != 0.1:
+            problem = "the parameter, its gradient or the learning rate changed"
+    except Exception as err:  # noqa: BLE001 (reported on every rank)
+        problem = f"{type(err).__name__}: {err}"
+    assert_all_ranks(problem is None, problem or "")
+
+
 def test_compile_through_the_torch_proxy(switched):
     """``import torch.x`` in user code binds the proxy of ``torch``: a plain module that
     torch.compile traces through."""

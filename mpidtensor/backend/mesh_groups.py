@@ -24,7 +24,7 @@ from mpi4py import MPI
 from ..comm import collectives
 from ..runtime import watchdog
 from .process_group import (BACKEND, Completed, agreed_exchange, outside_autograd, post_recv, post_send, premultiplied,
-                            reduce_op_of)
+                            reduce_op_of, write_back)
 
 __all__ = ["OVERRIDES"]
 
@@ -61,7 +61,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = N
     if not isinstance(group, MPI.Intracomm):
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     name, factor = reduce_op_of(op, tensor.dtype)
-    tensor.copy_(collectives.all_reduce(premultiplied(tensor, factor).contiguous(), group, name))
+    write_back(tensor, collectives.all_reduce(premultiplied(tensor, factor).contiguous(), group, name))
     return _done([tensor], async_op)
 
 
@@ -70,7 +70,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None, a
               group_src: int | None = None) -> Any:
     if not isinstance(group, MPI.Intracomm):
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
-    tensor.copy_(collectives.broadcast(tensor.contiguous(), group, _group_rank(group, src, group_src)))
+    write_back(tensor, collectives.broadcast(tensor.contiguous(), group, _group_rank(group, src, group_src)))
     return _done([tensor], async_op)
 
 
@@ -144,7 +144,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     root, n = _group_rank(group, src, group_src), group.size
     whole = torch.stack([t.reshape(-1) for t in scatter_list]) if group.rank == root else \
         torch.empty((n, tensor.numel()), dtype=tensor.dtype, device=tensor.device)
-    tensor.copy_(collectives.scatter(whole, group, root, dim=0, sizes=[1] * n).view(tensor.shape))
+    write_back(tensor, collectives.scatter(whole, group, root, dim=0, sizes=[1] * n).view(tensor.shape))
     return _done([tensor], async_op)
 
 
@@ -157,7 +157,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     if not isinstance(group, MPI.Intracomm):
         return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
                                       async_op=async_op)
-    output.copy_(agreed_exchange(input, group, input_split_sizes, output_split_sizes, output))
+    write_back(output, agreed_exchange(input, group, input_split_sizes, output_split_sizes, output))
     return _done([output], async_op)
 
 

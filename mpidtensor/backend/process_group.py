@@ -154,6 +154,18 @@ def outside_autograd(method: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def write_back(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``target.copy_(value)`` leaving ``target``'s autograd version counter as it was, as
+    gloo writes all-reduce, broadcast, scatter and all-to-all results: a tensor saved for
+    backward may be all-reduced in place (the backward then reads the new values)."""
+    if target.is_inference():  # no version counter
+        target.copy_(value)
+        return
+    version = target._version
+    target.copy_(value)
+    torch._C._autograd._unsafe_set_version_counter((target,), (version,))
+
+
 class MPIProcessGroup(dist.ProcessGroup):
     """A torch ``ProcessGroup`` whose collectives are mpidtensor's on ``comm``.
 
@@ -180,7 +192,7 @@ class MPIProcessGroup(dist.ProcessGroup):
     @outside_autograd
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Completed:
         for t in tensors:
-            t.copy_(all_reduce(t, self.comm, opts.reduceOp))
+            write_back(t, all_reduce(t, self.comm, opts.reduceOp))
         return Completed(tensors)
 
     @outside_autograd
@@ -195,7 +207,7 @@ class MPIProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Completed:
         checks.root("broadcast", opts.rootRank, self.comm.size)
         for t in tensors:
-            t.copy_(collectives.broadcast(t, self.comm, opts.rootRank))
+            write_back(t, collectives.broadcast(t, self.comm, opts.rootRank))
         return Completed(tensors)
 
     @outside_autograd
@@ -261,7 +273,7 @@ class MPIProcessGroup(dist.ProcessGroup):
     @outside_autograd
     def alltoall_base(self, output: torch.Tensor, t: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any) -> Completed:
-        output.copy_(agreed_exchange(t, self.comm, input_split_sizes, output_split_sizes, output))
+        write_back(output, agreed_exchange(t, self.comm, input_split_sizes, output_split_sizes, output))
         return Completed([output])
 
     @outside_autograd
@@ -311,7 +323,7 @@ class MPIProcessGroup(dist.ProcessGroup):
                 whole = torch.stack([t.reshape(-1) for t in input_lists[k]])
             else:  # only the root's values are read: the others pass the shape
                 whole = torch.empty((n, out.numel()), dtype=out.dtype, device=out.device)
-            out.copy_(collectives.scatter(whole, self.comm, opts.rootRank, dim=0, sizes=[1] * n).view(out.shape))
+            write_back(out, collectives.scatter(whole, self.comm, opts.rootRank, dim=0, sizes=[1] * n).view(out.shape))
         return Completed(outputs)
 
     # torch 2.13's Python API calls these names; the C++ functional collectives the older ones

@@ -224,17 +224,21 @@ def set_optimizer_state_dict(
     model: torch.nn.Module, optimizers, optim_state_dict: dict, *, options: StateDictOptions | None = None
 ) -> None:
     """Load an FQN-keyed optimizer state dict (sharded or full; flat with
-    ``flatten_optimizer_state_dict``) into the optimizers."""
+    ``flatten_optimizer_state_dict``) into the optimizers. An optimizer's own
+    ``state_dict()`` form (parameters numbered) is accepted too, as torch does: its numbers
+    name the optimizer's parameters by position."""
     options = options or StateDictOptions()
     if options.broadcast_from_rank0:
         optim_state_dict = broadcast_state(optim_state_dict)
     names = _param_fqns(model)
     if options.flatten_optimizer_state_dict:
         optim_state_dict = _unflatten(_optimizers(optimizers), names, optim_state_dict)
-    given_groups = {frozenset(g["params"]): g for g in optim_state_dict["param_groups"]}  # any order, as torch
-    state = optim_state_dict["state"]
+    numbered = _numbered(optim_state_dict)
     for optim in _optimizers(optimizers):
         _init_state(optim)
+        osd = _named(optim, names, optim_state_dict) if numbered else optim_state_dict
+        given_groups = {frozenset(g["params"]): g for g in osd["param_groups"]}  # any order, as torch
+        state = osd["state"]
         raw_state, raw_groups = {}, []
         for index_base, group in _numbered_groups(optim):
             fqns = tuple(names[id(p)] for p in group["params"])
@@ -256,6 +260,25 @@ def set_optimizer_state_dict(
                     values[k] = v
                 raw_state[index_base + i] = values
         optim.load_state_dict({"state": raw_state, "param_groups": raw_groups})
+
+
+def _numbered(osd: dict) -> bool:
+    """Whether ``osd`` is in an optimizer's own form: parameters numbered, not named."""
+    return ("param_groups" in osd and all(isinstance(k, int) for k in osd.get("state", {}))
+            and all(isinstance(i, int) for g in osd["param_groups"] for i in g["params"]))
+
+
+def _named(optim: torch.optim.Optimizer, names: dict[int, str], osd: dict) -> dict:
+    """An optimizer's own-form ``osd`` keyed by FQN: the i-th number of a group names the
+    i-th parameter of ``optim``'s group at the same position (``Optimizer.load_state_dict``'s rule)."""
+    groups = osd["param_groups"]
+    if len(groups) != len(optim.param_groups) or any(
+            len(g["params"]) != len(h["params"]) for g, h in zip(groups, optim.param_groups)):
+        raise ValueError("set_optimizer_state_dict: the numbered optimizer state dict's param groups do not "
+                         "match the optimizer's (group count or sizes)")
+    fqn = {i: names[id(p)] for g, h in zip(groups, optim.param_groups) for i, p in zip(g["params"], h["params"])}
+    return {"state": {fqn[i]: v for i, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in groups]}
 
 
 def _numbered_groups(optim: torch.optim.Optimizer):

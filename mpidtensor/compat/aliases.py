@@ -72,10 +72,13 @@ NAMES: dict[str, str] = {
 
 # torch objects below a row that mpidtensor lacks and the switch gives as torch's own instead of
 # a stand-in (by the path they are defined at; "Class.attribute" keeps one attribute of a class
-# that is otherwise a stand-in): an enum, and FSDP1's static re-keying of a full optimizer state
+# that is otherwise a stand-in): an enum, FSDP1's static re-keying of a full optimizer state
 # dict between parameter names and ids, a pure function of the dict and the module's parameters
-# that runs no collective (Lightning's Trainer calls it to save a full checkpoint).
+# that runs no collective (Lightning's Trainer calls it to save a full checkpoint), and
+# ``_init_optim_state``, one optimizer step with zero gradients and a learning rate of 0 on
+# each rank's own parameters (torchtune 0.6.1 calls it before loading a full optimizer state).
 TORCH_KEPT: frozenset[str] = frozenset({
     "torch.distributed.fsdp.fully_sharded_data_parallel.OptimStateKeyType",
     "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel.rekey_optim_state_dict",
+    "torch.distributed.checkpoint.state_dict._init_optim_state",
 })

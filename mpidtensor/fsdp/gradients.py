@@ -6,8 +6,9 @@ sync off) and starts their reduction; ``finish_reduce`` completes it. Packed in
 ``collectives.start_reduce_scatter``; then an all-reduce over the replicate dim for HSDP)
 and a division by the data-parallel size (or ``set_gradient_divide_factor``'s, split as
 ``collectives.divide_factors`` says around the all-reduce hook); the sharded ``.grad``s are
-made from the result. Replicated parameters' gradients are all-reduced over the
-data-parallel mesh. ``CPUOffloadPolicy``: the ``.grad`` shards go back to the host.
+made from the result, and each sharded parameter's post-accumulate-grad hooks run once its
+``.grad`` is in, as torch's FSDP2 runs them. Replicated parameters' gradients are all-reduced
+over the data-parallel mesh. ``CPUOffloadPolicy``: the ``.grad`` shards go back to the host.
 """
 from __future__ import annotations
 
@@ -209,6 +210,10 @@ class GradientReduction:
                     p.sharded.grad = grad
                 else:
                     p.sharded.grad._local_tensor.add_(local)
+                hooks = p.sharded._post_accumulate_grad_hooks
+                if hooks:  # as torch's FSDP2 runs them once the shard's gradient is in (optimizer in backward)
+                    for hook in tuple(hooks.values()):
+                        hook(p.sharded)
 
     @property
     def reducing(self) -> bool:
