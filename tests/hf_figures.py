@@ -1,6 +1,6 @@
 """The figures that the Hugging Face test programs (tests/programs/hf_*.py) print, read and
 compared with one process's: ``LOSS i``, ``CHECKSUM``, ``MISSING``, ``UNEXPECTED`` and
-``RELOADED`` lines, equal within 1e-5."""
+``RELOADED`` lines, equal within 1e-5, and ``TOKENS`` (generated token ids), equal."""
 from __future__ import annotations
 
 import math
@@ -10,11 +10,11 @@ from subjob import Result
 
 
 def figures(output: str, index: str | None = None) -> dict[str, str]:
-    """``LOSS i``, ``CHECKSUM``, ``MISSING``, ``UNEXPECTED`` and ``RELOADED`` lines, by name (those
+    """``LOSS i``, ``CHECKSUM``, ``MISSING``, ``UNEXPECTED``, ``RELOADED`` and ``TOKENS`` lines, by name (those
     marked ``@index`` when ``index`` is given: a reload's figures for its ``index``-th folder)."""
     # a line may follow a progress bar that tqdm ends with its newline only later (ranks'
     # stdout and stderr share the pipe): "100%|...| 3/3 [00:00<00:00, 33.88it/s]LOSS 0 4.19"
-    found = re.finditer(r"^(?:[^\n]*it/s\])?((?:LOSS \d+)|CHECKSUM|MISSING|UNEXPECTED|RELOADED)(?:@(\d+))? (\S+)",
+    found = re.finditer(r"^(?:[^\n]*it/s\])?((?:LOSS \d+)|CHECKSUM|MISSING|UNEXPECTED|RELOADED|TOKENS)(?:@(\d+))? (\S+)",
                         output, re.M)
     return {m.group(1): m.group(3) for m in found if m.group(2) == index}
 
@@ -23,8 +23,10 @@ def compare(name: str, got: dict[str, str], want: dict[str, str], count: int, lo
     """What differs between figures ``got`` and one process's ``want`` (``count`` figures expected)."""
     if len(want) != count or got.keys() != want.keys():
         return [f"{name}: figures {got} against {want}:\n{log}"]
-    return [f"{name} {k}: {got[k]} != {want[k]}" for k in want
-            if not math.isclose(float(got[k]), float(want[k]), rel_tol=1e-5, abs_tol=1e-5)]
+    def same(k: str) -> bool:
+        return got[k] == want[k] if k == "TOKENS" else math.isclose(float(got[k]), float(want[k]), rel_tol=1e-5,
+                                                                     abs_tol=1e-5)
+    return [f"{name} {k}: {got[k]} != {want[k]}" for k in want if not same(k)]
 
 
 def differences(name: str, ran: Result, alone: Result, count: int) -> list[str]:

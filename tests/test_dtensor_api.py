@@ -170,8 +170,10 @@ def test_mixing_meshes_refused(mesh1d):
     other = init_device_mesh("cpu", (WORLD.size,), mesh_dim_names=("other",))
     a = distribute_tensor(torch.ones(4), mesh1d, [Replicate()])
     b = distribute_tensor(torch.ones(4), other, [Replicate()])
-    with pytest.raises(ValueError, match="different meshes"):
+    with pytest.raises(ValueError, match="different meshes") as refused:
         a + b
+    # the error alone, not raised while handling the plan cache's KeyError (its key, every argument's spec)
+    assert_all_ranks(refused.value.__context__ is None, f"raised while handling {refused.value.__context__!r}")
     with pytest.raises(ValueError, match="another mesh"):
         a.redistribute(other, [Replicate()])
     _still_working(mesh1d)

@@ -8,7 +8,9 @@ stages (``DistributedConfig(pp_size=2)``, inference only in transformers: one fo
 its stages send over their mesh's group with ``P2POp``/``batch_isend_irecv``), 3 AdamW steps, under ``mpiexec -n N python -m mpidtensor.run``: the
 losses and the logits' checksum equal one process and torch's own run on gloo within 1e-5. The
 tensor-parallel model is then saved with ``save_pretrained`` and reloaded in one process: no
-key missing or unexpected, and its loss equals that of the one-process model saved alike."""
+key missing or unexpected, and its loss equals that of the one-process model saved alike.
+peft's LoRA on the tp_plan="auto" model (its adapters' losses, checksum and saved adapter) and
+greedy ``generate`` under TP (token ids) are compared likewise."""
 from __future__ import annotations
 
 import sys
@@ -36,7 +38,7 @@ def _run(model: str, mode: str) -> list[str]:
     if mode == "pp" and N != 2:
         pytest.skip("the models' 2 layers, one per stage")
     folder = WORLD.bcast(tempfile.mkdtemp(prefix="mpidtensor-hf-tp-") if WORLD.rank == 0 else None)
-    saved = {side: f"{folder}/saved-{side}" for side in ("alone", "switch", "gloo")} if mode == "tp" else {}
+    saved = {side: f"{folder}/saved-{side}" for side in ("alone", "switch", "gloo")} if mode in ("tp", "lora") else {}
 
     def args(side: str) -> list[str]:
         return [SCRIPT, folder, model, mode] + ([saved[side]] if saved else [])
@@ -45,14 +47,14 @@ def _run(model: str, mode: str) -> list[str]:
     ours = run_command([sys.executable, "-m", "mpidtensor.run"] + args("switch"), ranks=N, timeout=300, cwd=PROGRAMS)
     theirs = run_peer([sys.executable, str(PROGRAMS / "torch_gloo.py")] + args("gloo"), ranks=N, timeout=300,
                       cwd=PROGRAMS)
-    count = 1 if mode == "pp" else 4  # the logits' checksum; else 3 losses too
+    count = {"pp": 1, "generate": 2}.get(mode, 4)  # the logits' checksum (generate: the tokens too); else 3 losses too
     problems = differences("switch", ours, alone, count) + differences("torch on gloo", theirs, alone, count)
     if saved and not problems:
         reload = run_command([sys.executable, SCRIPT, folder, model, "reload"] + list(saved.values()), ranks=None,
                              timeout=300, cwd=PROGRAMS)
         log = reload.output[-2500:]
         alone_again = figures(reload.output, "0")
-        if reload.returncode != 0 or alone_again.get("MISSING") != "0":
+        if reload.returncode != 0 or alone_again.get("MISSING") != "0":  # (a LoRA adapter: MISSING is not counted)
             problems.append(f"reloading (exit {reload.returncode}): {log}")
         for index, side in ((1, "switch"), (2, "torch on gloo")):
             problems += compare(f"{side}'s save_pretrained, reloaded", figures(reload.output, str(index)),
@@ -89,6 +91,24 @@ def test_llama_transformers_fsdp():
                                          pytest.param("diffllama", "tp_fsdp", marks=pytest.mark.exhaustive)])
 def test_tp_and_fsdp_2d(model, mode):
     problems = _run(model, mode)
+    assert_all_ranks(not problems, "\n".join(problems))
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_peft_lora_on_tp_plan_auto(model):
+    """peft's LoRA (colwise projections and the embedding) on the tp_plan="auto" model: the
+    adapters' losses and checksum, and the saved adapter reloaded in one process."""
+    problems = _run(model, "lora")
+    assert_all_ranks(not problems, "\n".join(problems))
+
+
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
+def test_generate_on_tp_plan_auto():
+    """Greedy ``generate`` with the DynamicCache and the static cache: the same token ids."""
+    problems = _run("llama", "generate")
     assert_all_ranks(not problems, "\n".join(problems))
 
 

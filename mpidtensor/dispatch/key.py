@@ -83,6 +83,8 @@ def torch_dispatch(cls, func: torch._ops.OpOverload, types, args: tuple = (), kw
     try:
         plan = _PLANS[key]  # a subscript, not a ``get`` call: the hit is every call but the first
     except KeyError:
+        plan = None
+    if plan is None:  # planned outside the except: an op refused shows its error alone, not the cache's KeyError
         plan = _PLANS[key] = make_plan(func, args, kwargs)
     return plan(args, kwargs)
 
