@@ -100,13 +100,9 @@ def get_optimizer_state_dict(
     state, groups = {}, []
     for optim in _optimizers(optimizers):
         _init_state(optim)
-        raw = optim.state_dict()
-        ids = {}
-        for group, raw_group in zip(optim.param_groups, raw["param_groups"]):
-            ids.update({i: names[id(p)] for i, p in zip(raw_group["params"], group["params"])})
-            groups.append({**raw_group, "params": [ids[i] for i in raw_group["params"]]})
-        for i, values in raw["state"].items():
-            state[ids[i]] = {k: _export(v, options) for k, v in values.items()}
+        own = _named(optim, names, optim.state_dict())
+        groups.extend(own["param_groups"])
+        state.update({fqn: {k: _export(v, options) for k, v in values.items()} for fqn, values in own["state"].items()})
     if options.flatten_optimizer_state_dict:
         return _rank0_only(_flatten(state, groups), options)
     return _rank0_only({"state": state, "param_groups": groups}, options)
